@@ -1,0 +1,63 @@
+"""refitflow: stream new policy weights from trainer ranks into running inference servers.
+
+Publish a version on the trainer, refit it on the inference ranks; each rank commits
+transactionally (nothing half-updated is ever served). See README.md and docs/architecture.md.
+"""
+
+from refitflow.api.publisher import Publisher, Sharded
+from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
+from refitflow.api.registry import Registry
+from refitflow.core.errors import (
+    ConfigError,
+    CoverageError,
+    FencedError,
+    IntegrityError,
+    ManifestError,
+    PlanError,
+    RefitError,
+    RefitTimeoutError,
+    TransportError,
+    VersionError,
+)
+from refitflow.core.types import Identity, Manifest, Publication, ShardSpec, SourceAddress
+from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
+from refitflow.pipeline.config import ReceiverConfig
+from refitflow.pipeline.destination import ApplyMode
+from refitflow.pipeline.fence import Fence, FenceState
+from refitflow.transports import LoopbackTransport, Transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyMode",
+    "BudgetStatistics",
+    "ByteBudget",
+    "ConfigError",
+    "CoverageError",
+    "Fence",
+    "FenceState",
+    "FencedError",
+    "Identity",
+    "IntegrityError",
+    "LoopbackTransport",
+    "Manifest",
+    "ManifestError",
+    "PlanError",
+    "Publication",
+    "Publisher",
+    "Receiver",
+    "ReceiverConfig",
+    "ReceiverStatus",
+    "RefitError",
+    "RefitResult",
+    "RefitTimeoutError",
+    "Registry",
+    "ShardSpec",
+    "Sharded",
+    "SourceAddress",
+    "StageStats",
+    "Transport",
+    "TransportError",
+    "VersionError",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""The public surface: Publisher, Receiver, Registry and the CLI."""

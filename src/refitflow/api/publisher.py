@@ -1,0 +1,154 @@
+"""Publisher: a trainer rank announces each version of its shards; receivers read them in place.
+
+The publisher never copies or mutates the trainer's tensors. It registers each tensor's memory with
+the transport once per storage (a new storage is registered anew, and the address re-announced),
+digests the bytes, and publishes a manifest. The trainer must not change the tensors of a version
+until ``await pub.released(version)`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import anyio.to_thread
+import torch
+import xxhash
+
+from refitflow.core.dtypes import dtype_name
+from refitflow.core.errors import ConfigError
+from refitflow.core.types import Identity, Manifest, ShardSpec
+from refitflow.transports import Transport, as_bytes, make_transport
+
+__all__ = ["Publisher", "Sharded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharded:
+    """The part of a tensor this rank holds: ``tensor`` is ``global[start:stop]`` along ``axis``."""
+
+    tensor: torch.Tensor
+    axis: int
+    start: int
+    global_shape: tuple[int, ...]
+
+
+class PublishRegistry(Protocol):
+    async def publish(self, manifest: Manifest) -> None: ...
+    async def wait_released(self, identity: Identity, version: int, timeout: float | None) -> None: ...
+    async def is_released(self, identity: Identity, version: int) -> bool: ...
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """xxh3_64 of a contiguous CPU tensor's bytes."""
+    return xxhash.xxh3_64(as_bytes(tensor).numpy().data).hexdigest()
+
+
+class Publisher:
+    def __init__(
+        self,
+        registry: PublishRegistry,
+        *,
+        identity: Identity,
+        rank: int = 0,
+        world_size: int = 1,
+        transport: str | Transport = "loopback",
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} must lie in [0, world_size={world_size})")
+        self.registry = registry
+        self.identity = identity
+        self.rank = rank
+        self.world_size = world_size
+        self.metadata = dict(metadata or {})
+        self._transport_spec = transport
+        self._transport: Transport | None = None
+        self._regions_by_version: dict[int, set[int]] = {}
+        self._known_regions: set[int] = set()
+        self.published: list[int] = []
+
+    async def __aenter__(self) -> Publisher:
+        self._transport = make_transport(self._transport_spec)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._transport is not None:
+            with anyio.CancelScope(shield=True):
+                await self._transport.aclose()
+            self._transport = None
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            raise ConfigError("use the publisher inside 'async with'")
+        return self._transport
+
+    def _spec(self, name: str, value: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        if isinstance(value, Sharded):
+            tensor, axis, start = value.tensor, value.axis, value.start
+            shape = tuple(value.global_shape)
+            stop = start + tensor.shape[axis]
+        elif isinstance(value, torch.Tensor):
+            tensor, axis, shape = value, None, tuple(value.shape)
+            start, stop = 0, (shape[0] if shape else 1)
+        else:
+            raise ConfigError(f"{name!r}: expected a tensor or rf.Sharded, got {type(value).__name__}")
+        if not tensor.is_contiguous():
+            raise ConfigError(f"{name!r} is not contiguous; refitflow never copies the trainer's tensors")
+        if tensor.device.type != "cpu" and self.transport.name != "nixl":
+            raise ConfigError(f"{name!r} is on {tensor.device}; the {self.transport.name} transport needs CPU")
+        fields = dict(
+            dtype=dtype_name(tensor.dtype, tensor=name), global_shape=shape, axis=axis, start=start, stop=stop
+        )
+        return tensor.detach(), fields
+
+    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded]) -> Manifest:
+        """Register, digest and announce this rank's tensors as ``version``."""
+        if self.published and version <= self.published[-1]:
+            raise ConfigError(f"version {version} does not increase past {self.published[-1]}")
+        prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]
+        regions = {name: self.transport.register(t) for name, t, _ in prepared}
+
+        def digest_all() -> list[str]:
+            return [digest(t) for _, t, _ in prepared]
+
+        digests = await anyio.to_thread.run_sync(digest_all)
+        shards = tuple(
+            ShardSpec(name=name, digest=d, region=regions[name], **fields)
+            for (name, _, fields), d in zip(prepared, digests, strict=True)
+        )
+        manifest = Manifest(
+            identity=self.identity,
+            version=version,
+            rank=self.rank,
+            world_size=self.world_size,
+            source=self.transport.address(),
+            shards=shards,
+            metadata=self.metadata,
+        )
+        await self.registry.publish(manifest)
+        self.published.append(version)
+        self._regions_by_version[version] = set(regions.values())
+        self._known_regions |= set(regions.values())
+        await self._forget_released()
+        return manifest
+
+    async def released(self, version: int, timeout: float | None = None) -> None:
+        """Return when every registered receiver is done with ``version`` (its tensors may change)."""
+        await self.registry.wait_released(self.identity, version, timeout)
+
+    async def _forget_released(self) -> None:
+        """Deregister memory only released versions still referenced."""
+        latest = self.published[-1]
+        for version in [v for v in self._regions_by_version if v != latest]:
+            if await self.registry.is_released(self.identity, version):
+                del self._regions_by_version[version]
+        keep: set[int] = set().union(*self._regions_by_version.values())
+        for region in self._known_regions - keep:
+            self.transport.deregister(region)
+        self._known_regions = keep

@@ -1,0 +1,206 @@
+"""Receiver: an inference rank that refits its model to the newest complete version, transactionally."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import anyio
+import torch
+
+from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
+from refitflow.core.types import Identity, Publication
+from refitflow.metrics import NULL_OBSERVER, Observer
+from refitflow.pipeline.arena import StagingArena
+from refitflow.pipeline.budget import ByteBudget
+from refitflow.pipeline.config import ReceiverConfig
+from refitflow.pipeline.destination import Destination
+from refitflow.pipeline.fence import Fence
+from refitflow.pipeline.graph import run_pipeline
+from refitflow.pipeline.transaction import Ledger, Transaction
+from refitflow.stages._context import StageContext
+from refitflow.stages.plan import PlanCache
+from refitflow.transports import Transport, make_transport
+
+__all__ = ["Receiver", "ReceiverStatus", "RefitResult", "StageStats"]
+
+
+class ReceiveRegistry(Protocol):
+    async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication: ...
+    async def register_receiver(self, identity: Identity, receiver_id: str) -> None: ...
+    async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
+    async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageStats:
+    items: int
+    nbytes: int
+    seconds: float  # busy time of the stage (its work, not its waits)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitResult:
+    version: int
+    revision: str
+    nbytes: int  # bytes pulled
+    direct_bytes: int  # of which landed straight in their destination
+    seconds: float
+    plan_cached: bool
+    peak_staging_bytes: int
+    stages: dict[str, StageStats]
+
+    @property
+    def gbps(self) -> float:
+        """End-to-end GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverStatus:
+    healthy: bool  # serving a complete version (fence not fenced)
+    in_progress: bool
+    committed_version: int | None
+    fence: str
+    first_failure: str | None  # the first failure since the last commit
+
+
+class Receiver:
+    def __init__(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        registry: ReceiveRegistry,
+        *,
+        identity: Identity,
+        transport: str | Transport = "loopback",
+        mode: str = "in_place",
+        budget_bytes: int = ReceiverConfig.budget_bytes,
+        observer: Observer = NULL_OBSERVER,
+        receiver_id: str | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
+        self.registry = registry
+        self.identity = identity
+        self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
+        self.observer = observer
+        self.destination = Destination(model, self.config.mode)
+        self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
+        self.budget = ByteBudget(self.config.budget_bytes)
+        self.ledger = Ledger(self.destination, self.fence)
+        self._plans = PlanCache()
+        self._transport_spec = transport
+        self._transport: Transport | None = None
+        self._arena: StagingArena | None = None
+
+    async def __aenter__(self) -> Receiver:
+        self._transport = make_transport(self._transport_spec)
+        for tensor in self.destination.landing_tensors():
+            self._transport.register(tensor)
+        device = next(iter(self.destination.params.values())).device
+        self._arena = StagingArena(self.budget, device=device, register=self._transport.register)
+        await self.registry.register_receiver(self.identity, self.receiver_id)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.registry.unregister_receiver(self.identity, self.receiver_id)
+            finally:
+                if self._transport is not None:
+                    await self._transport.aclose()
+                self._transport = None
+
+    @property
+    def status(self) -> ReceiverStatus:
+        return ReceiverStatus(
+            healthy=self.fence.state.value != "fenced",
+            in_progress=self.ledger.open is not None,
+            committed_version=self.ledger.committed_version,
+            fence=self.fence.state.value,
+            first_failure=self.ledger.first_failure,
+        )
+
+    async def refit(self, min_version: int | None = None, *, timeout: float = 60.0) -> RefitResult:
+        """Refit to the newest complete version ≥ ``min_version`` (default: newer than the last begun).
+
+        Waits up to ``timeout`` seconds for such a version to be published. Raises ``VersionError``
+        (refused, nothing changed) when that version is not newer than the last one begun here.
+        """
+        txn, result = await self.prepare(min_version, timeout=timeout)
+        await self.finish(txn)
+        return result
+
+    async def prepare(
+        self, min_version: int | None = None, *, timeout: float = 60.0
+    ) -> tuple[Transaction, RefitResult]:
+        """Run the pipeline to a prepared transaction: everything verified, nothing visible yet.
+
+        Call ``finish`` (or ``abort``) next; an engine-wide vote goes between the two.
+        """
+        if self._transport is None or self._arena is None:
+            raise ConfigError("use the receiver inside 'async with'")
+        if min_version is None:
+            min_version = (self.ledger.last_begun or 0) + 1
+        t0 = time.perf_counter()
+        ctx = StageContext(
+            transport=self._transport, staging=self._arena, landing=self.destination,
+            limits=self.config.limits, observer=self.observer,
+        )  # fmt: skip
+        misses = self._plans.misses
+        self.budget.reset_peak()
+        try:
+            with anyio.fail_after(self.config.refit_timeout_s):
+                txn = await run_pipeline(
+                    ctx, ledger=self.ledger, registry=self.registry, identity=self.identity,
+                    min_version=min_version, discover_timeout=timeout, cache=self._plans,
+                    depth=self.config.stream_depth,
+                )  # fmt: skip
+        except BaseException as exc:
+            await self._ended(ctx, exc)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, RefitError):
+                raise RefitTimeoutError(
+                    f"refit did not finish within {self.config.refit_timeout_s} s",
+                    version=ctx.attempt.version if ctx.attempt else None,
+                ) from exc
+            raise
+        stats = self.budget.statistics()
+        direct = sum(b.direct_bytes for b in ctx.plan.buckets)
+        result = RefitResult(
+            version=txn.version, revision=txn.revision, nbytes=ctx.plan.nbytes, direct_bytes=direct,
+            seconds=time.perf_counter() - t0, plan_cached=self._plans.misses == misses,
+            peak_staging_bytes=stats.peak_bytes,
+            stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in ctx.stats.items()},
+        )  # fmt: skip
+        self.observer.budget(stats.used_bytes, stats.peak_bytes, stats.capacity_bytes)
+        return txn, result
+
+    async def finish(self, txn: Transaction) -> None:
+        """Make a prepared version visible."""
+        self.ledger.finish(txn)
+        self.observer.refit_outcome("committed", txn.version)
+        await self._report(txn.version)
+
+    async def abort(self, txn: Transaction, reason: str) -> None:
+        """Abandon a prepared version (e.g. a peer of the engine was not ready)."""
+        self.ledger.abort(txn, reason)
+        self.observer.refit_outcome("aborted", txn.version)
+        await self._report(txn.version)
+
+    async def _report(self, version: int) -> None:
+        """Tell the registry this rank is done with ``version`` (shielded, bounded)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await self.registry.report(self.identity, self.receiver_id, version)
+
+    async def _ended(self, ctx: StageContext, exc: BaseException) -> None:
+        refused = isinstance(exc, VersionError) and ctx.attempt is None
+        version = ctx.attempt.version if ctx.attempt is not None else None
+        self.observer.refit_outcome("refused" if refused else "aborted", version)
+        if version is not None:
+            await self._report(version)

@@ -1,0 +1,167 @@
+"""The data that crosses process boundaries: identity, shard specs, manifests, publications.
+
+All of it is frozen and validated on construction, so a malformed manifest is refused where it
+enters (``ManifestError`` naming the problem) and never reaches the planner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from refitflow.core.dtypes import itemsize
+from refitflow.core.errors import ManifestError, PlanError
+
+__all__ = ["Identity", "Manifest", "Publication", "ShardSpec", "SourceAddress", "revision_of"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """What makes two publications interchangeable."""
+
+    model: str
+    layout: str = "hf"
+    dtype: str = "any"
+    parallelism: str = "any"
+    compile_target: str = "hf_raw"
+
+    def __post_init__(self) -> None:
+        for name in ("model", "layout", "dtype", "parallelism", "compile_target"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ManifestError(f"identity.{name} must be a non-empty string, got {value!r}")
+
+    def key(self) -> str:
+        return f"{self.model}|{self.layout}|{self.dtype}|{self.parallelism}|{self.compile_target}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceAddress:
+    """How to reach one source's memory: transport name, agent name and opaque transport metadata."""
+
+    transport: str
+    agent: str
+    metadata: bytes = b""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSpec:
+    """The part of one tensor a source holds, and where its bytes live in the source's memory.
+
+    ``axis is None`` means the source holds the whole tensor (replicated or unsharded).
+    """
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    axis: int | None
+    start: int
+    stop: int
+    digest: str
+    region: int
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ManifestError(f"shard name must be a non-empty string, got {self.name!r}")
+        try:
+            itemsize(self.dtype)
+        except PlanError as exc:
+            raise ManifestError(exc.reason, tensor=self.name) from None
+        if not all(isinstance(d, int) and d >= 0 for d in self.global_shape):
+            raise ManifestError(f"bad global shape {self.global_shape!r}", tensor=self.name)
+        if self.axis is None:
+            if (self.start, self.stop) != (0, self.global_shape[0] if self.global_shape else 1):
+                raise ManifestError("an unsharded spec must cover [0, dim0)", tensor=self.name)
+        else:
+            if not 0 <= self.axis < len(self.global_shape):
+                raise ManifestError(f"shard axis {self.axis} outside shape {self.global_shape}", tensor=self.name)
+            if not 0 <= self.start < self.stop <= self.global_shape[self.axis]:
+                raise ManifestError(
+                    f"shard range [{self.start}, {self.stop}) outside axis {self.axis} of {self.global_shape}",
+                    tensor=self.name,
+                )
+        if not isinstance(self.digest, str) or len(self.digest) != 16:
+            raise ManifestError("digest missing or not a 16-hex-digit xxh3_64", tensor=self.name)
+        if self.region < 0 or self.offset < 0:
+            raise ManifestError("negative region or offset", tensor=self.name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the bytes this source holds (contiguous, row-major)."""
+        if self.axis is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.axis] = self.stop - self.start
+        return tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    def layout_key(self) -> tuple[Any, ...]:
+        """Everything that shapes a plan, nothing that changes with the bytes."""
+        return (self.name, self.dtype, self.global_shape, self.axis, self.start, self.stop, self.region, self.offset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What one source announces for one version."""
+
+    identity: Identity
+    version: int
+    rank: int
+    world_size: int
+    source: SourceAddress
+    shards: tuple[ShardSpec, ...]
+    revision: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or self.version < 0:
+            raise ManifestError(f"version must be a non-negative integer, got {self.version!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ManifestError(f"rank {self.rank} outside world size {self.world_size}", version=self.version)
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ManifestError(f"tensor names repeated in one manifest: {dup[:20]}", version=self.version)
+        expected = revision_of(self.shards)
+        if not self.revision:
+            object.__setattr__(self, "revision", expected)
+        elif self.revision != expected:
+            raise ManifestError("revision does not match the shard digests", version=self.version)
+
+
+def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
+    """A content revision: the digest of every shard's identity and digest, in name order."""
+    h = xxhash.xxh3_128()
+    for s in sorted(shards, key=lambda s: s.name):
+        h.update(f"{s.name}|{s.dtype}|{s.global_shape}|{s.axis}|{s.start}|{s.stop}|{s.digest};".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Publication:
+    """One complete version: a manifest from every rank of the publisher's world."""
+
+    identity: Identity
+    version: int
+    manifests: tuple[Manifest, ...]
+
+    @property
+    def revision(self) -> str:
+        h = xxhash.xxh3_128()
+        for m in self.manifests:
+            h.update(m.revision.encode())
+        return h.hexdigest()
+
+    def layout_key(self) -> tuple[Any, ...]:
+        return tuple((m.rank, m.source.agent, tuple(s.layout_key() for s in m.shards)) for m in self.manifests)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for m in self.manifests for s in m.shards)

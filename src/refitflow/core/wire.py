@@ -1,0 +1,96 @@
+"""Manifests to and from bytes (orjson). Anything malformed becomes a ``ManifestError``."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import orjson
+
+from refitflow.core.errors import ManifestError, RefitError
+from refitflow.core.types import Identity, Manifest, ShardSpec, SourceAddress
+
+__all__ = ["PROTOCOL_VERSION", "decode", "encode", "manifest_from_dict", "manifest_to_dict"]
+
+PROTOCOL_VERSION = 1
+
+
+def encode(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def decode(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ManifestError(f"not valid JSON: {exc}") from exc
+
+
+def manifest_to_dict(m: Manifest) -> dict[str, Any]:
+    return {
+        "identity": {
+            "model": m.identity.model,
+            "layout": m.identity.layout,
+            "dtype": m.identity.dtype,
+            "parallelism": m.identity.parallelism,
+            "compile_target": m.identity.compile_target,
+        },
+        "version": m.version,
+        "rank": m.rank,
+        "world_size": m.world_size,
+        "revision": m.revision,
+        "metadata": m.metadata,
+        "source": {
+            "transport": m.source.transport,
+            "agent": m.source.agent,
+            "metadata": base64.b64encode(m.source.metadata).decode(),
+        },
+        "shards": [
+            [s.name, s.dtype, list(s.global_shape), s.axis, s.start, s.stop, s.digest, s.region, s.offset]
+            for s in m.shards
+        ],
+    }
+
+
+def manifest_from_dict(d: Any) -> Manifest:
+    """Build and validate a manifest; every malformed field raises ``ManifestError``."""
+    try:
+        src = d["source"]
+        shards = tuple(
+            ShardSpec(
+                name=_typed(name, str),
+                dtype=_typed(dtype, str),
+                global_shape=tuple(_typed(x, int) for x in shape),
+                axis=None if axis is None else _typed(axis, int),
+                start=_typed(start, int),
+                stop=_typed(stop, int),
+                digest=_typed(digest, str),
+                region=_typed(region, int),
+                offset=_typed(offset, int),
+            )
+            for name, dtype, shape, axis, start, stop, digest, region, offset in d["shards"]
+        )
+        return Manifest(
+            identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),
+            version=_typed(d["version"], int),
+            rank=_typed(d["rank"], int),
+            world_size=_typed(d["world_size"], int),
+            revision=_typed(d.get("revision", ""), str),
+            metadata={_typed(k, str): _typed(v, str) for k, v in d.get("metadata", {}).items()},
+            source=SourceAddress(
+                transport=_typed(src["transport"], str),
+                agent=_typed(src["agent"], str),
+                metadata=base64.b64decode(_typed(src.get("metadata", ""), str), validate=True),
+            ),
+            shards=shards,
+        )
+    except RefitError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from exc
+
+
+def _typed(value: Any, kind: type) -> Any:
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise ManifestError(f"expected {kind.__name__}, got {type(value).__name__} {value!r:.60}")
+    return value

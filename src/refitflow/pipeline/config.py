@@ -1,0 +1,62 @@
+"""Receiver configuration: one frozen, keyword-only dataclass, validated with sentences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refitflow.core.errors import ConfigError
+from refitflow.pipeline.destination import ApplyMode
+from refitflow.stages._context import Limits
+
+__all__ = ["ReceiverConfig"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverConfig:
+    budget_bytes: int = 256 * MiB
+    bucket_bytes: int | None = None  # default: half the budget, at most 32 MiB (two buckets in flight)
+    direct_bucket_bytes: int = 64 * MiB  # direct reads use no staging; this only sizes their batches
+    max_reads_per_bucket: int = 4096
+    mode: ApplyMode = ApplyMode.IN_PLACE
+    lossy_casts: bool = False
+    stream_depth: int = 2
+    read_timeout_s: float = 60.0
+    refit_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", _mode(self.mode))
+        if not isinstance(self.budget_bytes, int) or self.budget_bytes < 64:
+            raise ConfigError(f"budget_bytes must be an integer of at least 64 bytes, got {self.budget_bytes!r}")
+        if self.bucket_bytes is None:
+            object.__setattr__(self, "bucket_bytes", max(64, min(self.budget_bytes // 2, 32 * MiB)))
+        assert self.bucket_bytes is not None
+        if not 64 <= self.bucket_bytes <= self.budget_bytes:
+            raise ConfigError(
+                f"bucket_bytes must lie between 64 and budget_bytes ({self.budget_bytes}), got {self.bucket_bytes}"
+            )
+        if self.direct_bucket_bytes < 64:
+            raise ConfigError("direct_bucket_bytes must be at least 64 bytes")
+        if self.max_reads_per_bucket < 1 or self.stream_depth < 1:
+            raise ConfigError("max_reads_per_bucket and stream_depth must be at least 1")
+        if self.read_timeout_s <= 0 or self.refit_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive numbers of seconds")
+
+    @property
+    def limits(self) -> Limits:
+        assert self.bucket_bytes is not None
+        return Limits(
+            bucket_bytes=self.bucket_bytes,
+            direct_bucket_bytes=self.direct_bucket_bytes,
+            max_reads_per_bucket=self.max_reads_per_bucket,
+            lossy_casts=self.lossy_casts,
+            read_timeout_s=self.read_timeout_s,
+        )
+
+
+def _mode(value: object) -> ApplyMode:
+    try:
+        return ApplyMode(str(value))
+    except ValueError:
+        raise ConfigError(f"mode must be 'in_place' or 'shadow', got {value!r}") from None

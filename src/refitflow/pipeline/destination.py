@@ -1,0 +1,69 @@
+"""The parameters a receiver writes, and where the next version's bytes go in each apply mode.
+
+``in_place`` writes the live tensors. ``shadow`` writes a second copy of every parameter and swaps
+storages at commit (``param.data``), keeping the old storage as the next shadow: the Parameter
+objects the server holds stay the same, the version they serve changes at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from refitflow.core.errors import ConfigError
+
+__all__ = ["ApplyMode", "Destination"]
+
+
+class ApplyMode(enum.StrEnum):
+    IN_PLACE = "in_place"
+    SHADOW = "shadow"
+
+
+class Destination:
+    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], mode: ApplyMode) -> None:
+        self.mode = mode
+        named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model.items()
+        self.params: dict[str, torch.Tensor] = {}  # canonical name -> live tensor
+        self.canonical: dict[str, str] = {}  # every name (tied aliases too) -> canonical name
+        by_id: dict[int, str] = {}
+        for name, tensor in named:
+            if not isinstance(tensor, torch.Tensor):
+                raise ConfigError(f"destination {name!r} is not a tensor")
+            first = by_id.setdefault(id(tensor), name)
+            self.canonical[name] = first
+            if first == name:
+                if not tensor.is_contiguous():
+                    raise ConfigError(f"destination parameter {name!r} is not contiguous")
+                self.params[name] = tensor
+        if not self.params:
+            raise ConfigError("the model has no parameters to refit")
+        self.shadows: dict[str, torch.Tensor] = (
+            {n: torch.empty_like(t.detach()) for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
+        )
+
+    def target(self, name: str) -> torch.Tensor:
+        """The tensor the next version is written into (the live one, or its shadow)."""
+        if self.mode is ApplyMode.SHADOW:
+            return self.shadows[name]
+        return self.params[name].detach()
+
+    def landing_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor a read may land in (to register with a transport once)."""
+        for name, p in self.params.items():
+            yield p.detach()
+            if name in self.shadows:
+                yield self.shadows[name]
+
+    def swap(self) -> None:
+        """Make the shadow copies live (shadow mode); synchronous, so no coroutine sees a mix."""
+        for name, p in self.params.items():
+            old = p.data
+            p.data = self.shadows[name]
+            self.shadows[name] = old
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.params.values())

@@ -1,0 +1,106 @@
+"""Transactions: begin → (apply) → prepare → finish, or abort. One open at a time per rank.
+
+``prepare`` checks coverage and makes nothing visible; ``finish`` makes the version visible. An
+engine-wide vote goes between the two. The version of every ``begin`` must exceed the last one begun
+on this rank (a failed attempt consumes its number).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from refitflow.core.errors import VersionError
+from refitflow.pipeline.coverage import CoverageTracker
+from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.pipeline.fence import Fence, FenceState
+
+__all__ = ["Ledger", "Transaction", "TxnState"]
+
+
+class TxnState(enum.StrEnum):
+    OPEN = "open"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, kw_only=True)
+class Transaction:
+    version: int
+    revision: str
+    coverage: CoverageTracker
+    state: TxnState = TxnState.OPEN
+    wrote: bool = False  # set before the first byte lands in a destination
+    reason: str | None = None
+    fence_before: FenceState = field(default=FenceState.READY)
+    fence_reason_before: str | None = None
+
+
+class Ledger:
+    """The transaction state of one rank: what was begun, what is committed, the fence."""
+
+    def __init__(self, destination: Destination, fence: Fence) -> None:
+        self.destination = destination
+        self.fence = fence
+        self.last_begun: int | None = None
+        self.committed_version: int | None = None
+        self.committed_revision: str | None = None
+        self.open: Transaction | None = None
+        self.first_failure: str | None = None  # the first failure since the last commit
+
+    def begin(self, version: int, revision: str) -> Transaction:
+        if self.open is not None:
+            raise VersionError(f"transaction for version {self.open.version} is still open", version=version)
+        if self.last_begun is not None and version <= self.last_begun:
+            raise VersionError(f"version must increase: last begun on this rank was {self.last_begun}", version=version)
+        self.last_begun = version
+        expected = {n: t.numel() for n, t in self.destination.params.items()}
+        txn = Transaction(
+            version=version,
+            revision=revision,
+            coverage=CoverageTracker(expected),
+            fence_before=self.fence.state,
+            fence_reason_before=self.fence.reason,
+        )
+        self.open = txn
+        if self.destination.mode is ApplyMode.IN_PLACE:
+            self.fence.set(FenceState.UPDATING, f"writing version {version} in place")
+        return txn
+
+    def prepare(self, txn: Transaction) -> None:
+        """Everything verified, nothing visible yet."""
+        self._expect(txn, TxnState.OPEN)
+        txn.coverage.check(version=txn.version)
+        txn.state = TxnState.PREPARED
+
+    def finish(self, txn: Transaction) -> None:
+        """Make the prepared version visible."""
+        self._expect(txn, TxnState.PREPARED)
+        if self.destination.mode is ApplyMode.SHADOW:
+            self.destination.swap()
+        txn.state = TxnState.COMMITTED
+        self.committed_version = txn.version
+        self.committed_revision = txn.revision
+        self.open = None
+        self.first_failure = None
+        self.fence.set(FenceState.READY)
+
+    def abort(self, txn: Transaction, reason: str) -> None:
+        """Undo what can be undone: in place, a rank that wrote anything stays fenced."""
+        if txn.state in (TxnState.COMMITTED, TxnState.ABORTED):
+            return
+        txn.state = TxnState.ABORTED
+        txn.reason = reason
+        self.first_failure = self.first_failure or reason
+        if self.open is txn:
+            self.open = None
+        if self.destination.mode is ApplyMode.IN_PLACE:
+            if txn.wrote:
+                self.fence.set(FenceState.FENCED, f"version {txn.version} aborted after a partial write: {reason}")
+            else:
+                self.fence.set(txn.fence_before, txn.fence_reason_before)
+
+    def _expect(self, txn: Transaction, state: TxnState) -> None:
+        if txn is not self.open or txn.state is not state:
+            raise VersionError(f"transaction is {txn.state.value}, expected {state.value}", version=txn.version)

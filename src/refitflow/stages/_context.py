@@ -1,0 +1,98 @@
+"""What a stage sees of the rest of the system, as small Protocols (stages never import pipeline/)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from refitflow.core.types import Identity, Publication
+from refitflow.metrics import NULL_OBSERVER, Observer
+from refitflow.transports.base import Transport
+
+__all__ = ["Attempt", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Staging bytes held against the budget."""
+
+    offset: int
+    nbytes: int
+    view: torch.Tensor  # uint8
+
+
+class Staging(Protocol):
+    async def allocate(self, nbytes: int) -> Lease: ...
+    def free(self, lease: Lease) -> None: ...
+    def free_all(self) -> None: ...
+
+
+class Landing(Protocol):
+    """The destination parameters: their names, shapes, dtypes and the tensors to write."""
+
+    @property
+    def params(self) -> Mapping[str, torch.Tensor]: ...
+    @property
+    def canonical(self) -> Mapping[str, str]: ...
+
+    def target(self, name: str) -> torch.Tensor: ...
+
+
+class Attempt(Protocol):
+    """The open transaction, as the stages may touch it."""
+
+    version: int
+
+    def mark_written(self) -> None: ...
+    def record(self, param: str, region: Hashable, numel: int) -> None: ...
+    def prepare(self) -> None: ...
+
+
+class Discovery(Protocol):
+    async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    bucket_bytes: int
+    direct_bucket_bytes: int
+    max_reads_per_bucket: int
+    lossy_casts: bool
+    read_timeout_s: float
+
+
+@dataclass(kw_only=True)
+class StageContext:
+    transport: Transport
+    staging: Staging
+    landing: Landing
+    limits: Limits
+    observer: Observer = NULL_OBSERVER
+    publication: Publication | None = None
+    attempt: Attempt | None = None
+    plan: Any = None  # the Plan in use (stages.plan.Plan)
+    stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
+
+    def connect_sources(self, pub: Publication) -> None:
+        for m in pub.manifests:
+            self.transport.connect(m.source)
+
+    def note(self, stage: str, items: int, nbytes: int, seconds: float) -> None:
+        """Account work a stage did (for the result's table and the observer)."""
+        row = self.stats.setdefault(stage, [0, 0, 0.0])
+        row[0] += items
+        row[1] += nbytes
+        row[2] += seconds
+        self.observer.stage_item(stage, nbytes, seconds)
+
+
+@dataclass(eq=False, slots=True)
+class Work:
+    """One bucket on its way through allocate → pull → translate → apply → verify → commit."""
+
+    bucket: Any  # stages.plan.Bucket
+    lease: Lease | None = None
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src) views

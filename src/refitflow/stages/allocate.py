@@ -1,0 +1,22 @@
+"""Allocate: lease staging bytes for a bucket from the budgeted arena (waits when it is full)."""
+
+from __future__ import annotations
+
+import time
+
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from refitflow.stages._context import StageContext, Work
+
+__all__ = ["run"]
+
+
+async def run(ctx: StageContext, receive: ObjectReceiveStream, send: ObjectSendStream[Work]) -> None:
+    async with receive, send:
+        async for bucket in receive:
+            t0 = time.perf_counter()
+            work = Work(bucket)
+            if bucket.staging_bytes:
+                work.lease = await ctx.staging.allocate(bucket.staging_bytes)
+            ctx.note("allocate", 1, bucket.staging_bytes, time.perf_counter() - t0)
+            await send.send(work)

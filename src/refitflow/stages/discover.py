@@ -1,0 +1,33 @@
+"""Discover: find the newest complete publication for the receiver's identity, then begin."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from anyio.abc import ObjectSendStream
+
+from refitflow.core.types import Identity, Publication
+from refitflow.stages._context import Discovery, StageContext
+
+__all__ = ["run"]
+
+
+async def run(
+    ctx: StageContext,
+    registry: Discovery,
+    identity: Identity,
+    min_version: int,
+    timeout: float,
+    begin: Callable[[Publication], None],
+    send: ObjectSendStream[Publication],
+) -> None:
+    """Wait (up to ``timeout``) for a complete version ≥ ``min_version``; ``begin`` may refuse it."""
+    async with send:
+        t0 = time.perf_counter()
+        pub = await registry.wait_complete(identity, min_version, timeout)
+        ctx.connect_sources(pub)
+        begin(pub)
+        ctx.publication = pub
+        ctx.note("discover", 1, 0, time.perf_counter() - t0)
+        await send.send(pub)

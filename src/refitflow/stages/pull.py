@@ -1,0 +1,47 @@
+"""Pull: issue a bucket's reads through the transport, straight into parameters or into staging."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from refitflow.core.errors import RefitTimeoutError
+from refitflow.stages._context import StageContext, Work
+from refitflow.transports.base import Read, as_bytes
+
+__all__ = ["run"]
+
+
+def reads_of(ctx: StageContext, work: Work) -> list[Read]:
+    assert ctx.publication is not None
+    peers = [m.source.agent for m in ctx.publication.manifests]
+    out = []
+    for r in work.bucket.reads:
+        if r.param is None:
+            assert work.lease is not None
+            dst = work.lease.view[r.landing_offset : r.landing_offset + r.nbytes]
+        else:
+            dst = as_bytes(ctx.landing.target(r.param))[r.landing_offset : r.landing_offset + r.nbytes]
+        out.append(Read(peers[r.source], r.region, r.src_offset, r.nbytes, dst))
+    return out
+
+
+async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
+    async with receive, send:
+        async for work in receive:
+            t0 = time.perf_counter()
+            assert ctx.attempt is not None
+            if work.bucket.direct_bytes:
+                ctx.attempt.mark_written()
+            key = None if work.lease is None else (id(ctx.plan), work.bucket.index, work.lease.offset)
+            with anyio.move_on_after(ctx.limits.read_timeout_s) as scope:
+                await ctx.transport.read(reads_of(ctx, work), key=key)
+            if scope.cancelled_caught:
+                raise RefitTimeoutError(
+                    f"reads of bucket {work.bucket.index} took longer than {ctx.limits.read_timeout_s} s",
+                    version=ctx.attempt.version,
+                )
+            ctx.note("pull", 1, work.bucket.nbytes, time.perf_counter() - t0)
+            await send.send(work)

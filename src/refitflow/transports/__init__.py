@@ -1,0 +1,26 @@
+"""Transports: the ``Transport`` seam, ``LoopbackTransport``, and real ones imported lazily."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refitflow.core.errors import ConfigError
+from refitflow.transports.base import Read, Transport, as_bytes
+from refitflow.transports.loopback import LoopbackTransport
+
+__all__ = ["LoopbackTransport", "Read", "Transport", "as_bytes", "make_transport"]
+
+TRANSPORTS = ("loopback", "nixl")
+
+
+def make_transport(spec: str | Transport, **options: Any) -> Transport:
+    """A transport from its name (``"loopback"``, ``"nixl"``) or an instance, passed through."""
+    if isinstance(spec, Transport):
+        return spec
+    if spec == "loopback":
+        return LoopbackTransport()
+    if spec == "nixl":
+        from refitflow.transports.nixl import NixlTransport  # lazy: nixl is an optional dependency
+
+        return NixlTransport(**options)
+    raise ConfigError(f"unknown transport {spec!r}; choose one of {TRANSPORTS}")
