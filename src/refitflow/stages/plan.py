@@ -8,11 +8,12 @@ fails here, as ``PlanError`` or ``CoverageError``, before any byte is written.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -23,6 +24,9 @@ from refitflow.core.types import Publication, ShardSpec
 from refitflow.stages._context import Landing, Limits, StageContext
 
 __all__ = ["Bucket", "Piece", "Plan", "PlanCache", "PlannedRead", "build_plan", "piece_view", "run"]
+
+
+_SERIALS = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,7 @@ class Plan:
     buckets: tuple[Bucket, ...]
     nbytes: int
     seconds: float = 0.0  # time it took to build
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
 
 
 def piece_view(target: torch.Tensor, p: Piece) -> torch.Tensor:

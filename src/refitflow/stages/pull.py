@@ -35,7 +35,9 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             assert ctx.attempt is not None
             if work.bucket.direct_bytes:
                 ctx.attempt.mark_written()
-            key = None if work.lease is None else (id(ctx.plan), work.bucket.index, work.lease.offset)
+            # the same plan's bucket replays the same ranges (staging placement is deterministic);
+            # the key is a hint: a transport re-checks addresses before replaying prepared descriptors
+            key = (ctx.plan.serial, work.bucket.index, -1 if work.lease is None else work.lease.offset)
             with anyio.move_on_after(ctx.limits.read_timeout_s) as scope:
                 await ctx.transport.read(reads_of(ctx, work), key=key)
             if scope.cancelled_caught:
