@@ -51,7 +51,6 @@ class Piece:
     landing_offset: int  # direct: byte offset in the parameter; staged: byte offset in the bucket
     first: bool  # first / last piece of its shard (the digest streams across pieces in order)
     last: bool
-    digest: str
 
     @property
     def numel(self) -> int:
@@ -220,7 +219,7 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
                     src_region=spec.region,
                     src_offset=spec.offset + _flat_offset(spec.shape, index, r0) * src_dtype.itemsize,
                     nbytes=math.prod(shape) * src_dtype.itemsize, direct=direct, landing_offset=0,
-                    first=k == 0, last=k == len(boxes) - 1, digest=spec.digest,
+                    first=k == 0, last=k == len(boxes) - 1,
                 )  # fmt: skip
                 if direct:
                     p = replace(p, landing_offset=int(piece_view(meta, p).storage_offset()) * dst.element_size())

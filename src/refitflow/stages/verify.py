@@ -19,8 +19,11 @@ from refitflow.transports.base import as_bytes
 __all__ = ["run"]
 
 
-def _hash_bucket(ctx: StageContext, work: Work, hashers: dict) -> list[str]:
-    """Feed the bucket's pieces to their shard hashers; return the tensors whose digest failed."""
+def _hash_bucket(ctx: StageContext, work: Work, hashers: dict, digests: dict) -> list[str]:
+    """Feed the bucket's pieces to their shard hashers; return the tensors whose digest failed.
+
+    Digests come from this version's manifests (a replayed plan holds no bytes-dependent data).
+    """
     bad = []
     for p in work.bucket.pieces:
         key = (p.source, p.tensor)
@@ -32,17 +35,21 @@ def _hash_bucket(ctx: StageContext, work: Work, hashers: dict) -> list[str]:
             assert work.lease is not None
             pulled = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
         hashers[key].update(pulled.numpy().data)
-        if p.last and hashers.pop(key).hexdigest() != p.digest:
+        if p.last and hashers.pop(key).hexdigest() != digests[key]:
             bad.append(p.tensor)
     return bad
 
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     hashers: dict = {}
+    digests: dict = {}
     async with receive, send:
         async for work in receive:
             t0 = time.perf_counter()
-            bad = await anyio.to_thread.run_sync(_hash_bucket, ctx, work, hashers)
+            if not digests:
+                assert ctx.publication is not None
+                digests = {(i, s.name): s.digest for i, m in enumerate(ctx.publication.manifests) for s in m.shards}
+            bad = await anyio.to_thread.run_sync(_hash_bucket, ctx, work, hashers, digests)
             if bad:
                 assert ctx.attempt is not None
                 raise IntegrityError(

@@ -1,0 +1,5 @@
+import sys
+
+from refitflow.api.cli import main
+
+sys.exit(main())

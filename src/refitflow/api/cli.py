@@ -1,0 +1,43 @@
+"""The ``refitflow`` command. The only place that reads the environment."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from refitflow.api.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        size_bytes=int(args.size_mb * 10**6),
+        versions=args.versions,
+        budget_bytes=int(args.budget_mb * 2**20),
+        transport=args.transport,
+    )
+    return 0 if anyio.run(run_demo, cfg) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refitflow", description="RL weight refit.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="publish and refit a synthetic model, print GB/s and stage times")
+    demo.add_argument("--size-mb", type=float, default=256.0, help="model size in MB (10^6 bytes)")
+    demo.add_argument("--versions", type=int, default=3)
+    demo.add_argument("--budget-mb", type=float, default=64.0, help="staging budget per receiver, MiB")
+    demo.add_argument("--transport", default="loopback", choices=["loopback", "nixl"])
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

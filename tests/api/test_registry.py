@@ -1,0 +1,84 @@
+"""The embedded registry: completeness, waiting, refusal of changed content, release and collection."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+import refitflow as rf
+from tests.conftest import mlp
+
+
+@pytest.mark.asyncio
+async def test_republishing_a_version_with_other_content_is_refused(ident, registry) -> None:
+    async with rf.Publisher(registry, identity=ident) as pub:
+        tensors = {"w": torch.ones(4)}
+        manifest = await pub.publish(1, tensors)
+        await registry.publish(manifest)  # the same content again is harmless
+        other = rf.Manifest(
+            identity=ident, version=1, rank=0, world_size=1, source=manifest.source,
+            shards=tuple(rf.ShardSpec(**{**s.__dict__, "digest": "f" * 16}) for s in manifest.shards),
+        )  # fmt: skip
+        with pytest.raises(rf.VersionError, match="other content"):
+            await registry.publish(other)
+
+
+@pytest.mark.asyncio
+async def test_refit_waits_for_the_next_complete_version(ident, registry) -> None:
+    trainer, server = mlp(1), mlp(2)
+    with anyio.fail_after(20):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(server, registry, identity=ident) as recv,
+        ):
+            results = []
+
+            async def refit() -> None:
+                results.append(await recv.refit(1, timeout=10))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(refit)
+                await anyio.wait_all_tasks_blocked()
+                assert results == []
+                await pub.publish(1, dict(trainer.named_parameters()))
+            assert results[0].version == 1
+
+
+@pytest.mark.asyncio
+async def test_released_after_every_receiver_is_done_and_old_versions_dropped(ident, registry) -> None:
+    trainer = mlp(1)
+    servers = [mlp(2), mlp(3)]
+    with anyio.fail_after(20):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(servers[0], registry, identity=ident) as r0,
+            rf.Receiver(servers[1], registry, identity=ident, mode="shadow") as r1,
+        ):
+            await pub.publish(1, dict(trainer.named_parameters()))
+            await r0.refit(1)
+            with pytest.raises(rf.RefitTimeoutError):
+                await pub.released(1, timeout=0.1)  # r1 has not read it yet
+            await pub.publish(2, dict(mlp(4).named_parameters()))
+            assert registry.versions(ident) == [1, 2]  # superseded but not released: kept
+            await r1.refit(1)
+            await pub.released(1, timeout=1)
+            await pub.publish(3, dict(mlp(5).named_parameters()))
+            assert registry.versions(ident) == [2, 3]  # 1: released and superseded, dropped
+
+
+@pytest.mark.asyncio
+async def test_incomplete_version_times_out_with_a_typed_error(ident, registry) -> None:
+    async with rf.Publisher(registry, identity=ident, rank=0, world_size=2) as pub:
+        await pub.publish(1, {"w": rf.Sharded(tensor=torch.ones(2, 2), axis=0, start=0, global_shape=(4, 2))})
+        with anyio.fail_after(5), pytest.raises(rf.RefitTimeoutError):
+            await registry.wait_complete(ident, 1, timeout=0.2)
+
+
+def test_publisher_rejects_noncontiguous_tensors_instead_of_copying(ident, registry) -> None:
+    async def go() -> None:
+        async with rf.Publisher(registry, identity=ident) as pub:
+            with pytest.raises(rf.ConfigError, match="not contiguous"):
+                await pub.publish(1, {"w": torch.ones(4, 4).t()})
+
+    anyio.run(go)
