@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import refitflow as rf
+from refitflow.metrics import NullObserver
 
 
 class InjectedFailure(RuntimeError):
     """Raised by ``FailAt`` inside a stage (a real failure path, not a mock)."""
 
 
-class FailAt:
+class FailAt(NullObserver):
     """An Observer that raises when ``stage`` finishes its ``after``-th item."""
 
     def __init__(self, stage: str, after: int = 1, action: Callable[[], None] | None = None) -> None:
@@ -36,9 +37,6 @@ class FailAt:
 
     def refit_outcome(self, outcome: str, version: int | None) -> None:
         self.outcomes.append((outcome, version))
-
-    def budget(self, used_bytes: int, peak_bytes: int, capacity_bytes: int) -> None:
-        pass
 
 
 def mlp(seed: int, width: int = 64, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -20,6 +20,7 @@ import xxhash
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity, Manifest, ShardSpec
+from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.transports import Transport, as_bytes, make_transport
 
 __all__ = ["Publisher", "Sharded"]
@@ -39,6 +40,7 @@ class PublishRegistry(Protocol):
     async def publish(self, manifest: Manifest) -> None: ...
     async def wait_released(self, identity: Identity, version: int, timeout: float | None) -> None: ...
     async def is_released(self, identity: Identity, version: int) -> bool: ...
+    async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -56,6 +58,7 @@ class Publisher:
         world_size: int = 1,
         transport: str | Transport = "loopback",
         metadata: Mapping[str, str] | None = None,
+        observer: PublishObserver = NULL_OBSERVER,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} must lie in [0, world_size={world_size})")
@@ -64,6 +67,7 @@ class Publisher:
         self.rank = rank
         self.world_size = world_size
         self.metadata = dict(metadata or {})
+        self.observer = observer
         self._transport_spec = transport
         self._transport: Transport | None = None
         self._regions_by_version: dict[int, set[int]] = {}
@@ -72,6 +76,8 @@ class Publisher:
 
     async def __aenter__(self) -> Publisher:
         self._transport = make_transport(self._transport_spec)
+        transport = self._transport
+        self.observer.watch_served(lambda: transport.served_bytes)
         return self
 
     async def __aexit__(
@@ -132,6 +138,7 @@ class Publisher:
             metadata=self.metadata,
         )
         await self.registry.publish(manifest)
+        self.observer.version_published(version, sum(s.nbytes for s in shards))
         self.published.append(version)
         self._regions_by_version[version] = set(regions.values())
         self._known_regions |= set(regions.values())
@@ -141,6 +148,8 @@ class Publisher:
     async def released(self, version: int, timeout: float | None = None) -> None:
         """Return when every registered receiver is done with ``version`` (its tensors may change)."""
         await self.registry.wait_released(self.identity, version, timeout)
+        done, registered = await self.registry.acked(self.identity, version)
+        self.observer.receivers_acked(done, registered)
 
     async def _forget_released(self) -> None:
         """Deregister memory only released versions still referenced."""

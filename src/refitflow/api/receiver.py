@@ -90,7 +90,10 @@ class Receiver:
         self.observer = observer
         self.destination = Destination(model, self.config.mode)
         self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
-        self.budget = ByteBudget(self.config.budget_bytes)
+        self.budget = ByteBudget(
+            self.config.budget_bytes,
+            on_change=lambda s: observer.budget(s.used_bytes, s.peak_bytes, s.capacity_bytes),
+        )
         self.ledger = Ledger(self.destination, self.fence)
         self._plans = PlanCache()
         self._transport_spec = transport
@@ -178,7 +181,6 @@ class Receiver:
             peak_staging_bytes=stats.peak_bytes,
             stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in ctx.stats.items()},
         )  # fmt: skip
-        self.observer.budget(stats.used_bytes, stats.peak_bytes, stats.capacity_bytes)
         return txn, result
 
     async def finish(self, txn: Transaction) -> None:

@@ -107,6 +107,11 @@ class Registry:
     async def is_released(self, identity: Identity, version: int) -> bool:
         return self._released(self._model(identity), version)
 
+    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
+        """(receivers done with ``version``, receivers registered)."""
+        receivers = self._model(identity).receivers
+        return sum(done >= version for done in receivers.values()), len(receivers)
+
     async def wait_released(self, identity: Identity, version: int, timeout: float | None) -> None:
         """Return once every registered receiver is done with ``version``."""
         with anyio.move_on_after(timeout):

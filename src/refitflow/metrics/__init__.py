@@ -1,19 +1,33 @@
 """Metrics seam: stages and the pipeline report through the small ``Observer`` Protocol.
 
-The Prometheus implementation comes with the observability work; ``NULL_OBSERVER`` ignores
-everything, and tests pass their own observers (also to inject failures at a chosen stage).
+``NULL_OBSERVER`` ignores everything; ``refitflow.metrics.prometheus.PrometheusMetrics`` exports
+Prometheus metrics; tests pass their own observers (also to inject failures at a chosen stage).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
-__all__ = ["NULL_OBSERVER", "NullObserver", "Observer"]
+__all__ = ["NULL_OBSERVER", "OUTCOMES", "STAGES", "NullObserver", "Observer", "PublishObserver", "QueueStats"]
+
+STAGES = ("discover", "plan", "allocate", "pull", "translate", "apply", "verify", "commit")
+OUTCOMES = ("committed", "aborted", "refused")
+QueueStats = Callable[[], tuple[int, int]]  # -> (items buffered, capacity)
 
 
 class Observer(Protocol):
+    def stage_enter(self, stage: str) -> None:
+        """An item entered ``stage``."""
+
     def stage_item(self, stage: str, nbytes: int, seconds: float) -> None:
         """One item left ``stage`` after ``seconds`` of work, carrying ``nbytes``."""
+
+    def transport_read(self, transport: str, nbytes: int, seconds: float) -> None:
+        """One batch of reads of ``nbytes`` completed in ``seconds``."""
+
+    def queues(self, queues: Mapping[str, QueueStats]) -> None:
+        """The pipeline's queues while a refit runs (empty mapping when it ends)."""
 
     def fence_state(self, state: str) -> None:
         """The fence moved to ``state``."""
@@ -25,8 +39,28 @@ class Observer(Protocol):
         """Staging bytes held now, at peak, and the capacity."""
 
 
+class PublishObserver(Protocol):
+    def version_published(self, version: int, nbytes: int) -> None:
+        """A version of ``nbytes`` was published by this rank."""
+
+    def receivers_acked(self, done: int, registered: int) -> None:
+        """``done`` of ``registered`` receivers are done with the last version."""
+
+    def watch_served(self, served_bytes: Callable[[], int | None]) -> None:
+        """Where to read the bytes peers have read from this rank (None: the transport can't tell)."""
+
+
 class NullObserver:
+    def stage_enter(self, stage: str) -> None:
+        pass
+
     def stage_item(self, stage: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def transport_read(self, transport: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def queues(self, queues: Mapping[str, QueueStats]) -> None:
         pass
 
     def fence_state(self, state: str) -> None:
@@ -36,6 +70,15 @@ class NullObserver:
         pass
 
     def budget(self, used_bytes: int, peak_bytes: int, capacity_bytes: int) -> None:
+        pass
+
+    def version_published(self, version: int, nbytes: int) -> None:
+        pass
+
+    def receivers_acked(self, done: int, registered: int) -> None:
+        pass
+
+    def watch_served(self, served_bytes: Callable[[], int | None]) -> None:
         pass
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -22,7 +23,7 @@ class BudgetStatistics:
 class ByteBudget:
     """Counts staging bytes. ``acquire`` waits for room; nothing may be held beyond ``capacity_bytes``."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, on_change: Callable[[BudgetStatistics], None] | None = None) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"budget capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self._capacity = capacity_bytes
@@ -30,6 +31,7 @@ class ByteBudget:
         self._peak = 0
         self._waiting = 0
         self._freed = anyio.Event()
+        self._on_change = on_change
 
     @property
     def capacity_bytes(self) -> int:
@@ -42,6 +44,7 @@ class ByteBudget:
             raise anyio.WouldBlock
         self._used += nbytes
         self._peak = max(self._peak, self._used)
+        self._changed()
 
     async def acquire(self, nbytes: int) -> None:
         """Take ``nbytes``, waiting until enough has been released."""
@@ -67,6 +70,11 @@ class ByteBudget:
         self._used -= nbytes
         self._freed.set()
         self._freed = anyio.Event()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.statistics())
 
     def reset_peak(self) -> None:
         self._peak = self._used

@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectSendStream
 
 from refitflow.core.errors import RefitError
 from refitflow.core.types import Identity, Publication
@@ -97,6 +98,9 @@ async def run_pipeline(
     s_tr, r_tr = anyio.create_memory_object_stream[Any](depth)
     s_app, r_app = anyio.create_memory_object_stream[Any](depth)
     s_ver, r_ver = anyio.create_memory_object_stream[Any](depth)
+    queues = {"plan": s_pub, "allocate": s_plan, "pull": s_alloc, "translate": s_pull, "apply": s_tr}
+    queues |= {"verify": s_app, "commit": s_ver}
+    ctx.observer.queues({k: _stats(v) for k, v in queues.items()})
     try:
         try:
             async with anyio.create_task_group() as tg:
@@ -128,4 +132,14 @@ async def run_pipeline(
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 ledger.abort(opened[0], reason)
         raise
+    finally:
+        ctx.observer.queues({})
     return opened[0]
+
+
+def _stats(stream: MemoryObjectSendStream[Any]) -> Callable[[], tuple[int, int]]:
+    def read() -> tuple[int, int]:
+        s = stream.statistics()
+        return s.current_buffer_used, int(s.max_buffer_size)
+
+    return read

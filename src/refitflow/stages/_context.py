@@ -80,13 +80,17 @@ class StageContext:
         for m in pub.manifests:
             self.transport.connect(m.source)
 
-    def note(self, stage: str, items: int, nbytes: int, seconds: float) -> None:
-        """Account work a stage did (for the result's table and the observer)."""
+    def enter(self, stage: str) -> None:
+        self.observer.stage_enter(stage)
+
+    def note(self, stage: str, items: int, nbytes: int, seconds: float, *, item: bool = True) -> None:
+        """Account work a stage did (for the result's table; ``item``: one item left, tell the observer)."""
         row = self.stats.setdefault(stage, [0, 0, 0.0])
         row[0] += items
         row[1] += nbytes
         row[2] += seconds
-        self.observer.stage_item(stage, nbytes, seconds)
+        if item:
+            self.observer.stage_item(stage, nbytes, seconds)
 
 
 @dataclass(eq=False, slots=True)

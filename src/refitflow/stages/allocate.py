@@ -14,6 +14,7 @@ __all__ = ["run"]
 async def run(ctx: StageContext, receive: ObjectReceiveStream, send: ObjectSendStream[Work]) -> None:
     async with receive, send:
         async for bucket in receive:
+            ctx.enter("allocate")
             t0 = time.perf_counter()
             work = Work(bucket)
             if bucket.staging_bytes:

@@ -20,6 +20,7 @@ def _copy_all(copies: list) -> None:
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     async with receive, send:
         async for work in receive:
+            ctx.enter("apply")
             t0 = time.perf_counter()
             if work.copies:
                 assert ctx.attempt is not None

@@ -18,6 +18,7 @@ __all__ = ["run"]
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
     async with receive:
         async for work in receive:
+            ctx.enter("commit")
             t0 = time.perf_counter()
             assert ctx.attempt is not None  # begun before the first bucket was planned
             for p in work.bucket.pieces:
@@ -27,4 +28,4 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
         return  # discovery failed or refused: its error propagates from its own task
     t0 = time.perf_counter()
     ctx.attempt.prepare()
-    ctx.note("commit", 0, 0, time.perf_counter() - t0)
+    ctx.note("commit", 0, 0, time.perf_counter() - t0, item=False)

@@ -24,6 +24,7 @@ async def run(
 ) -> None:
     """Wait (up to ``timeout``) for a complete version ≥ ``min_version``; ``begin`` may refuse it."""
     async with send:
+        ctx.enter("discover")
         t0 = time.perf_counter()
         pub = await registry.wait_complete(identity, min_version, timeout)
         ctx.connect_sources(pub)

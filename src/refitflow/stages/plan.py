@@ -313,6 +313,7 @@ async def run(
     """Plan the publication, then send its buckets downstream in order."""
     async with receive, send:
         async for pub in receive:
+            ctx.enter("plan")
             t0 = time.perf_counter()
             plan = cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan

@@ -31,6 +31,7 @@ def reads_of(ctx: StageContext, work: Work) -> list[Read]:
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     async with receive, send:
         async for work in receive:
+            ctx.enter("pull")
             t0 = time.perf_counter()
             assert ctx.attempt is not None
             if work.bucket.direct_bytes:
@@ -38,6 +39,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             # the same plan's bucket replays the same ranges (staging placement is deterministic);
             # the key is a hint: a transport re-checks addresses before replaying prepared descriptors
             key = (ctx.plan.serial, work.bucket.index, -1 if work.lease is None else work.lease.offset)
+            t_read = time.perf_counter()
             with anyio.move_on_after(ctx.limits.read_timeout_s) as scope:
                 await ctx.transport.read(reads_of(ctx, work), key=key)
             if scope.cancelled_caught:
@@ -45,5 +47,6 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
                     f"reads of bucket {work.bucket.index} took longer than {ctx.limits.read_timeout_s} s",
                     version=ctx.attempt.version,
                 )
+            ctx.observer.transport_read(ctx.transport.name, work.bucket.nbytes, time.perf_counter() - t_read)
             ctx.note("pull", 1, work.bucket.nbytes, time.perf_counter() - t0)
             await send.send(work)

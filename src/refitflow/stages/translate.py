@@ -32,6 +32,7 @@ def copies_of(ctx: StageContext, work: Work) -> list:
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     async with receive, send:
         async for work in receive:
+            ctx.enter("translate")
             t0 = time.perf_counter()
             work.copies = copies_of(ctx, work)
             ctx.note("translate", 1, work.bucket.staging_bytes, time.perf_counter() - t0)

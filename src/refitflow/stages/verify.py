@@ -45,6 +45,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
     digests: dict = {}
     async with receive, send:
         async for work in receive:
+            ctx.enter("verify")
             t0 = time.perf_counter()
             if not digests:
                 assert ctx.publication is not None

@@ -73,6 +73,11 @@ class Transport(ABC):
         Raises ``TransportError`` on any failure.
         """
 
+    @property
+    def served_bytes(self) -> int | None:
+        """Bytes peers have read from this agent's regions, where the transport can tell (else None)."""
+        return None
+
     @abstractmethod
     async def aclose(self) -> None:
         """Release every registration and peer."""

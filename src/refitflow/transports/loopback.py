@@ -33,6 +33,7 @@ class LoopbackTransport(Transport):
         self._by_ptr: dict[tuple[int, int], int] = {}
         self._ids = itertools.count()
         self._closed = False
+        self._served = 0
         _AGENTS[self._agent] = self
 
     @property
@@ -69,7 +70,12 @@ class LoopbackTransport(Transport):
             raise TransportError(f"peer {read.peer!r} has no region {read.region}")
         if read.offset + read.nbytes > region.numel() or read.dst.numel() != read.nbytes:
             raise TransportError(f"read [{read.offset}, +{read.nbytes}) outside region {read.region}")
+        peer._served += read.nbytes
         return region[read.offset : read.offset + read.nbytes]
+
+    @property
+    def served_bytes(self) -> int:
+        return self._served
 
     async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
         if self._closed:
