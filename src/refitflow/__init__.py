@@ -4,6 +4,7 @@ Publish a version on the trainer, refit it on the inference ranks; each rank com
 transactionally (nothing half-updated is ever served). See README.md and docs/architecture.md.
 """
 
+from refitflow.api.engine import EngineMember, EngineOutcome
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
 from refitflow.api.registry import Registry
@@ -24,19 +25,25 @@ from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
+from refitflow.pipeline.vote import Ballot, Decision, GlooVote, VoteChannel
 from refitflow.transports import LoopbackTransport, Transport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ApplyMode",
+    "Ballot",
     "BudgetStatistics",
     "ByteBudget",
     "ConfigError",
     "CoverageError",
+    "Decision",
+    "EngineMember",
+    "EngineOutcome",
     "Fence",
     "FenceState",
     "FencedError",
+    "GlooVote",
     "Identity",
     "IntegrityError",
     "LoopbackTransport",
@@ -59,5 +66,6 @@ __all__ = [
     "Transport",
     "TransportError",
     "VersionError",
+    "VoteChannel",
     "__version__",
 ]

@@ -101,6 +101,11 @@ class Ledger:
             else:
                 self.fence.set(txn.fence_before, txn.fence_reason_before)
 
+    def fence_for_peers(self, reason: str) -> None:
+        """Close the fence because the engine's peers are inconsistent with this rank."""
+        self.first_failure = self.first_failure or reason
+        self.fence.set(FenceState.FENCED, reason)
+
     def _expect(self, txn: Transaction, state: TxnState) -> None:
         if txn is not self.open or txn.state is not state:
             raise VersionError(f"transaction is {txn.state.value}, expected {state.value}", version=txn.version)

@@ -1,0 +1,67 @@
+"""Engine-wide atomic commit over a real gloo group of three rank processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from typing import Any
+
+from refitflow.pipeline.vote import Ballot, Decision, decide
+from tests.pipeline.engine_worker import run_rank
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_engine(scenario: str, mode: str) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=run_rank, args=(r, port, scenario, mode, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    expected = 2 if scenario == "killed" else 3
+    results = dict(queue.get(timeout=90) for _ in range(expected))
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode is not None, "a rank hung"
+    return results
+
+
+def test_decide_rule() -> None:
+    ready = Ballot(True, True, 7)
+    assert decide([ready, ready]) is Decision.COMMIT
+    assert decide([ready, Ballot(True, True, 8)]) is Decision.ABORT
+    assert decide([ready, Ballot(False, True, 7)]) is Decision.ABORT
+    assert decide([ready, None]) is Decision.ABORT
+    assert decide([Ballot(False, False, -1), Ballot(False, False, -1)]) is Decision.NOTHING
+    assert decide([ready, Ballot(False, False, -1)]) is Decision.ABORT
+
+
+def test_clean_attempt_commits_on_every_rank() -> None:
+    results = run_engine("clean", "in_place")
+    assert all(r.get("committed") and r["serves_new"] and r["fence"] == "ready" for r in results.values()), results
+
+
+def test_one_rank_failing_a_bucket_aborts_all_in_place_ranks_fenced() -> None:
+    results = run_engine("fail", "in_place")
+    assert all(not r.get("committed") and r["decision"] == "abort" for r in results.values()), results
+    assert all(r["fence"] == "fenced" for r in results.values()), results
+
+
+def test_one_rank_refusing_begin_aborts_the_others_and_is_fenced_too() -> None:
+    results = run_engine("refuse", "shadow")
+    assert all(not r.get("committed") and r["decision"] == "abort" for r in results.values()), results
+    assert results[2]["began"] == [True, True, False] and results[2]["fence"] == "fenced"
+    for rank in (0, 1):  # shadow: the old version keeps serving
+        assert results[rank]["fence"] == "ready" and results[rank]["serves_old"], results
+
+
+def test_a_rank_killed_mid_vote_means_no_rank_commits_and_none_hangs() -> None:
+    results = run_engine("killed", "shadow")
+    assert set(results) == {0, 1}
+    for r in results.values():
+        assert not r.get("committed") and r["decision"] == "abort" and r["serves_old"], results
