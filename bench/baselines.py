@@ -37,6 +37,10 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def _buckets(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
     out: list[list[str]] = [[]]
     size = 0
@@ -74,7 +78,7 @@ def _gloo_rank(rank: int, port: int, size: int, versions: int, q: Any) -> None:
                     off += nb
         times.append(time.perf_counter() - t0)
     if rank == 1:
-        exact = all(torch.equal(a, b) for a, b in zip(model.values(), synthetic_model(size, seed=0).values()))
+        exact = _same(model, synthetic_model(size, seed=0))
         q.put({"seconds": min(times), "rss": _rss_bytes(), "exact": exact})
     dist.destroy_process_group()
 
@@ -108,7 +112,7 @@ def _shm_receiver(path: str, size: int, go: Any, done: Any, q: Any) -> None:
         del loaded
         times.append(time.time() - t0)
         done.put(True)
-    exact = all(torch.equal(a, b) for a, b in zip(model.values(), synthetic_model(size, seed=0).values()))
+    exact = _same(model, synthetic_model(size, seed=0))
     q.put({"seconds": min(times), "rss": _rss_bytes(), "exact": exact})
 
 
