@@ -15,6 +15,7 @@ enforce remote deregistration, so memory a peer may still read must not be freed
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -79,6 +80,7 @@ class NixlTransport(Transport):
         self._cache_size = cache_size
         self._closed = False
         self.prepared = 0  # descriptor preparations made (a replay makes none)
+        self.prep_seconds = 0.0  # time spent describing reads and preparing descriptors
 
     @property
     def agent(self) -> str:
@@ -166,9 +168,11 @@ class NixlTransport(Transport):
 
     async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
         self._check_open()
+        t0 = time.perf_counter()
         for (peer, lmem, rmem), (larr, rarr) in self._describe([r for r in reads if r.nbytes]).items():
             ckey = None if key is None else (key, peer, lmem, rmem)
             prepared = self._prepare(ckey, peer, lmem, rmem, larr, rarr)
+            self.prep_seconds += time.perf_counter() - t0
             try:
                 await self._transfer(prepared.handles[2], peer)
             except BaseException:
@@ -177,27 +181,25 @@ class NixlTransport(Transport):
                 raise
             if ckey is None:
                 self._release(prepared)
+            t0 = time.perf_counter()
 
     def _describe(self, reads: Sequence[Read]) -> dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]]:
         """Per (peer, local mem, remote mem): coalesced local and remote Nx3 descriptor arrays."""
         n = len(reads)
-        raddr = np.empty(n, dtype=np.uint64)
-        rkey = np.empty(n, dtype=np.int64)
-        rdev = np.empty(n, dtype=np.uint64)
+        rows: list[tuple[int, int, int, int, int]] = []  # remote addr, region, devid, local addr, nbytes
         groups: dict[tuple[str, str], list[int]] = {}
         for i, r in enumerate(reads):
             peer = self._peers.get(r.peer)
-            if peer is None:
-                raise TransportError(f"nixl peer {r.peer!r} is not connected")
-            info = peer.regions.get(r.region)
+            info = None if peer is None else peer.regions.get(r.region)
             if info is None:
-                raise TransportError(f"peer {r.peer!r} has no region {r.region}")
-            if r.offset < 0 or r.offset + r.nbytes > info.nbytes or r.dst.numel() * r.dst.element_size() != r.nbytes:
+                why = "is not connected" if peer is None else f"has no region {r.region}"
+                raise TransportError(f"nixl peer {r.peer!r} {why}")
+            if r.offset < 0 or r.offset + r.nbytes > info.nbytes or r.dst.nbytes != r.nbytes:
                 raise TransportError(f"read [{r.offset}, +{r.nbytes}) outside region {r.region} of {r.peer!r}")
-            raddr[i], rkey[i], rdev[i] = info.addr + r.offset, r.region, info.devid
+            rows.append((info.addr + r.offset, r.region, info.devid, r.dst.data_ptr(), r.nbytes))
             groups.setdefault((r.peer, info.mem), []).append(i)
-        laddr = np.fromiter((r.dst.data_ptr() for r in reads), dtype=np.uint64, count=n)
-        nbytes = np.fromiter((r.nbytes for r in reads), dtype=np.uint64, count=n)
+        table = np.array(rows, dtype=np.uint64).reshape(n, 5)
+        raddr, rkey, rdev, laddr, nbytes = table.T
         if self._index is None:
             self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
         infos = self._index.infos
