@@ -51,6 +51,8 @@ class _Peer:
     address: bytes
     regions: dict[int, RegionInfo]
     epoch: int
+    md: bytes  # NIXL agent metadata, loaded into the agent on first read (off the event loop)
+    loaded: bool = False
 
 
 @dataclass(slots=True)
@@ -149,16 +151,24 @@ class NixlTransport(Transport):
         if peer is not None and peer.address == source.metadata:
             return
         regions, md = unpack_address(source.metadata)
-        name = self._nx.call("add_remote_agent", self._nx.agent.add_remote_agent, md)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != source.agent:
-            raise TransportError(f"address of {source.agent!r} carries the metadata of agent {name!r}")
         self._forget(lambda k: k[1] == source.agent)  # prepared against the old snapshot
-        self._peers[source.agent] = _Peer(source.metadata, regions, next(_EPOCHS))
+        self._peers[source.agent] = _Peer(source.metadata, regions, next(_EPOCHS), md)
+
+    async def _load(self, agent: str) -> None:
+        """Give NIXL the peer's metadata (a refresh if it knew an older snapshot): ~10 ms, so off the loop."""
+        peer = self._peers[agent]
+        name = await anyio.to_thread.run_sync(
+            self._nx.call, "add_remote_agent", self._nx.agent.add_remote_agent, peer.md
+        )
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != agent:
+            raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
+        peer.loaded = True
 
     def _drop_peer(self, agent: str) -> None:
         self._forget(lambda k: k[1] == agent)
-        if self._peers.pop(agent, None) is not None:
+        peer = self._peers.pop(agent, None)
+        if peer is not None and peer.loaded:
             try:
                 self._nx.call("remove_remote_agent", self._nx.agent.remove_remote_agent, agent)
             except TransportError:
@@ -171,6 +181,10 @@ class NixlTransport(Transport):
         t0 = time.perf_counter()
         for (peer, lmem, rmem), (larr, rarr) in self._describe([r for r in reads if r.nbytes]).items():
             ckey = None if key is None else (key, peer, lmem, rmem)
+            if not self._peers[peer].loaded:
+                self.prep_seconds += time.perf_counter() - t0
+                await self._load(peer)  # connection set-up, not counted as descriptor preparation
+                t0 = time.perf_counter()
             prepared = self._prepare(ckey, peer, lmem, rmem, larr, rarr)
             self.prep_seconds += time.perf_counter() - t0
             try:
