@@ -1,6 +1,6 @@
 """NIXL refit GB/s vs raw NIXL READ vs one-thread memcpy, publisher in another process, one run.
 
-    python bench/nixl_bench.py [--size-mb 256] [--tensors 100]   # --tensors 10 / 1000 for the extremes
+    python bench/nixl_bench.py [--size-mb 256] [--tensors 100] [--agents 1]   # --tensors 10 / 1000
 
 Prints: one-thread ``copy_`` GB/s; raw NIXL READ GB/s of the same bytes (every tensor one read, one
 ``NixlTransport.read`` call, prepared once, then replayed); end-to-end refit GB/s per version (a
@@ -47,9 +47,9 @@ def memcpy_gbps(nbytes: int) -> float:
     return nbytes / min(times) / 1e9
 
 
-async def raw_read_gbps(manifest: rf.Manifest, dst: dict[str, torch.Tensor]) -> tuple[float, float]:
+async def raw_read_gbps(manifest: rf.Manifest, dst: dict[str, torch.Tensor], agents: int) -> tuple[float, float]:
     """(first READ incl. preparation and wire-up, best replay) GB/s of every tensor in one read call."""
-    tr = NixlTransport()
+    tr = NixlTransport(num_agents=agents)
     try:
         for t in dst.values():
             tr.register(t)
@@ -90,20 +90,24 @@ async def main() -> None:
     ap.add_argument("--size-mb", type=float, default=256, help="model size in MiB")
     ap.add_argument("--tensors", type=int, default=100)
     ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--agents", type=int, default=1, help="receiver agents to stripe reads over")
     args = ap.parse_args()
     numel = int(args.size_mb * 2**20 / 4 / args.tensors)
     spec = {"tensors": args.tensors, "numel": numel, "model": "bench"}
     dst = {f"layers.{i}.weight": torch.zeros(numel + i % 7) for i in range(args.tensors)}
     nbytes = sum(t.nbytes for t in dst.values())
-    print(f"{args.tensors} fp32 tensors, {nbytes / 2**20:.0f} MiB; publisher in another process; GB/s = 1e9 B/s")
+    print(
+        f"{args.tensors} fp32 tensors, {nbytes / 2**20:.0f} MiB; publisher in another process; "
+        f"receiver agents {args.agents}; GB/s = 1e9 B/s"
+    )
     print(f"one-thread memcpy (torch copy_, 1 thread):  {memcpy_gbps(nbytes):6.2f} GB/s")
     registry, identity = rf.Registry(), rf.Identity(model="bench")
     async with Peer(spec) as peer:
         first = await peer.publish(1, 1)
-        cold, warm = await raw_read_gbps(first, dst)
+        cold, warm = await raw_read_gbps(first, dst, args.agents)
         print(f"raw NIXL READ, first (prep + wire-up):      {cold:6.2f} GB/s")
         print(f"raw NIXL READ, replayed (best of 5):        {warm:6.2f} GB/s")
-        transport = NixlTransport()
+        transport = NixlTransport(num_agents=args.agents)
         async with rf.Receiver(dst, registry, identity=identity, transport=transport) as recv:
             await registry.publish(first)
             for version in range(1, args.versions + 1):

@@ -128,3 +128,25 @@ async def test_reads_coalesce_and_refuse_unregistered_or_out_of_range_memory() -
         await owner.aclose()
     with pytest.raises(rf.TransportError, match="closed"):
         reader.register(dst)
+
+
+@pytest.mark.asyncio
+async def test_reads_striped_over_two_agents_are_bit_exact_and_replayed() -> None:
+    owner, reader = NixlTransport(), NixlTransport(num_agents=2)
+    src = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    dst = torch.zeros_like(src)
+    try:
+        with anyio.fail_after(20):
+            region = owner.register(src)
+            reader.register(dst)
+            reader.connect(owner.address())
+            half = 6 << 20
+            reads = [Read(owner.agent, region, 0, half, dst[:half]), Read(owner.agent, region, half, half, dst[half:])]
+            for _ in range(3):
+                src.add_(1)
+                await reader.read(reads, key="big")  # coalesced to one range, cut in two, one per agent
+                assert torch.equal(dst, src)
+            assert reader.prepared == 2
+    finally:
+        await reader.aclose()
+        await owner.aclose()

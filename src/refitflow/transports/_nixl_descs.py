@@ -16,8 +16,9 @@ import numpy as np
 import orjson
 
 from refitflow.core.errors import TransportError
+from refitflow.transports.base import Read
 
-__all__ = ["LocalIndex", "RegionInfo", "coalesce", "descs", "pack_address", "unpack_address"]
+__all__ = ["LocalIndex", "RegionInfo", "coalesce", "describe", "descs", "pack_address", "stripe", "unpack_address"]
 
 MAGIC = b"RFNIXL1\n"
 MEM_TYPES = ("DRAM", "VRAM")
@@ -112,3 +113,62 @@ def descs(addrs: np.ndarray, nbytes: np.ndarray, devids: np.ndarray | Sequence[i
     out[:, 1] = nbytes
     out[:, 2] = devids
     return out
+
+
+def describe(
+    reads: Sequence[Read], regions_of: Mapping[str, Mapping[int, RegionInfo]], index: LocalIndex
+) -> dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]]:
+    """Per (peer, local mem, remote mem): coalesced local and remote Nx3 descriptor arrays of ``reads``.
+
+    One Python pass over the reads (validation and addresses), the rest in numpy.
+    """
+    n = len(reads)
+    rows: list[tuple[int, int, int, int, int]] = []  # remote addr, region, devid, local addr, nbytes
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(reads):
+        regions = regions_of.get(r.peer)
+        info = None if regions is None else regions.get(r.region)
+        if info is None:
+            why = "is not connected" if regions is None else f"has no region {r.region}"
+            raise TransportError(f"nixl peer {r.peer!r} {why}")
+        if r.offset < 0 or r.offset + r.nbytes > info.nbytes or r.dst.nbytes != r.nbytes:
+            raise TransportError(f"read [{r.offset}, +{r.nbytes}) outside region {r.region} of {r.peer!r}")
+        rows.append((info.addr + r.offset, r.region, info.devid, r.dst.data_ptr(), r.nbytes))
+        groups.setdefault((r.peer, info.mem), []).append(i)
+    raddr, rkey, rdev, laddr, nbytes = np.array(rows, dtype=np.uint64).reshape(n, 5).T
+    lpos = index.locate(laddr, nbytes) if n else np.empty(0, dtype=np.int64)
+    ldev = np.array([i.devid for i in index.infos], dtype=np.uint64)[lpos]
+    lvram = np.array([i.mem == "VRAM" for i in index.infos], dtype=bool)[lpos]
+    out = {}
+    for (agent, rmem), members in groups.items():
+        idx = np.asarray(members, dtype=np.int64)
+        for lmem, sel in (("DRAM", idx[~lvram[idx]]), ("VRAM", idx[lvram[idx]])):
+            if len(sel):
+                la, ra, nb, first = coalesce(laddr[sel], raddr[sel], nbytes[sel], lpos[sel], rkey[sel])
+                out[(agent, lmem, rmem)] = (descs(la, nb, ldev[sel][first]), descs(ra, nb, rdev[sel][first]))
+    return out
+
+
+def stripe(larr: np.ndarray, rarr: np.ndarray, k: int, min_bytes: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut a descriptor pair list into ``k`` parts of (nearly) equal bytes, splitting ranges at the cuts.
+
+    Fewer than ``k * min_bytes`` bytes stay in one part.
+    """
+    sizes = larr[:, 1]
+    total = int(sizes.sum())
+    if k <= 1 or total < k * min_bytes:
+        return [(larr, rarr)]
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+    bounds = (np.arange(1, k, dtype=np.uint64) * np.uint64(total)) // np.uint64(k) & ~np.uint64(4095)
+    cuts = np.union1d(starts, bounds)  # every segment start: a range's start or a stripe boundary
+    ends = np.append(cuts[1:], np.uint64(total))
+    idx = np.searchsorted(starts, cuts, side="right") - 1
+    off = cuts - starts[idx]
+    parts = []
+    which = np.searchsorted(bounds, cuts, side="right")
+    for arr in (larr, rarr):
+        seg = arr[idx].copy()
+        seg[:, 0] += off
+        seg[:, 1] = ends - cuts
+        parts.append(seg)
+    return [(parts[0][which == j], parts[1][which == j]) for j in range(k)]

@@ -8,6 +8,9 @@ and transfer handle: a replay compares the new descriptor arrays with the cached
 numpy equality) and only reposts the handle. A peer whose metadata changed, or a local
 deregistration, invalidates what was prepared against it.
 
+``num_agents > 1`` stripes each read across that many agents of this process, one thread each
+(measured ≈1.7× one agent's copy rate over cma); peers only ever see the first agent.
+
 Registered tensors are referenced for as long as they are registered: NIXL over cma does not
 enforce remote deregistration, so memory a peer may still read must not be freed and reused.
 """
@@ -27,23 +30,24 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from refitflow.core.errors import TransportError
+from refitflow.core.errors import ConfigError, TransportError
 from refitflow.core.types import SourceAddress
 from refitflow.transports._nixl_agent import LockedAgent
-from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, coalesce, descs, pack_address, unpack_address
+from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
 from refitflow.transports.base import Read, Transport
 
 __all__ = ["NixlTransport"]
 
 _EPOCHS = itertools.count(1)
 _VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
+_MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
 
 
 @dataclass(slots=True)
 class _Local:
     tensor: torch.Tensor  # keeps the memory alive while registered
     info: RegionInfo
-    dlist: Any  # nixlRegDList, None for empty tensors
+    dlists: list[Any]  # one nixlRegDList per agent; empty for empty tensors
 
 
 @dataclass(slots=True)
@@ -51,7 +55,7 @@ class _Peer:
     address: bytes
     regions: dict[int, RegionInfo]
     epoch: int
-    md: bytes  # NIXL agent metadata, loaded into the agent on first read (off the event loop)
+    md: bytes  # NIXL agent metadata, loaded into the agents on first read (off the event loop)
     loaded: bool = False
 
 
@@ -60,17 +64,28 @@ class _Prepared:
     larr: np.ndarray
     rarr: np.ndarray
     epochs: tuple[int, int]  # (peer epoch, local epoch) it was prepared under
+    nx: LockedAgent
     handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
+
+
+CacheKey = tuple[Hashable, str, str, str, int]  # (read key, peer, local mem, remote mem, stripe)
 
 
 class NixlTransport(Transport):
     name = "nixl"
 
     def __init__(
-        self, *, agent_name: str | None = None, progress_interval_s: float = 0.005, cache_size: int = 1024
-    ) -> None:
+        self, *, agent_name: str | None = None, num_agents: int = 1, progress_interval_s: float = 0.005,
+        cache_size: int = 1024,
+    ) -> None:  # fmt: skip
+        if num_agents < 1:
+            raise ConfigError(f"num_agents must be at least 1, got {num_agents}")
         name = agent_name or f"refitflow-{uuid.uuid4().hex[:12]}"
-        self._nx = LockedAgent(name, progress_interval_s=progress_interval_s)
+        self._agents = [
+            LockedAgent(name if i == 0 else f"{name}-stripe{i}", progress_interval_s=progress_interval_s)
+            for i in range(num_agents)
+        ]
+        self._nx = self._agents[0]  # the one peers know: owner of the address, progressed by a thread
         self._local: dict[int, _Local] = {}
         self._by_ptr: dict[tuple[int, int], int] = {}
         self._ids = itertools.count()
@@ -78,7 +93,7 @@ class NixlTransport(Transport):
         self._address: SourceAddress | None = None
         self._local_epoch = 0
         self._peers: dict[str, _Peer] = {}
-        self._cache: OrderedDict[tuple[Hashable, str, str, str], list[_Prepared]] = OrderedDict()
+        self._cache: OrderedDict[CacheKey, list[_Prepared]] = OrderedDict()
         self._cache_size = cache_size
         self._closed = False
         self.prepared = 0  # descriptor preparations made (a replay makes none)
@@ -104,15 +119,18 @@ class NixlTransport(Transport):
             mem, devid = "VRAM", tensor.get_device()
         else:
             raise TransportError(f"nixl cannot register memory on {tensor.device}")
-        info = RegionInfo(tensor.data_ptr(), nbytes, devid, mem)
-        dlist = None
-        if nbytes:
-            rows = [(info.addr, nbytes, devid, "")]
-            dlist = self._nx.call("register_memory", self._nx.agent.register_memory, rows, mem)
-            if dlist is None:
-                raise TransportError(f"nixl refused to register {nbytes} bytes of {mem}")
+        local = _Local(tensor.detach(), RegionInfo(tensor.data_ptr(), nbytes, devid, mem), [])
+        try:
+            for nx in self._agents if nbytes else []:
+                dlist = nx.call("register_memory", nx.agent.register_memory, [(key[0], nbytes, devid, "")], mem)
+                if dlist is None:
+                    raise TransportError(f"nixl refused to register {nbytes} bytes of {mem}")
+                local.dlists.append(dlist)
+        except BaseException:
+            self._deregister(local)
+            raise
         region = next(self._ids)
-        self._local[region] = _Local(tensor.detach(), info, dlist)
+        self._local[region] = local
         self._by_ptr[key] = region
         self._changed()
         self._nx.start_progress()
@@ -125,8 +143,12 @@ class NixlTransport(Transport):
         self._by_ptr.pop((local.info.addr, local.info.nbytes), None)
         self._local_epoch += 1  # prepared local descriptors may name this registration
         self._changed()
-        if local.dlist is not None and not self._closed:
-            self._nx.call("deregister_memory", self._nx.agent.deregister_memory, local.dlist)
+        self._deregister(local)
+
+    def _deregister(self, local: _Local) -> None:
+        for nx, dlist in zip(self._agents, local.dlists, strict=False):
+            nx.call("deregister_memory", nx.agent.deregister_memory, dlist)
+        local.dlists.clear()
 
     def _changed(self) -> None:
         self._address = None
@@ -157,20 +179,19 @@ class NixlTransport(Transport):
     async def _load(self, agent: str) -> None:
         """Give NIXL the peer's metadata (a refresh if it knew an older snapshot): ~10 ms, so off the loop."""
         peer = self._peers[agent]
-        name = await anyio.to_thread.run_sync(
-            self._nx.call, "add_remote_agent", self._nx.agent.add_remote_agent, peer.md
-        )
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != agent:
-            raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
+        for nx in self._agents:
+            name = await anyio.to_thread.run_sync(nx.call, "add_remote_agent", nx.agent.add_remote_agent, peer.md)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != agent:
+                raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
         peer.loaded = True
 
     def _drop_peer(self, agent: str) -> None:
         self._forget(lambda k: k[1] == agent)
         peer = self._peers.pop(agent, None)
-        if peer is not None and peer.loaded:
+        for nx in self._agents if peer is not None and peer.loaded else []:
             try:
-                self._nx.call("remove_remote_agent", self._nx.agent.remove_remote_agent, agent)
+                nx.call("remove_remote_agent", nx.agent.remove_remote_agent, agent)
             except TransportError:
                 pass  # already unusable; connect() adds it afresh
 
@@ -179,58 +200,44 @@ class NixlTransport(Transport):
     async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
         self._check_open()
         t0 = time.perf_counter()
-        for (peer, lmem, rmem), (larr, rarr) in self._describe([r for r in reads if r.nbytes]).items():
-            ckey = None if key is None else (key, peer, lmem, rmem)
+        if self._index is None:
+            self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
+        regions = {agent: peer.regions for agent, peer in self._peers.items()}
+        for (peer, lmem, rmem), (larr, rarr) in describe([r for r in reads if r.nbytes], regions, self._index).items():
             if not self._peers[peer].loaded:
                 self.prep_seconds += time.perf_counter() - t0
                 await self._load(peer)  # connection set-up, not counted as descriptor preparation
                 t0 = time.perf_counter()
-            prepared = self._prepare(ckey, peer, lmem, rmem, larr, rarr)
+            parts = stripe(larr, rarr, len(self._agents), _MIN_STRIPE)
+            ckeys = [None if key is None else (key, peer, lmem, rmem, i) for i in range(len(parts))]
+            prepared = [
+                self._prepare(ck, self._agents[i], peer, lmem, rmem, la, ra)
+                for i, (ck, (la, ra)) in enumerate(zip(ckeys, parts, strict=True))
+            ]
             self.prep_seconds += time.perf_counter() - t0
             try:
-                await self._transfer(prepared.handles[2], peer)
-            except BaseException:
-                self._forget(lambda k, ck=ckey: k == ck)
-                self._release(prepared)  # idempotent; also covers an uncached one
+                if len(prepared) == 1:
+                    await self._transfer(prepared[0], peer)
+                else:
+                    async with anyio.create_task_group() as tg:
+                        for p in prepared:
+                            tg.start_soon(self._transfer, p, peer)
+            except BaseException as exc:
+                self._forget(lambda k, cks=ckeys: k in cks)
+                for p in prepared:
+                    self._release(p)  # idempotent; also covers uncached ones
+                if isinstance(exc, BaseExceptionGroup):
+                    err = next((e for e in exc.exceptions if isinstance(e, TransportError)), None)
+                    if err is not None:
+                        raise err from err.__cause__
                 raise
-            if ckey is None:
-                self._release(prepared)
+            if key is None:
+                for p in prepared:
+                    self._release(p)
             t0 = time.perf_counter()
 
-    def _describe(self, reads: Sequence[Read]) -> dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]]:
-        """Per (peer, local mem, remote mem): coalesced local and remote Nx3 descriptor arrays."""
-        n = len(reads)
-        rows: list[tuple[int, int, int, int, int]] = []  # remote addr, region, devid, local addr, nbytes
-        groups: dict[tuple[str, str], list[int]] = {}
-        for i, r in enumerate(reads):
-            peer = self._peers.get(r.peer)
-            info = None if peer is None else peer.regions.get(r.region)
-            if info is None:
-                why = "is not connected" if peer is None else f"has no region {r.region}"
-                raise TransportError(f"nixl peer {r.peer!r} {why}")
-            if r.offset < 0 or r.offset + r.nbytes > info.nbytes or r.dst.nbytes != r.nbytes:
-                raise TransportError(f"read [{r.offset}, +{r.nbytes}) outside region {r.region} of {r.peer!r}")
-            rows.append((info.addr + r.offset, r.region, info.devid, r.dst.data_ptr(), r.nbytes))
-            groups.setdefault((r.peer, info.mem), []).append(i)
-        table = np.array(rows, dtype=np.uint64).reshape(n, 5)
-        raddr, rkey, rdev, laddr, nbytes = table.T
-        if self._index is None:
-            self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
-        infos = self._index.infos
-        lpos = self._index.locate(laddr, nbytes) if n else np.empty(0, dtype=np.int64)
-        ldev = np.array([i.devid for i in infos], dtype=np.uint64)[lpos]
-        lvram = np.array([i.mem == "VRAM" for i in infos], dtype=bool)[lpos]
-        out = {}
-        for (agent, rmem), members in groups.items():
-            idx = np.asarray(members, dtype=np.int64)
-            for lmem, sel in (("DRAM", idx[~lvram[idx]]), ("VRAM", idx[lvram[idx]])):
-                if len(sel):
-                    la, ra, nb, first = coalesce(laddr[sel], raddr[sel], nbytes[sel], lpos[sel], rkey[sel])
-                    out[(agent, lmem, rmem)] = (descs(la, nb, ldev[sel][first]), descs(ra, nb, rdev[sel][first]))
-        return out
-
     def _prepare(
-        self, ckey: tuple[Hashable, str, str, str] | None, peer: str, lmem: str, rmem: str,
+        self, ckey: CacheKey | None, nx: LockedAgent, peer: str, lmem: str, rmem: str,
         larr: np.ndarray, rarr: np.ndarray,
     ) -> _Prepared:  # fmt: skip
         """The cached transfer for these exact arrays, or a freshly prepared one (cached under ``ckey``)."""
@@ -241,18 +248,18 @@ class NixlTransport(Transport):
                 if ckey is not None:
                     self._cache.move_to_end(ckey)
                 return p
-        agent, handles = self._nx.agent, []
+        handles: list[Any] = []
         try:
-            with self._nx.lock, self._nx.translated("descriptor preparation"):
-                handles.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", larr, lmem))
-                handles.append(agent.prep_xfer_dlist(peer, rarr, rmem))
+            with nx.lock, nx.translated("descriptor preparation"):
+                handles.append(nx.agent.prep_xfer_dlist("NIXL_INIT_AGENT", larr, lmem))
+                handles.append(nx.agent.prep_xfer_dlist(peer, rarr, rmem))
                 idx = np.arange(len(larr), dtype=np.int64)
-                handles.append(agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx))
+                handles.append(nx.agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx))
         except BaseException:
-            self._release(_Prepared(larr, rarr, epochs, tuple(handles)))
+            self._release(_Prepared(larr, rarr, epochs, nx, tuple(handles)))
             raise
         self.prepared += 1
-        prepared = _Prepared(larr, rarr, epochs, tuple(handles))
+        prepared = _Prepared(larr, rarr, epochs, nx, tuple(handles))
         if ckey is not None:
             variants = [*variants, prepared]
             for old in variants[:-_VARIANTS]:
@@ -264,21 +271,18 @@ class NixlTransport(Transport):
                     self._release(old)
         return prepared
 
-    async def _transfer(self, handle: Any, peer: str) -> None:
+    async def _transfer(self, prepared: _Prepared, peer: str) -> None:
         """Post the READ off the event loop; poll a pending one with growing sleeps (no spinning)."""
-
-        def post() -> str:
-            return str(self._nx.call("transfer", self._nx.agent.transfer, handle))
-
+        nx, handle = prepared.nx, prepared.handles[2]
         try:
-            state = await anyio.to_thread.run_sync(post)
+            state = str(await anyio.to_thread.run_sync(nx.call, "transfer", nx.agent.transfer, handle))
             delay = 50e-6
             while state == "PROC":
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 0.002)
-                state = self._nx.try_state(handle) or "PROC"
+                state = nx.try_state(handle) or "PROC"
         except TransportError as exc:
-            if isinstance(exc.__cause__, self._nx.disconnected):
+            if isinstance(exc.__cause__, nx.disconnected):
                 self._drop_peer(peer)
             raise
         if state != "DONE":
@@ -289,7 +293,7 @@ class NixlTransport(Transport):
     def _release(self, prepared: _Prepared) -> None:
         for h in reversed(prepared.handles):
             try:
-                with self._nx.lock, self._nx.translated("handle release"):
+                with prepared.nx.lock, prepared.nx.translated("handle release"):
                     h.release()
             except TransportError:
                 pass  # e.g. a transfer to a dead peer that cannot be cancelled: nothing more to do
