@@ -150,3 +150,30 @@ async def test_reads_striped_over_two_agents_are_bit_exact_and_replayed() -> Non
     finally:
         await reader.aclose()
         await owner.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_refreshed_peer_address_invalidates_prepared_descriptors() -> None:
+    owner, reader = NixlTransport(), NixlTransport()
+    n = 1 << 20
+    dst = torch.zeros(n, dtype=torch.uint8)
+    try:
+        with anyio.fail_after(20):
+            old = torch.full((n,), 3, dtype=torch.uint8)
+            region = owner.register(old)
+            reader.register(dst)
+            reader.connect(owner.address())
+            await reader.read([Read(owner.agent, region, 0, n, dst)], key="k")
+            assert bool((dst == 3).all()) and reader.prepared == 1
+            # the owner swaps storages; the new one may well sit at the old address (same descriptors)
+            owner.deregister(region)
+            del old
+            gc.collect()
+            new = torch.full((n,), 9, dtype=torch.uint8)
+            region = owner.register(new)
+            reader.connect(owner.address())
+            await reader.read([Read(owner.agent, region, 0, n, dst)], key="k")
+            assert torch.equal(dst, new) and reader.prepared == 2  # prepared afresh, not replayed
+    finally:
+        await reader.aclose()
+        await owner.aclose()
