@@ -1,7 +1,7 @@
 """The NIXL transport: one-sided READs of peers' registered memory (UCX; cma between local processes).
 
-``nixl`` is imported when a ``NixlTransport`` is created, never at package import. One agent per
-transport, driven under one lock (see ``_nixl_agent``); every NIXL failure becomes a
+``nixl`` is imported when a ``NixlTransport`` is created, never at package import. Each agent is
+driven under its own lock (see ``_nixl_agent``); every NIXL failure becomes a
 ``TransportError``. Reads are described as vectorised Nx3 descriptor arrays, coalesced, and run
 off the event loop. A read ``key`` (a cached plan's bucket) keeps its prepared descriptor lists
 and transfer handle: a replay compares the new descriptor arrays with the cached ones (cheap
@@ -9,7 +9,8 @@ numpy equality) and only reposts the handle. A peer whose metadata changed, or a
 deregistration, invalidates what was prepared against it.
 
 ``num_agents > 1`` stripes each read across that many agents of this process, one thread each
-(measured ≈1.7× one agent's copy rate over cma); peers only ever see the first agent.
+(NIXL-NOTES: ≈1.7× one agent over cma; bench/nixl_bench.py here: 1.4×, 256 MiB, 2 shared cores);
+peers only ever see the first agent, the only one with a progress thread.
 
 Registered tensors are referenced for as long as they are registered: NIXL over cma does not
 enforce remote deregistration, so memory a peer may still read must not be freed and reused.
