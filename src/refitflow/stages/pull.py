@@ -7,7 +7,7 @@ import time
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from refitflow.core.errors import RefitTimeoutError
+from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.stages._context import StageContext, Work
 from refitflow.transports.base import Read, as_bytes
 
@@ -41,7 +41,12 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             key = (ctx.plan.serial, work.bucket.index, -1 if work.lease is None else work.lease.offset)
             t_read = time.perf_counter()
             with anyio.move_on_after(ctx.limits.read_timeout_s) as scope:
-                await ctx.transport.read(reads_of(ctx, work), key=key)
+                try:
+                    await ctx.transport.read(reads_of(ctx, work), key=key)
+                except TransportError as exc:
+                    if exc.version is not None:
+                        raise
+                    raise TransportError(exc.reason, version=ctx.attempt.version, tensor=exc.tensor) from exc
             if scope.cancelled_caught:
                 raise RefitTimeoutError(
                     f"reads of bucket {work.bucket.index} took longer than {ctx.limits.read_timeout_s} s",

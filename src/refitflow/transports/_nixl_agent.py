@@ -1,0 +1,95 @@
+"""One NIXL agent behind a lock, progressed by a cheap thread, with its errors made ``TransportError``.
+
+NIXL's default thread-sync mode does no locking, and one agent driven from two threads at once
+crashes (SIGSEGV). Every call here goes through one ``threading.Lock``; the progress thread only
+*tries* the lock, so it never queues behind a long copy. It calls ``get_new_notifs()`` every few
+milliseconds, which is what a data owner must do for connection wire-up (NIXL's own progress
+thread would spin a core instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from refitflow.core.errors import ConfigError, TransportError
+
+__all__ = ["LockedAgent", "load_nixl"]
+
+
+def load_nixl() -> Any:
+    """Import nixl (optional dependency) and silence its stdout logger."""
+    try:
+        import nixl
+    except ImportError as exc:
+        raise ConfigError("the nixl transport needs the nixl package: pip install 'refitflow[nixl]'") from exc
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl
+
+
+class LockedAgent:
+    def __init__(self, name: str, *, progress_interval_s: float = 0.005) -> None:
+        nixl = load_nixl()
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        bindings = nixl._bindings
+        self.errors: tuple[type[BaseException], ...] = tuple(
+            getattr(bindings, n) for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error")
+        )
+        self.disconnected: type[BaseException] = bindings.nixlRemoteDisconnectError
+        self.name = name
+        self.lock = threading.Lock()
+        self.interval = progress_interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        with self.translated("agent creation"):
+            self.agent = nixl_agent(name, config)
+
+    @contextlib.contextmanager
+    def translated(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except self.errors as exc:
+            reason = "peer disconnected" if isinstance(exc, self.disconnected) else str(exc)
+            raise TransportError(f"nixl {what} failed: {type(exc).__name__}: {reason}") from exc
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the agent, under the lock, errors translated."""
+        with self.lock, self.translated(what):
+            return fn(*args)
+
+    def try_state(self, handle: Any) -> str | None:
+        """``check_xfer_state`` if the agent is free now, else None (never blocks the caller)."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            with self.translated("check_xfer_state"):
+                return str(self.agent.check_xfer_state(handle))
+        finally:
+            self.lock.release()
+
+    def start_progress(self) -> None:
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._progress, name=f"nixl-progress-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _progress(self) -> None:
+        while not self._stop.wait(self.interval):
+            if not self.lock.acquire(blocking=False):
+                continue  # someone else is driving the agent: that progresses it too
+            try:
+                self.agent.get_new_notifs()  # notifications are not used; this is for wire-up
+            except self.errors:
+                pass  # a dead peer's failed wire-up: readers see it on their own transfers
+            finally:
+                self.lock.release()
+
+    def stop_progress(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None

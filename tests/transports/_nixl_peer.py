@@ -1,0 +1,114 @@
+"""A publisher in its own process, driven over stdin/stdout by ``test_nixl_xproc`` and the bench.
+
+Commands are JSON lines on stdin: ``{"version": v, "seed": s}`` publishes ``model(spec, seed)`` as
+version ``v`` (writing the same tensors in place, so their registrations stay) and answers with a
+line ``RF <manifest as JSON>``. Lines not starting with ``RF `` are noise from libraries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import anyio
+import anyio.to_thread
+import torch
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+import refitflow as rf
+from refitflow.core.wire import manifest_from_dict, manifest_to_dict
+
+PREFIX = "RF "
+SRC = str(pathlib.Path(__file__).resolve().parents[2] / "src")
+
+
+def model(spec: dict, seed: int) -> dict[str, torch.Tensor]:
+    """``spec``: {"tensors": n, "numel": k}; float32 tensors of slightly varying sizes, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = spec["tensors"], spec["numel"]
+    return {f"layers.{i}.weight": torch.randn(k + (i % 7), generator=g) for i in range(n)}
+
+
+class LineRegistry:
+    """Publishes by printing the manifest; every version counts as released (the test drives order)."""
+
+    async def publish(self, manifest: rf.Manifest) -> None:
+        print(PREFIX + json.dumps(manifest_to_dict(manifest)), flush=True)
+
+    async def wait_released(self, identity: rf.Identity, version: int, timeout: float | None) -> None:
+        return None
+
+    async def is_released(self, identity: rf.Identity, version: int) -> bool:
+        return True
+
+
+async def main() -> None:
+    spec = json.loads(sys.argv[1])
+    identity = rf.Identity(model=spec.get("model", "xproc"))
+    tensors: dict[str, torch.Tensor] | None = None
+    async with rf.Publisher(LineRegistry(), identity=identity, transport="nixl") as pub:
+        print(PREFIX + json.dumps({"ready": True}), flush=True)
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+            cmd = json.loads(line)
+            fresh = model(spec, cmd["seed"])
+            if tensors is None:
+                tensors = fresh
+            else:
+                for name, t in fresh.items():
+                    tensors[name].copy_(t)
+            await pub.publish(cmd["version"], tensors)
+
+
+if __name__ == "__main__":
+    anyio.run(main)
+
+
+class Peer:
+    """The receiving side's handle on a publisher process running this file."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.proc: Process | None = None
+
+    async def __aenter__(self) -> Peer:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [env.get("PYTHONPATH")])])
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        argv = [sys.executable, __file__, json.dumps(self.spec)]
+        self.proc = await anyio.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=env)
+        assert self.proc.stdout is not None
+        self._out = BufferedByteReceiveStream(self.proc.stdout)
+        assert (await self._reply()) == {"ready": True}
+        return self
+
+    async def _reply(self) -> dict:
+        while True:
+            line = (await self._out.receive_until(b"\n", 1 << 26)).decode()
+            if line.startswith(PREFIX):
+                return json.loads(line[len(PREFIX) :])
+
+    async def publish(self, version: int, seed: int) -> rf.Manifest:
+        assert self.proc is not None and self.proc.stdin is not None
+        await self.proc.stdin.send(json.dumps({"version": version, "seed": seed}).encode() + b"\n")
+        return manifest_from_dict(await self._reply())
+
+    async def kill(self) -> None:
+        """SIGKILL the publisher and wait until it is gone."""
+        assert self.proc is not None
+        self.proc.kill()
+        await self.proc.wait()
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        with anyio.CancelScope(shield=True):
+            if self.proc.returncode is None:
+                assert self.proc.stdin is not None
+                await self.proc.stdin.aclose()  # end of commands: the publisher exits cleanly
+                with anyio.move_on_after(10):
+                    await self.proc.wait()
+            if self.proc.returncode is None:
+                await self.kill()

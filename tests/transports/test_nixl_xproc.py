@@ -1,0 +1,90 @@
+"""NIXL across processes: a publisher process (``_nixl_peer``), this process receives.
+
+Manifests travel as JSON lines (``core.wire``) and feed an embedded ``rf.Registry`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import anyio
+import pytest
+import torch
+from _nixl_peer import Peer, model
+
+import refitflow as rf
+from refitflow.transports.base import Read
+from refitflow.transports.nixl import NixlTransport
+
+SPEC = {"tensors": 300, "numel": 1000, "model": "xproc"}
+IDENT = rf.Identity(model="xproc")
+
+
+def zeros_like_model() -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in model(SPEC, 0).items()}
+
+
+def same(dst: dict[str, torch.Tensor], seed: int) -> bool:
+    expected = model(SPEC, seed)
+    return set(dst) == set(expected) and all(torch.equal(dst[n], expected[n]) for n in expected)
+
+
+@pytest.mark.asyncio
+async def test_many_small_tensors_from_another_process_are_bit_exact() -> None:
+    registry = rf.Registry()
+    dst = zeros_like_model()
+    with anyio.fail_after(60):
+        async with Peer(SPEC) as peer, rf.Receiver(dst, registry, identity=IDENT, transport="nixl") as recv:
+            for version, seed in ((1, 11), (2, 12), (3, 13)):
+                await registry.publish(await peer.publish(version, seed))
+                result = await recv.refit(version)
+                assert same(dst, seed)
+                assert result.nbytes == sum(t.nbytes for t in dst.values())
+                assert result.plan_cached == (version > 1)
+
+
+class KillBefore(NixlTransport):
+    """Runs ``action`` once, just before the ``nth`` read (a real failure, no mock of NIXL)."""
+
+    def __init__(self, nth: int) -> None:
+        super().__init__()
+        self.nth, self.calls = nth, 0
+        self.action: object = None
+
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+        self.calls += 1
+        if self.calls == self.nth and self.action is not None:
+            await self.action()  # type: ignore[operator]
+        await super().read(reads, key=key)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["in_place", "shadow"])
+async def test_publisher_killed_mid_pull_fails_fast_then_a_live_publisher_commits(mode: str) -> None:
+    registry = rf.Registry()
+    dst = zeros_like_model()
+    transport = KillBefore(nth=3)
+    options = dict(direct_bucket_bytes=64 * 1024, read_timeout_s=10.0, refit_timeout_s=20.0)
+    with anyio.fail_after(90):
+        async with rf.Receiver(dst, registry, identity=IDENT, transport=transport, mode=mode, **options) as recv:
+            async with Peer(SPEC) as first:
+                await registry.publish(await first.publish(1, 21))
+                await recv.refit(1)
+                assert same(dst, 21)
+                transport.action, transport.calls = first.kill, 0
+                await registry.publish(await first.publish(2, 22))
+                with anyio.fail_after(15):  # well inside the refit's own deadline
+                    with pytest.raises((rf.TransportError, rf.RefitTimeoutError)) as caught:
+                        await recv.refit(2)
+            assert caught.value.version == 2
+            if mode == "in_place":
+                assert recv.status.fence == "fenced" and not recv.status.healthy
+            else:
+                assert recv.status.fence == "ready" and same(dst, 21)  # old version intact, still serving
+            assert recv.status.committed_version == 1
+            transport.action = None
+            async with Peer(SPEC) as second:
+                await registry.publish(await second.publish(3, 23))
+                result = await recv.refit(3)
+            assert result.version == 3 and same(dst, 23)
+            assert recv.status.fence == "ready" and recv.status.committed_version == 3
