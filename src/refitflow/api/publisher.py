@@ -75,7 +75,8 @@ class Publisher:
         self.published: list[int] = []
 
     async def __aenter__(self) -> Publisher:
-        self._transport = make_transport(self._transport_spec)
+        # off the loop: a real transport imports its library and creates its agent (seconds)
+        self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
         transport = self._transport
         self.observer.watch_served(lambda: transport.served_bytes)
         return self

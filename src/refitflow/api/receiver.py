@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import anyio
+import anyio.to_thread
 import torch
 
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
@@ -101,7 +102,8 @@ class Receiver:
         self._arena: StagingArena | None = None
 
     async def __aenter__(self) -> Receiver:
-        self._transport = make_transport(self._transport_spec)
+        # off the loop: a real transport imports its library and creates its agent (seconds)
+        self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
         for tensor in self.destination.landing_tensors():
             self._transport.register(tensor)
         device = next(iter(self.destination.params.values())).device
