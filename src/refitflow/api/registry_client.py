@@ -31,14 +31,9 @@ from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import PROTOCOL_VERSION, encode, manifest_from_dict, manifest_to_dict
 
-__all__ = ["ClientSecurity", "RegistryClient", "connect_registry"]
+__all__ = ["ClientSecurity", "RegistryClient"]
 
 log = logging.getLogger(__name__)
-
-
-def connect_registry(spec: Any, **options: Any) -> Any:
-    """A registry object from ``spec``: an address string becomes a :class:`RegistryClient`."""
-    return RegistryClient(spec, **options) if isinstance(spec, str) else spec
 
 
 class RegistryClient:
