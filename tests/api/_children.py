@@ -43,7 +43,7 @@ async def receiver(address: str) -> None:
         ranges = sorted((s.start, s.stop) for m in pub.manifests for s in m.shards)
         say(event="discovered", version=pub.version, ranks=[m.rank for m in pub.manifests], ranges=ranges,
             fetches=client.fetches)  # fmt: skip
-        while await client.latest(IDENTITY, 1) is not None:
+        while await client.latest(IDENTITY, 1) is not None:  # noqa: ASYNC110 (withdrawals are not announced)
             await asyncio.sleep(0.05)
         say(event="gone", t=time.monotonic(), fetches=client.fetches)
 

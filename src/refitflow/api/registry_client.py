@@ -1,19 +1,17 @@
 """A remote registry: the same coroutines as :class:`Registry`, over ZMQ (asyncio only).
 
-One DEALER socket carries every request, each with its own id, so concurrent requests share it;
-a reader task hands each reply to the request waiting for it. Every request has a deadline: a
-registry that doesn't answer raises ``RefitTimeoutError``, and a reply that arrives after its
-deadline (or never) is dropped by id. ``wait_complete`` wakes on the registry's PUB announcement
-(SUB socket) and re-asks every ``requery_s`` in case one was missed. Manifests are fetched once per
-version and cached. While the client holds publications or receivers it heartbeats its lease in a
-background task; when the registry did not know it (restarted, or the lease ran out) it
-re-announces them. The task stops on ``aclose()``.
+Requests go over one ``Channel`` (a DEALER socket with request ids: concurrent requests share it;
+every request has a deadline, and a registry that doesn't answer raises ``RefitTimeoutError``).
+``wait_complete`` wakes on the registry's PUB announcement (SUB socket) and re-asks every
+``requery_s`` in case one was missed. Manifests are fetched once per version and cached. While
+the client holds publications or receivers it heartbeats its lease in a background task; when
+the registry did not know it (restarted, or the lease ran out) it re-announces them. The task
+stops on ``aclose()``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import uuid
 from collections import OrderedDict
@@ -24,12 +22,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from refitflow.api._channel import Channel
 from refitflow.api._client_security import ClientSecurity
-from refitflow.api._messages import decode_message, error_from_reply, identity_to_dict, topic
+from refitflow.api._messages import identity_to_dict, topic
 from refitflow.api.release import ReleasePolicy
 from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import PROTOCOL_VERSION, encode, manifest_from_dict, manifest_to_dict
+from refitflow.core.wire import manifest_from_dict, manifest_to_dict
 
 __all__ = ["ClientSecurity", "RegistryClient"]
 
@@ -56,24 +55,19 @@ class RegistryClient:
         self.requery_s = requery_s
         self.heartbeat_s = heartbeat_s
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self._security = security
-        self._own_context = context is None
-        self._context = context
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._channel = Channel(address, request_timeout_s=request_timeout_s, security=security, context=context)
+        self._request = self._channel.request
         self._sub: zmq.asyncio.Socket | None = None
         self._subscribed: set[bytes] = set()
-        self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._announced = asyncio.Event()
         self._hello: dict[str, Any] | None = None
         self._cache: OrderedDict[tuple[Any, ...], Publication] = OrderedDict()
         self._cache_size = cache_size
+        self._fetching: dict[tuple[Any, ...], asyncio.Future[Publication]] = {}
         self._held: dict[tuple[str, int], Manifest] = {}  # (identity key, rank) -> newest manifest published
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self.fetches = 0  # manifest fetches (for tests and benches: one per new version)
-        self._closed = False
 
     async def __aenter__(self) -> RegistryClient:
         return self
@@ -83,52 +77,6 @@ class RegistryClient:
         await self.aclose()
 
     # -- plumbing ---------------------------------------------------------------------------------
-
-    def _socket(self, kind: int) -> zmq.asyncio.Socket:
-        if self._closed:
-            raise ConfigError("this registry client is closed")
-        if self._context is None:
-            self._context = zmq.asyncio.Context()
-        sock = self._context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self._security is not None:
-            self._security.apply(sock)
-        return sock
-
-    def _dealer_socket(self) -> zmq.asyncio.Socket:
-        if self._dealer is None:
-            self._dealer = self._socket(zmq.DEALER)
-            self._dealer.connect(self.address)
-            self._tasks.append(asyncio.create_task(self._read_replies(self._dealer)))
-        return self._dealer
-
-    async def _read_replies(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                reply = decode_message(frames[-1])
-            except Exception as exc:
-                log.warning("registry client: dropped a malformed reply: %s", exc)
-                continue
-            future = self._pending.pop(reply.get("id"), None)  # type: ignore[arg-type]
-            if future is not None and not future.done():
-                future.set_result(reply)  # a reply whose request gave up has no future: dropped
-
-    async def _request(self, op: str, timeout: float | None = None, **args: Any) -> Any:
-        request_id = next(self._ids)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
-        deadline = self.request_timeout_s if timeout is None else timeout
-        try:
-            await self._dealer_socket().send(encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, **args}))
-            reply = await asyncio.wait_for(future, deadline)
-        except TimeoutError:
-            raise RefitTimeoutError(f"registry at {self.address} did not answer {op!r} within {deadline} s") from None
-        finally:
-            self._pending.pop(request_id, None)
-        if not reply.get("ok"):
-            raise error_from_reply(reply)
-        return reply.get("result")
 
     async def hello(self) -> dict[str, Any]:
         if self._hello is None:
@@ -140,9 +88,9 @@ class RegistryClient:
             pub = str((await self.hello())["pub"])
             if self.address.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
                 pub = f"{self.address.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
-            self._sub = self._socket(zmq.SUB)
+            self._sub = self._channel.socket(zmq.SUB)
             self._sub.connect(pub)
-            self._tasks.append(asyncio.create_task(self._read_announcements(self._sub)))
+            self._channel.spawn(self._read_announcements(self._sub))
         for identity in identities:
             if topic(identity) not in self._subscribed:
                 self._sub.setsockopt(zmq.SUBSCRIBE, topic(identity))
@@ -156,29 +104,18 @@ class RegistryClient:
 
     async def aclose(self) -> None:
         """Stop heartbeating, close the sockets; what this client held expires with its lease."""
-        self._closed = True
-        for task in [*self._tasks, *([self._heartbeat] if self._heartbeat else [])]:
-            task.cancel()
-        for task in [*self._tasks, *([self._heartbeat] if self._heartbeat else [])]:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._tasks, self._heartbeat = [], None
-        for sock in (self._dealer, self._sub):
-            if sock is not None:
-                sock.close(linger=0)
-        self._dealer = self._sub = None
-        for future in self._pending.values():
-            future.cancel()
-        if self._own_context and self._context is not None:
-            self._context.term()
-        self._context = None
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+            self._heartbeat = None
+        for fetching in self._fetching.values():
+            fetching.cancel()
+        await self._channel.aclose()
 
     # -- leases -----------------------------------------------------------------------------------
 
     def _hold_lease(self) -> None:
-        if self._heartbeat is None and not self._closed:
+        if self._heartbeat is None and not self._channel.closed:
             self._heartbeat = asyncio.create_task(self._heartbeat_loop())
 
     async def _heartbeat_loop(self) -> None:
@@ -228,7 +165,11 @@ class RegistryClient:
         key = (tuple(sorted(found["identity"].items())), found["version"], tuple(found["revisions"]))
         pub = self._cache.get(key)
         if pub is None:
-            pub = await self._fetch(found["identity"], found["version"])
+            fetching = self._fetching.get(key)
+            if fetching is None:  # one fetch per version, however many ask at once
+                fetching = self._fetching[key] = asyncio.ensure_future(self._fetch(found["identity"], found["version"]))
+                fetching.add_done_callback(lambda _: self._fetching.pop(key, None))
+            pub = await asyncio.shield(fetching)
             self._cache[key] = pub
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)

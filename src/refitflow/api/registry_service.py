@@ -7,6 +7,7 @@ stale leases, and never lets one bad message stop it serving everyone else.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -99,13 +100,16 @@ async def serve(
         )
         handler = Handler(registry, hello={"lease_s": registry.lease_s, "pub": server.pub_address,
                                            "protocol": PROTOCOL_VERSION}, announce=_announcer(pub))  # fmt: skip
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_serve_requests, router, handler)
-            tg.start_soon(_expire_leases, registry)
-            try:
-                yield server
-            finally:
-                tg.cancel_scope.cancel()
+        # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
+        tasks = [asyncio.create_task(_serve_requests(router, handler)), asyncio.create_task(_expire_leases(registry))]
+        for task in tasks:
+            task.add_done_callback(_log_crash)
+        try:
+            yield server
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         if auth is not None:
             auth.stop()
@@ -143,6 +147,11 @@ async def _answer(router: zmq.asyncio.Socket, handler: Handler, peer: bytes, fra
         await router.send_multipart([peer, reply])
     except zmq.ZMQError as exc:  # the peer went away: its reply is lost, as on any network
         log.info("registry: reply to a departed peer dropped: %s", exc)
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("registry: a service task failed", exc_info=task.exception())
 
 
 async def _expire_leases(registry: Registry) -> None:
