@@ -179,7 +179,8 @@ class RegistryClient:
     async def _fetch(self, identity: dict[str, str], version: int) -> Publication:
         dicts = await self._request("manifests", identity=identity, version=version)
         self.fetches += 1
-        manifests = tuple(manifest_from_dict(d) for d in dicts)
+        # validating thousands of shard specs is CPU work: off the event loop, which keeps serving
+        manifests = await asyncio.to_thread(lambda: tuple(manifest_from_dict(d) for d in dicts))
         if not manifests:
             raise VersionError("the registry returned no manifests", version=version)
         return Publication(identity=manifests[0].identity, version=version, manifests=manifests)
