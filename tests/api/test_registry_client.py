@@ -91,8 +91,10 @@ async def test_wait_complete_wakes_on_announcement_and_filters() -> None:
         ):
             other = rf.Identity(model="m", compile_target="trt")
             waiting = asyncio.create_task(rx.wait_complete(ID, 1, 20, compile_targets=["trt"], metadata={"k": "v"}))
-            await rx.hello()
-            await asyncio.sleep(0.3)  # let the subscription reach the PUB socket (slow joiner); then 60 s requery
+            await pub.publish(manifest(0, 0, identity=other))
+            while rx.announcements == 0:  # until the subscription is up (ZMQ slow joiner)
+                await pub.publish(manifest(0, 1, identity=other))  # completes version 0 (filtered out): announced
+                await asyncio.sleep(0.05)
             await pub.publish(manifest(1, 0, identity=other))
             await pub.publish(manifest(1, 1, identity=other, metadata={"k": "v"}))  # rank 0 lacks k=v: filtered
             await pub.publish(manifest(2, 0, identity=other, metadata={"k": "v", "x": "y"}))
@@ -147,3 +149,19 @@ async def test_curve_refuses_unknown_clients(tmp_path: Path) -> None:
                     with pytest.raises(rf.RefitTimeoutError):
                         await stranger.latest(ID)
             assert await server.registry.versions(ID) == [1]
+
+
+@pytest.mark.asyncio
+async def test_a_vanished_receiver_stops_holding_the_release_back() -> None:
+    with anyio.fail_after(30):
+        async with (
+            rf.Registry.serve("tcp://127.0.0.1:*", lease_s=0.5) as server,
+            RegistryClient(server.address) as publisher,
+        ):
+            vanishing = RegistryClient(server.address, heartbeat_s=0.1)
+            await vanishing.register_receiver(ID, "rx")
+            await publisher.publish(manifest(1, 0))
+            await publisher.publish(manifest(1, 1))
+            assert not await publisher.is_released(ID, 1)
+            await vanishing.aclose()  # no report, no unregister: as a killed receiver
+            await publisher.wait_released(ID, 1, timeout=10)

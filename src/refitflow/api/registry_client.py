@@ -68,6 +68,7 @@ class RegistryClient:
         self._held: dict[tuple[str, int], Manifest] = {}  # (identity key, rank) -> newest manifest published
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self.fetches = 0  # manifest fetches (for tests and benches: one per new version)
+        self.announcements = 0  # announcements received on the SUB socket
 
     async def __aenter__(self) -> RegistryClient:
         return self
@@ -99,6 +100,7 @@ class RegistryClient:
     async def _read_announcements(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             await sock.recv_multipart()
+            self.announcements += 1
             self._announced.set()
             self._announced = asyncio.Event()
 
