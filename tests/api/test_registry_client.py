@@ -165,3 +165,18 @@ async def test_a_vanished_receiver_stops_holding_the_release_back() -> None:
             assert not await publisher.is_released(ID, 1)
             await vanishing.aclose()  # no report, no unregister: as a killed receiver
             await publisher.wait_released(ID, 1, timeout=10)
+
+
+@pytest.mark.asyncio
+async def test_wait_complete_outlasts_a_registry_that_starts_late() -> None:
+    with anyio.fail_after(30):
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+            address = server.address  # a port known free; nothing listens there until below
+        async with RegistryClient(address, request_timeout_s=0.3, requery_s=0.1) as rx:
+            waiting = asyncio.create_task(rx.wait_complete(ID, 1, 20))
+            await asyncio.sleep(0.5)  # long enough for the first requests to time out: the point of the test
+            assert not waiting.done()
+            async with rf.Registry.serve(address), RegistryClient(address) as pub:
+                await pub.publish(manifest(1, 0))
+                await pub.publish(manifest(1, 1))
+                assert (await waiting).version == 1

@@ -199,14 +199,14 @@ class RegistryClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         targets = [identity.compile_target] if compile_targets is None else list(compile_targets)
+        topics = [Identity(**{**identity_to_dict(identity), "compile_target": t}) for t in targets]
         last: Exception | None = None
         try:
             async with asyncio.timeout(timeout):
-                await self._subscribe([Identity(**{**identity_to_dict(identity), "compile_target": t})
-                                       for t in targets])  # fmt: skip
                 while True:
                     announced = self._announced
-                    try:
+                    try:  # subscribe (once) inside the loop: a registry down at first is asked again
+                        await self._subscribe(topics)
                         pub = await self.latest(identity, min_version, compile_targets=compile_targets,
                                                 metadata=metadata)  # fmt: skip
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer
