@@ -73,7 +73,10 @@ class Registry:
     def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
         if owner is not None:
             self._leases[owner] = self._clock()
-            self._owned.setdefault(owner, set()).add(key)
+            owned = self._owned.setdefault(owner, set())
+            if len(owned) >= 64:  # forget versions since dropped, so a long-lived owner's record stays small
+                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._model(k[0]).versions}
+            owned.add(key)
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
         """Record one rank's manifest; republishing a version with other content is refused."""
