@@ -60,11 +60,11 @@ async def test_released_after_every_receiver_is_done_and_old_versions_dropped(id
             with pytest.raises(rf.RefitTimeoutError):
                 await pub.released(1, timeout=0.1)  # r1 has not read it yet
             await pub.publish(2, dict(mlp(4).named_parameters()))
-            assert registry.versions(ident) == [1, 2]  # superseded but not released: kept
+            assert await registry.versions(ident) == [1, 2]  # superseded but not released: kept
             await r1.refit(1)
             await pub.released(1, timeout=1)
             await pub.publish(3, dict(mlp(5).named_parameters()))
-            assert registry.versions(ident) == [2, 3]  # 1: released and superseded, dropped
+            assert await registry.versions(ident) == [2, 3]  # 1: released and superseded, dropped
 
 
 @pytest.mark.asyncio

@@ -17,6 +17,8 @@ import anyio.to_thread
 import torch
 import xxhash
 
+from refitflow.api._connect import connect_registry
+from refitflow.api.release import ReleasePolicy
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity, Manifest, ShardSpec
@@ -38,8 +40,10 @@ class Sharded:
 
 class PublishRegistry(Protocol):
     async def publish(self, manifest: Manifest) -> None: ...
-    async def wait_released(self, identity: Identity, version: int, timeout: float | None) -> None: ...
-    async def is_released(self, identity: Identity, version: int) -> bool: ...
+    async def wait_released(
+        self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
+    ) -> None: ...
+    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool: ...
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
@@ -51,7 +55,7 @@ def digest(tensor: torch.Tensor) -> str:
 class Publisher:
     def __init__(
         self,
-        registry: PublishRegistry,
+        registry: PublishRegistry | str,
         *,
         identity: Identity,
         rank: int = 0,
@@ -59,10 +63,16 @@ class Publisher:
         transport: str | Transport = "loopback",
         metadata: Mapping[str, str] | None = None,
         observer: PublishObserver = NULL_OBSERVER,
+        release_policy: ReleasePolicy | None = None,
     ) -> None:
+        """``registry``: a registry object, or the address of a registry service (a client is opened and
+        closed with the publisher). ``release_policy``: when ``released(version)`` returns (see ReleasePolicy).
+        """
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} must lie in [0, world_size={world_size})")
-        self.registry = registry
+        self._owns_registry = isinstance(registry, str)
+        self.registry: PublishRegistry = connect_registry(registry)
+        self.release_policy = release_policy
         self.identity = identity
         self.rank = rank
         self.world_size = world_size
@@ -84,10 +94,12 @@ class Publisher:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._transport is not None:
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if self._transport is not None:
                 await self._transport.aclose()
-            self._transport = None
+                self._transport = None
+            if self._owns_registry:
+                await self.registry.aclose()  # type: ignore[attr-defined]
 
     @property
     def transport(self) -> Transport:
@@ -147,8 +159,8 @@ class Publisher:
         return manifest
 
     async def released(self, version: int, timeout: float | None = None) -> None:
-        """Return when every registered receiver is done with ``version`` (its tensors may change)."""
-        await self.registry.wait_released(self.identity, version, timeout)
+        """Return when ``version`` is released per the release policy (its tensors may change then)."""
+        await self.registry.wait_released(self.identity, version, timeout, policy=self.release_policy)
         done, registered = await self.registry.acked(self.identity, version)
         self.observer.receivers_acked(done, registered)
 
@@ -156,7 +168,7 @@ class Publisher:
         """Deregister memory only released versions still referenced."""
         latest = self.published[-1]
         for version in [v for v in self._regions_by_version if v != latest]:
-            if await self.registry.is_released(self.identity, version):
+            if await self.registry.is_released(self.identity, version, policy=self.release_policy):
                 del self._regions_by_version[version]
         keep: set[int] = set().union(*self._regions_by_version.values())
         for region in self._known_regions - keep:

@@ -13,6 +13,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from refitflow.api._connect import connect_registry
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Publication
 from refitflow.metrics import NULL_OBSERVER, Observer
@@ -74,7 +75,7 @@ class Receiver:
     def __init__(
         self,
         model: torch.nn.Module | Mapping[str, torch.Tensor],
-        registry: ReceiveRegistry,
+        registry: ReceiveRegistry | str,
         *,
         identity: Identity,
         transport: str | Transport = "loopback",
@@ -85,7 +86,8 @@ class Receiver:
         **options: Any,
     ) -> None:
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
-        self.registry = registry
+        self._owns_registry = isinstance(registry, str)  # an address: a client opened and closed with us
+        self.registry: ReceiveRegistry = connect_registry(registry)
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
@@ -121,6 +123,8 @@ class Receiver:
                 if self._transport is not None:
                     await self._transport.aclose()
                 self._transport = None
+                if self._owns_registry:
+                    await self.registry.aclose()  # type: ignore[attr-defined]
 
     @property
     def status(self) -> ReceiverStatus:

@@ -2,34 +2,66 @@
 
 A version is discoverable once every rank of its publisher's world has published it. Receivers
 register, and report each version they are done with (committed, aborted or skipped); a version is
-*released* when every registered receiver is done with it, and dropped once released and
-superseded by a newer complete version.
+*released* per a :class:`ReleasePolicy` (default: every registered receiver is done with it), and
+dropped once released and superseded by a newer complete version.
+
+Leases: a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
+as that owner heartbeats; ``expire()`` drops what stale owners held, so their versions stop being
+offered. ``Registry.serve(address)`` runs this registry as a ZMQ service (``registry_service``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
+from refitflow.api._checks import check_against
+from refitflow.api.release import ReleasePolicy
+from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
 
+if TYPE_CHECKING:
+    from refitflow.api.registry_service import RegistryServer
+
 __all__ = ["Registry"]
+
+_DEFAULT_POLICY = ReleasePolicy()
 
 
 @dataclass
 class _Model:
     versions: dict[int, dict[int, Manifest]] = field(default_factory=dict)  # version -> rank -> manifest
     receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
+    completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
 
 
 class Registry:
     """In one process. All methods are coroutines, as they are on a remote registry client."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lease_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not lease_s > 0:
+            raise ConfigError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        self.lease_s = lease_s
+        self._clock = clock
         self._models: dict[Identity, _Model] = {}
         self._changed = anyio.Event()
+        self._leases: dict[str, float] = {}  # owner -> last heartbeat
+        self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
+
+    @classmethod
+    def serve(
+        cls, address: str = "tcp://127.0.0.1:7100", **options: Any
+    ) -> AbstractAsyncContextManager[RegistryServer]:
+        """Serve a registry over ZMQ at ``address`` while the context is open (see ``registry_service.serve``)."""
+        from refitflow.api.registry_service import serve
+
+        return serve(address, **options)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -38,53 +70,91 @@ class Registry:
     def _model(self, identity: Identity) -> _Model:
         return self._models.setdefault(identity, _Model())
 
-    async def publish(self, manifest: Manifest) -> None:
+    def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
+        if owner is not None:
+            self._leases[owner] = self._clock()
+            owned = self._owned.setdefault(owner, set())
+            if len(owned) >= 64:  # forget versions since dropped, so a long-lived owner's record stays small
+                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._model(k[0]).versions}
+            owned.add(key)
+
+    async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
         """Record one rank's manifest; republishing a version with other content is refused."""
         model = self._model(manifest.identity)
-        ranks = model.versions.setdefault(manifest.version, {})
-        for other in ranks.values():
-            if other.world_size != manifest.world_size:
-                raise ManifestError(
-                    f"world size {manifest.world_size} disagrees with {other.world_size} of rank {other.rank}",
-                    version=manifest.version,
-                )
+        ranks = model.versions.get(manifest.version, {})
+        check_against(manifest, ranks.values())
         old = ranks.get(manifest.rank)
         if old is not None and old.revision != manifest.revision:
             raise VersionError(
                 f"rank {manifest.rank} already published this version with other content", version=manifest.version
             )
-        ranks[manifest.rank] = manifest
+        model.versions.setdefault(manifest.version, ranks)[manifest.rank] = manifest
+        if len(ranks) == manifest.world_size:
+            model.completed_at.setdefault(manifest.version, self._clock())
+        self._own(owner, (manifest.identity, manifest.version, manifest.rank))
         self._collect(model)
         self._notify()
 
-    def _complete(self, model: _Model, min_version: int) -> Publication | None:
-        for version in sorted(model.versions, reverse=True):
-            if version < min_version:
-                return None
-            ranks = model.versions[version]
-            world = next(iter(ranks.values())).world_size
-            if len(ranks) == world:
+    def _complete(
+        self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None
+    ) -> Publication | None:
+        best: Publication | None = None
+        names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
+        for target in names:
+            model = self._models.get(dataclasses.replace(identity, compile_target=target))
+            if model is None:
+                continue
+            for version in sorted(model.versions, reverse=True):
+                if version < min_version or (best is not None and version <= best.version):
+                    break
+                ranks = model.versions[version]
+                world = next(iter(ranks.values())).world_size
+                if len(ranks) != world:
+                    continue
                 manifests = tuple(ranks[r] for r in range(world))
-                return Publication(identity=manifests[0].identity, version=version, manifests=manifests)
-        return None
+                if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
+                    continue
+                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests)
+                break
+        return best
 
-    async def latest(self, identity: Identity, min_version: int = 0) -> Publication | None:
-        """The newest complete version ≥ ``min_version``, or None."""
-        return self._complete(self._model(identity), min_version)
+    async def latest(
+        self,
+        identity: Identity,
+        min_version: int = 0,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Publication | None:
+        """The newest complete version ≥ ``min_version``, or None.
 
-    async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication:
+        ``compile_targets``: accept any of these compile targets instead of ``identity.compile_target``;
+        ``metadata``: only versions whose every manifest's metadata contains these items.
+        """
+        return self._complete(identity, min_version, compile_targets, metadata)
+
+    async def wait_complete(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Publication:
         """The newest complete version ≥ ``min_version``, waiting up to ``timeout`` seconds for one."""
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                pub = self._complete(self._model(identity), min_version)
+                pub = self._complete(identity, min_version, compile_targets, metadata)
                 if pub is not None:
                     return pub
                 await changed.wait()
         raise RefitTimeoutError(f"no complete version ≥ {min_version} of {identity.model!r} within {timeout} s")
 
-    async def register_receiver(self, identity: Identity, receiver_id: str) -> None:
+    async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None:
         self._model(identity).receivers.setdefault(receiver_id, -1)
+        self._own(owner, (identity, receiver_id, -1))
         self._notify()
 
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
@@ -101,35 +171,71 @@ class Registry:
         self._collect(model)
         self._notify()
 
-    def _released(self, model: _Model, version: int) -> bool:
-        return all(done >= version for done in model.receivers.values())
+    def _released(self, model: _Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
+        done_at = model.completed_at.get(version)
+        age = None if done_at is None else self._clock() - done_at
+        return policy.released(model.receivers.values(), version, age)
 
-    async def is_released(self, identity: Identity, version: int) -> bool:
-        return self._released(self._model(identity), version)
+    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
+        return self._released(self._model(identity), version, policy or _DEFAULT_POLICY)
 
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
         """(receivers done with ``version``, receivers registered)."""
         receivers = self._model(identity).receivers
         return sum(done >= version for done in receivers.values()), len(receivers)
 
-    async def wait_released(self, identity: Identity, version: int, timeout: float | None) -> None:
-        """Return once every registered receiver is done with ``version``."""
+    async def wait_released(
+        self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
+    ) -> None:
+        """Return once ``version`` is released per ``policy`` (default: every registered receiver is done)."""
+        policy = policy or _DEFAULT_POLICY
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                if self._released(self._model(identity), version):
+                model = self._model(identity)
+                if self._released(model, version, policy):
                     return
-                await changed.wait()
+                wake = None
+                if policy.after_s is not None and version in model.completed_at:
+                    wake = max(0.0, model.completed_at[version] + policy.after_s - self._clock()) + 1e-3
+                with anyio.move_on_after(wake):
+                    await changed.wait()
         raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
 
     def _collect(self, model: _Model) -> None:
         """Drop versions that are released and superseded by a newer complete version."""
-        newest = self._complete(model, 0)
-        if newest is None:
+        complete = [v for v, ranks in model.versions.items() if len(ranks) == next(iter(ranks.values())).world_size]
+        if not complete:
             return
-        for version in [v for v in model.versions if v < newest.version and self._released(model, v)]:
+        for version in [v for v in model.versions if v < max(complete) and self._released(model, v)]:
             del model.versions[version]
+            model.completed_at.pop(version, None)
 
-    def versions(self, identity: Identity) -> list[int]:
+    async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
         return sorted(self._model(identity).versions)
+
+    async def heartbeat(self, owner: str) -> bool:
+        """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""
+        known = owner in self._leases
+        self._leases[owner] = self._clock()
+        return known
+
+    def expire(self) -> list[str]:
+        """Drop every owner whose lease ran out, with the manifests and receivers it held."""
+        now = self._clock()
+        stale = [o for o, t in self._leases.items() if now - t > self.lease_s]
+        for owner in stale:
+            del self._leases[owner]
+            for identity, key, rank in self._owned.pop(owner, set()):
+                model = self._model(identity)
+                if isinstance(key, str):
+                    model.receivers.pop(key, None)
+                elif rank in model.versions.get(key, {}):
+                    del model.versions[key][rank]
+                    if not model.versions[key]:
+                        del model.versions[key]
+                        model.completed_at.pop(key, None)
+        if stale:
+            self._notify()
+        return stale

@@ -1,0 +1,75 @@
+"""The registry protocol's messages: orjson dicts carrying ``PROTOCOL_VERSION``, and typed errors.
+
+Request (DEALER → ROUTER, one frame): ``{"v", "id", "op", ...arguments}``.
+Reply (one frame): ``{"v", "id", "ok": true, "result"}`` or ``{"v", "id", "ok": false, "error",
+"message", "version", "tensor"}`` where ``error`` names a class of the refitflow exception tree.
+Announcement (PUB, two frames): topic ``b"complete|" + identity.key()``, then ``{"v", "identity", "version"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refitflow.core import errors
+from refitflow.core.errors import ManifestError, RefitError
+from refitflow.core.types import Identity
+from refitflow.core.wire import PROTOCOL_VERSION, decode, encode
+
+__all__ = [
+    "decode_message", "error_from_reply", "error_reply", "identity_from_dict", "identity_to_dict", "ok_reply", "topic",
+]
+
+_IDENTITY_FIELDS = ("model", "layout", "dtype", "parallelism", "compile_target")
+_ERRORS: dict[str, type[RefitError]] = {
+    name: getattr(errors, name) for name in errors.__all__ if isinstance(getattr(errors, name), type)
+}
+
+
+def identity_to_dict(identity: Identity) -> dict[str, str]:
+    return {name: getattr(identity, name) for name in _IDENTITY_FIELDS}
+
+
+def identity_from_dict(d: Any) -> Identity:
+    if not isinstance(d, dict) or not set(d) <= set(_IDENTITY_FIELDS):
+        raise ManifestError(f"malformed identity {d!r:.80}")
+    return Identity(**d)
+
+
+def topic(identity: Identity) -> bytes:
+    return b"complete|" + identity.key().encode()
+
+
+def ok_reply(request_id: Any, result: Any) -> bytes:
+    return encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": result})
+
+
+def error_reply(request_id: Any, exc: BaseException) -> bytes:
+    if isinstance(exc, RefitError):
+        name, message = type(exc).__name__, exc.reason
+        version, tensor = exc.version, exc.tensor
+    else:
+        name, message, version, tensor = "RefitError", f"registry failed: {type(exc).__name__}: {exc}", None, None
+    return encode({
+        "v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": name, "message": message,
+        "version": version, "tensor": tensor,
+    })  # fmt: skip
+
+
+def error_from_reply(reply: dict[str, Any]) -> RefitError:
+    cls = _ERRORS.get(str(reply.get("error")), RefitError)
+    version, tensor = reply.get("version"), reply.get("tensor")
+    v = version if isinstance(version, int) else None
+    t = tensor if isinstance(tensor, str) else None
+    try:
+        return cls(f"registry refused: {reply.get('message')}", version=v, tensor=t)
+    except TypeError:  # an error class with its own constructor (CoverageError)
+        return RefitError(f"registry refused ({cls.__name__}): {reply.get('message')}", version=v, tensor=t)
+
+
+def decode_message(frame: bytes) -> dict[str, Any]:
+    msg = decode(frame)
+    if not isinstance(msg, dict):
+        raise ManifestError(f"a message must be a JSON object, got {type(msg).__name__}")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ManifestError(f"protocol version {msg.get('v')!r:.20} not supported (we speak {PROTOCOL_VERSION})")
+    return msg

@@ -1,0 +1,57 @@
+"""The README quick start, through a registry service and string addresses (in one process)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+import refitflow as rf
+from refitflow.api.release import ReleasePolicy
+
+
+@pytest.mark.asyncio
+async def test_quickstart_through_registry_service_and_addresses() -> None:
+    with anyio.fail_after(30):
+        identity = rf.Identity(model="tiny")
+        weights = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(3)}
+        model = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+            async with (
+                rf.Publisher(server.address, identity=identity, transport="loopback") as pub,
+                rf.Receiver(model, server.address, identity=identity, transport="loopback") as rcv,
+            ):
+                await pub.publish(1, weights)
+                result = await rcv.refit(timeout=10)
+                assert result.version == 1
+                assert torch.equal(model["w"], weights["w"]) and torch.equal(model["b"], weights["b"])
+                await pub.released(1, timeout=10)
+            assert await server.registry.is_released(identity, 1)
+
+
+@pytest.mark.asyncio
+async def test_release_policy_after_timeout_releases_without_acks() -> None:
+    with anyio.fail_after(30):
+        identity = rf.Identity(model="tiny")
+        registry = rf.Registry()
+        await registry.register_receiver(identity, "silent")
+        async with rf.Publisher(registry, identity=identity, release_policy=ReleasePolicy(after_s=0.2)) as pub:
+            await pub.publish(1, {"w": torch.ones(2)})
+            assert not await registry.is_released(identity, 1)
+            await pub.released(1, timeout=5)
+
+
+@pytest.mark.asyncio
+async def test_release_policy_count_needs_that_many_receivers() -> None:
+    with anyio.fail_after(30):
+        identity = rf.Identity(model="tiny")
+        registry = rf.Registry()
+        for rid in ("a", "b", "c"):
+            await registry.register_receiver(identity, rid)
+        async with rf.Publisher(registry, identity=identity, release_policy=ReleasePolicy(receivers=2)) as pub:
+            await pub.publish(1, {"w": torch.ones(2)})
+            await registry.report(identity, "a", 1)
+            assert not await registry.is_released(identity, 1, policy=pub.release_policy)
+            await registry.report(identity, "b", 1)
+            await pub.released(1, timeout=5)
+            assert not await registry.is_released(identity, 1)  # the default policy still waits for "c"
