@@ -39,11 +39,16 @@ class LineRegistry:
     async def publish(self, manifest: rf.Manifest) -> None:
         print(PREFIX + json.dumps(manifest_to_dict(manifest)), flush=True)
 
-    async def wait_released(self, identity: rf.Identity, version: int, timeout: float | None) -> None:
+    async def wait_released(
+        self, identity: rf.Identity, version: int, timeout: float | None, *, policy: object = None
+    ) -> None:
         return None
 
-    async def is_released(self, identity: rf.Identity, version: int) -> bool:
+    async def is_released(self, identity: rf.Identity, version: int, *, policy: object = None) -> bool:
         return True
+
+    async def acked(self, identity: rf.Identity, version: int) -> tuple[int, int]:
+        return 0, 0
 
 
 async def main() -> None:

@@ -22,12 +22,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if anyio.run(run_demo, cfg) else 1
 
 
-def _passthrough(args: argparse.Namespace) -> int:
-    from refitflow.api.cli_registry import keys_main, registry_main
-
-    return (registry_main if args.command == "registry" else keys_main)(args.rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refitflow", description="RL weight refit.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,17 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget-mb", type=float, default=64.0, help="staging budget per receiver, MiB")
     demo.add_argument("--transport", default="loopback", choices=["loopback", "nixl"])
     demo.set_defaults(run=_demo)
-    for name, text in (
-        ("registry", "run the registry service (refitflow registry --help)"),
-        ("keys", "generate CURVE key pairs for the registry (refitflow keys --help)"),
-    ):
-        p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(run=_passthrough)
+    sub.add_parser("registry", help="run the registry service (refitflow registry --help)", add_help=False)
+    sub.add_parser("keys", help="generate CURVE key pairs for the registry (refitflow keys --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("registry", "keys"):  # these parse their own arguments
+        from refitflow.api.cli_registry import keys_main, registry_main
+
+        return (registry_main if argv[0] == "registry" else keys_main)(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.run(args))
 
