@@ -71,8 +71,19 @@ def request(sock: zmq.Socket[bytes], op: str, **args: Any) -> dict[str, Any]:
         (orjson.dumps({"v": PROTOCOL_VERSION, "id": 1, "op": "latest"}), "ManifestError"),
         (orjson.dumps({"v": PROTOCOL_VERSION, "id": 1, "op": "latest", "identity": {"model": 3}}), "ManifestError"),
         (orjson.dumps({"v": PROTOCOL_VERSION, "id": 1, "op": "publish", "manifest": "x"}), "ManifestError"),
-        (orjson.dumps({"v": PROTOCOL_VERSION, "id": 1, "op": "is_released", "identity": {"model": "m"},
-                       "version": 1, "policy": {"receivers": -1}}), "ConfigError"),
+        (
+            orjson.dumps(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "id": 1,
+                    "op": "is_released",
+                    "identity": {"model": "m"},
+                    "version": 1,
+                    "policy": {"receivers": -1},
+                }
+            ),
+            "ConfigError",
+        ),
     ],
 )
 def test_malformed_message_gets_a_named_error(dealer: zmq.Socket[bytes], frame: bytes, error: str) -> None:
@@ -99,8 +110,11 @@ def test_overlapping_and_disagreeing_ranks_are_refused_by_name(dealer: zmq.Socke
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.floats())
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                          max_size=4), max_leaves=12)
+junk = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
 words = st.sampled_from(["w", "float32", "int8", "bogus", "0123456789abcdef"])
 shard = st.lists(st.one_of(words, st.integers(-3, 10), st.lists(st.integers(-1, 10), max_size=3), junk), max_size=10)
 hostile = st.fixed_dictionaries({}, optional={

@@ -16,7 +16,13 @@ from refitflow.core.types import Identity
 from refitflow.core.wire import PROTOCOL_VERSION, decode, encode
 
 __all__ = [
-    "decode_message", "error_from_reply", "error_reply", "identity_from_dict", "identity_to_dict", "ok_reply", "topic",
+    "decode_message",
+    "error_from_reply",
+    "error_reply",
+    "identity_from_dict",
+    "identity_to_dict",
+    "ok_reply",
+    "topic",
 ]
 
 _IDENTITY_FIELDS = ("model", "layout", "dtype", "parallelism", "compile_target")

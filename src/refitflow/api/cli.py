@@ -11,8 +11,13 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
     from refitflow.api.demo import DemoConfig, run_demo
 
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time warnings after a peer is gone
+    logging.getLogger("nixl").setLevel(logging.WARNING)
     cfg = DemoConfig(
         size_bytes=int(args.size_mb * 10**6),
         versions=args.versions,
@@ -26,10 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refitflow", description="RL weight refit.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="publish and refit a synthetic model, print GB/s and stage times")
-    demo.add_argument("--size-mb", type=float, default=256.0, help="model size in MB (10^6 bytes)")
+    demo.add_argument("--size-mb", type=float, default=1000.0, help="model size in MB (10^6 bytes)")
     demo.add_argument("--versions", type=int, default=3)
-    demo.add_argument("--budget-mb", type=float, default=64.0, help="staging budget per receiver, MiB")
-    demo.add_argument("--transport", default="loopback", choices=["loopback", "nixl"])
+    demo.add_argument("--budget-mb", type=float, default=256.0, help="staging budget per receiver, MiB")
+    demo.add_argument(
+        "--transport", default="nixl", choices=["nixl", "loopback"],
+        help="nixl: trainer and receivers in separate processes; loopback: all in one process",
+    )  # fmt: skip
     demo.set_defaults(run=_demo)
     sub.add_parser("registry", help="run the registry service (refitflow registry --help)", add_help=False)
     sub.add_parser("keys", help="generate CURVE key pairs for the registry (refitflow keys --help)", add_help=False)

@@ -27,12 +27,22 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
     """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--curve-secret F --curve-authorized D]``."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="refitflow registry", description="Serve a refitflow registry over ZMQ.")
-    parser.add_argument("--bind", default=env.get("REFITFLOW_REGISTRY_BIND", "tcp://127.0.0.1:7100"),
-                        help="request endpoint; loopback unless you say otherwise (a '*' port picks a free one)")
-    parser.add_argument("--lease-s", type=float, default=float(env.get("REFITFLOW_REGISTRY_LEASE_S", "10")),
-                        help="seconds without a heartbeat before a publisher's versions stop being offered")
-    parser.add_argument("--curve-secret", default=env.get("REFITFLOW_CURVE_SECRET"),
-                        help="the server's CURVE .key_secret file (enables CURVE)")
+    parser.add_argument(
+        "--bind",
+        default=env.get("REFITFLOW_REGISTRY_BIND", "tcp://127.0.0.1:7100"),
+        help="request endpoint; loopback unless you say otherwise (a '*' port picks a free one)",
+    )
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=float(env.get("REFITFLOW_REGISTRY_LEASE_S", "10")),
+        help="seconds without a heartbeat before a publisher's versions stop being offered",
+    )
+    parser.add_argument(
+        "--curve-secret",
+        default=env.get("REFITFLOW_CURVE_SECRET"),
+        help="the server's CURVE .key_secret file (enables CURVE)",
+    )
     parser.add_argument("--curve-authorized", default=env.get("REFITFLOW_CURVE_AUTHORIZED"),
                         help="folder of the allowed clients' public .key files")  # fmt: skip
     args = parser.parse_args(argv)

@@ -1,91 +1,145 @@
-"""``refitflow demo``: publish several versions of a synthetic model and refit two receivers.
+"""``refitflow demo``: a registry, a trainer process publishing two ranks, and two receiver processes.
 
-One trainer rank publishes; one receiver writes in place, one through a shadow copy. After every
-version both must be bit-exact with the trainer; the demo prints GB/s and per-stage times, with a
-plain ``copy_`` of the same bytes as the reference.
+The trainer publishes a synthetic transformer-shaped bf16 model as world size 2 (each rank holds half
+the rows of every matrix); one receiver refits in place, one through a shadow copy; several versions
+in a row. Every receiver serves Prometheus metrics while it runs. The demo exits 0 only if every
+receiver verified (every byte against the publisher's digests) and committed every version, with
+the publisher's revision. With ``--transport loopback`` (in-process only) the roles run as tasks of
+one process instead.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
-import torch
+import anyio.to_thread
 
-from refitflow.api.publisher import Publisher
-from refitflow.api.receiver import Receiver, RefitResult
+from refitflow.api._demo_roles import RoleConfig, publisher_role, receiver_role, run_role_process
+from refitflow.api._demo_view import DemoView
 from refitflow.api.registry import Registry
-from refitflow.api.synthetic import synthetic_model
-from refitflow.core.types import Identity
+from refitflow.api.synthetic import synthetic_shapes
 
 __all__ = ["DemoConfig", "run_demo"]
 
-STAGES = ("discover", "plan", "allocate", "pull", "translate", "apply", "verify", "commit")
+RECEIVERS = (("in_place", "in_place"), ("shadow", "shadow"))
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    size_bytes: int = 256 * 10**6
+    size_bytes: int = 10**9
     versions: int = 3
-    budget_bytes: int = 64 << 20
-    transport: str = "loopback"
+    budget_bytes: int = 256 << 20
+    transport: str = "nixl"
+    timeout_s: float = 300.0
+
+    @property
+    def roles(self) -> RoleConfig:
+        return RoleConfig(size_bytes=self.size_bytes, versions=self.versions, budget_bytes=self.budget_bytes,
+                          transport=self.transport, timeout_s=self.timeout_s)  # fmt: skip
 
 
-def _copy_gbps(tensors: dict[str, torch.Tensor]) -> float:
-    """A plain one-thread ``copy_`` of the same bytes into warm memory (the reference)."""
-    dst = {n: torch.empty_like(t) for n, t in tensors.items()}
-    for _ in range(2):  # the first pass faults the pages in; time the second
-        t0 = time.perf_counter()
-        for n, t in tensors.items():
-            dst[n].copy_(t)
-        seconds = time.perf_counter() - t0
-    return sum(t.nbytes for t in tensors.values()) / seconds / 1e9
+def _handle(view: DemoView, event: dict[str, Any], nbytes: list[int]) -> None:
+    kind = event["kind"]
+    if kind == "publisher_ready":
+        nbytes[0] = event["nbytes"]
+        view.say(f"trainer: {event['tensors']} tensors, {event['nbytes'] / 1e9:.3f} GB bf16, 2 ranks")
+    elif kind == "published":
+        view.revisions[event["version"]] = event["revision"]
+        view.say(f"v{event['version']} published (digests in {event['seconds'] * 1e3:.0f} ms)")
+    elif kind == "receiver_ready":
+        view.receiver_ready(event["name"], event["metrics_port"])
+    elif kind == "progress":
+        view.progress_event(event["name"], event["stage"], event["done"])
+    elif kind == "refit":
+        view.refit_event(event)
+    elif kind == "error":
+        view.say(f"[red]{event['role']} failed: {event['error']}[/red]")
 
 
-def _stage_line(result: RefitResult) -> str:
-    return "  ".join(f"{s} {result.stages[s].seconds * 1e3:7.1f}" for s in STAGES if s in result.stages)
-
-
-async def run_demo(cfg: DemoConfig, out: object = print) -> bool:
-    """Run the demo; True only if every receiver verified and committed every version bit-exactly."""
-    say = out if callable(out) else print
-    trainer = synthetic_model(cfg.size_bytes)
-    nbytes = sum(t.nbytes for t in trainer.values())
-    servers = {mode: {n: torch.zeros_like(t) for n, t in trainer.items()} for mode in ("in_place", "shadow")}
-    registry = Registry()
-    ident = Identity(model="demo-llama", dtype="bfloat16")
-    say(f"refitflow demo: {len(trainer)} tensors, {nbytes / 1e9:.3f} GB bf16, {cfg.versions} versions, "
-        f"transport={cfg.transport}, staging budget {cfg.budget_bytes / 2**20:.0f} MiB")  # fmt: skip
-    say(f"reference: one-thread copy_ of the same bytes {_copy_gbps(trainer):.2f} GB/s")
-    say(f"{'version':>7} {'receiver':>9} {'GB/s':>6} {'ms':>7}  per-stage busy ms")
-    ok = True
-    async with (
-        Publisher(registry, identity=ident, transport=cfg.transport) as pub,
-        Receiver(servers["in_place"], registry, identity=ident, transport=cfg.transport,
-                 budget_bytes=cfg.budget_bytes, mode="in_place") as r_in,
-        Receiver(servers["shadow"], registry, identity=ident, transport=cfg.transport,
-                 budget_bytes=cfg.budget_bytes, mode="shadow") as r_sh,
-    ):  # fmt: skip
-        for version in range(1, cfg.versions + 1):
-            if version > 1:
-                await pub.released(version - 1, timeout=60)
-                for t in trainer.values():  # a "training step": the tensors change in place
-                    t.add_(0.25)
-            await pub.publish(version, trainer)
-            results: dict[str, RefitResult] = {}
-
-            async def refit(name: str, recv: Receiver, v: int = version, out: dict = results) -> None:
-                out[name] = await recv.refit(v, timeout=60)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(refit, "in_place", r_in)
-                tg.start_soon(refit, "shadow", r_sh)
-            for name, recv in (("in_place", r_in), ("shadow", r_sh)):
-                r = results[name]
-                exact = all(torch.equal(trainer[n], t) for n, t in recv.destination.params.items())
-                ok &= exact and recv.status.committed_version == version
-                say(f"{version:>7} {name:>9} {r.gbps:6.2f} {r.seconds * 1e3:7.1f}  {_stage_line(r)}"
-                    + ("" if exact else "  MISMATCH"))  # fmt: skip
-    say("all versions verified and committed on every receiver" if ok else "FAILED: a receiver is not exact")
+async def run_demo(cfg: DemoConfig) -> bool:
+    total = sum(2 * _numel(s) for s in synthetic_shapes(cfg.size_bytes).values())
+    view = DemoView(total, cfg.versions)
+    view.say(f"refitflow demo: {total / 1e9:.3f} GB model, {cfg.versions} versions, transport {cfg.transport}, "
+             f"staging budget {cfg.budget_bytes / 2**20:.0f} MiB per receiver")  # fmt: skip
+    t0 = time.perf_counter()
+    with view:
+        if cfg.transport == "loopback":
+            await _in_process(cfg, view)
+        else:
+            await _processes(cfg, view)
+    view.table()
+    ok = view.ok([name for name, _ in RECEIVERS])
+    view.say(f"{'all versions verified and committed on every receiver' if ok else 'FAILED'} "
+             f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return ok
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+async def _in_process(cfg: DemoConfig, view: DemoView) -> None:
+    registry, nbytes = Registry(), [0]
+
+    def report(event: dict[str, Any]) -> None:
+        _handle(view, event, nbytes)
+
+    with anyio.fail_after(cfg.timeout_s):
+        async with anyio.create_task_group() as tg:
+            for name, mode in RECEIVERS:
+                tg.start_soon(receiver_role, name, mode, registry, cfg.roles, report)
+            tg.start_soon(publisher_role, registry, cfg.roles, len(RECEIVERS), report)
+
+
+async def _processes(cfg: DemoConfig, view: DemoView) -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    async with Registry.serve("tcp://127.0.0.1:*", lease_s=30) as server:
+        procs = [
+            ctx.Process(target=run_role_process, args=("publisher", (server.address, cfg.roles, len(RECEIVERS)), queue))
+        ]
+        procs += [
+            ctx.Process(target=run_role_process, args=("receiver", (name, mode, server.address, cfg.roles), queue))
+            for name, mode in RECEIVERS
+        ]
+        for p in procs:
+            p.start()
+        running, nbytes = len(procs), [0]
+        try:
+            with anyio.fail_after(cfg.timeout_s):
+                while running:
+                    event = await anyio.to_thread.run_sync(_get, queue, procs)
+                    if event is None:
+                        raise RuntimeError("a demo process died without a word: " + _codes(procs))
+                    if event["kind"] == "exit":
+                        running -= 1
+                    _handle(view, event, nbytes)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+
+
+def _get(queue: Any, procs: list[Any]) -> dict[str, Any] | None:
+    """The next event; None when nothing came for a while and some process is gone."""
+    import queue as queue_mod
+
+    while True:
+        try:
+            event: dict[str, Any] = queue.get(timeout=1.0)
+            return event
+        except queue_mod.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                return None
+
+
+def _codes(procs: list[Any]) -> str:
+    return ", ".join(f"{p.name}: exit {p.exitcode}" for p in procs)

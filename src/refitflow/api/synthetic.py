@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["synthetic_model"]
+__all__ = ["synthetic_model", "synthetic_shapes"]
 
 
-def synthetic_model(
-    total_bytes: int, *, dtype: torch.dtype = torch.bfloat16, hidden: int = 1024, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Llama-like named weights (attention, MLP, norms, embeddings) adding up to about ``total_bytes``."""
-    gen = torch.Generator().manual_seed(seed)
-    item = torch.empty((), dtype=dtype).element_size()
+def synthetic_shapes(total_bytes: int, *, itemsize: int = 2, hidden: int = 1024) -> dict[str, tuple[int, ...]]:
+    """Llama-like weight names and shapes (attention, MLP, norms, embeddings) adding up to about ``total_bytes``."""
+    item = itemsize
     vocab, ffn = 4 * hidden, (8 * hidden) // 3
     per_layer = (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) * item
     fixed = (2 * vocab * hidden + hidden) * item
@@ -32,4 +31,19 @@ def synthetic_model(
             p + "mlp.down_proj.weight": (hidden, ffn),
         }
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
-    return {n: (torch.rand(s, generator=gen) - 0.5).to(dtype) for n, s in shapes.items()}
+    return shapes
+
+
+def synthetic_model(
+    total_bytes: int, *, dtype: torch.dtype = torch.bfloat16, hidden: int = 1024, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A synthetic model of ``synthetic_shapes`` with pseudo-random values (deterministic per seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = synthetic_shapes(total_bytes, itemsize=torch.empty((), dtype=dtype).element_size(), hidden=hidden)
+    base = (torch.rand(1 << 20, generator=gen) - 0.5).to(dtype)  # tiled: fast to build at GB sizes
+    out = {}
+    for k, (name, shape) in enumerate(shapes.items()):
+        numel = math.prod(shape)
+        reps = -(-numel // base.numel())
+        out[name] = (base.roll(k * 7919).repeat(reps)[:numel] + k * 1e-3).view(shape).contiguous()
+    return out
