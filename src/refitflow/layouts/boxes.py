@@ -11,6 +11,7 @@ __all__ = [
     "full",
     "intersect",
     "row_runs",
+    "run_count",
     "shape_of",
     "shift",
     "volume",
@@ -40,12 +41,16 @@ def intersect(a: Box, b: Box) -> Box | None:
 def shift(box: Box, old_origin: Box, new_origin: Box) -> Box:
     """Move ``box`` (inside ``old_origin``) to the same place relative to ``new_origin``.
 
-    ``new_origin`` may have fewer dimensions (leading size-1 dimensions of the old are dropped).
+    The ranks may differ by leading size-1 dimensions (dropped from, or taken from ``new_origin``).
     """
     k = len(old_origin) - len(new_origin)
-    if k < 0 or any(e - s != 1 for s, e in box[:k]):
+    head: Box = ()
+    if k < 0:
+        head, new_origin = new_origin[:-k], new_origin[-k:]
+        k = 0
+    if any(e - s != 1 for s, e in (*box[:k], *head)):
         raise ValueError(f"cannot map box {box} of {old_origin} onto {new_origin}")
-    return tuple(
+    return head + tuple(
         (n0 + s - o0, n0 + e - o0) for (s, e), (o0, _), (n0, _) in zip(box[k:], old_origin[k:], new_origin, strict=True)
     )
 
@@ -64,6 +69,14 @@ def contiguous_span(box: Box, shape: Sequence[int]) -> tuple[int, int] | None:
         return None
     start = sum(s * st for (s, _), st in zip(box, _strides(shape), strict=True))
     return start, volume(box)
+
+
+def run_count(box: Box, shape: Sequence[int]) -> int:
+    """How many contiguous runs ``box`` is made of (see ``row_runs``)."""
+    d = len(shape)
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    return 1 if d <= 1 else math.prod(e - s for s, e in box[: d - 1])
 
 
 def row_runs(box: Box, shape: Sequence[int]) -> list[tuple[int, int]]:

@@ -82,7 +82,10 @@ LayoutMap = dict[str, LocalTensor]
 def canonical_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor of the model and its shape."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden), "model.norm.weight": (d.hidden,)}
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (d.vocab, d.hidden),
+        "model.norm.weight": (d.hidden,),
+    }
     if not d.tied:
         out["lm_head.weight"] = (d.vocab, d.hidden)
     for i in range(d.layers):
@@ -96,7 +99,11 @@ def canonical_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (d.hidden, q),
         }
         if d.qkv_bias:
-            out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            out |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
         if d.qk_norm:
             out |= {p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,)}
         if d.ffn:
@@ -116,7 +123,9 @@ def canonical_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def sliced(canonical: str, global_shape: tuple[int, ...], axis: int | None = None, start: int = 0, stop: int = 0) -> LocalTensor:
+def sliced(
+    canonical: str, global_shape: tuple[int, ...], axis: int | None = None, start: int = 0, stop: int = 0
+) -> LocalTensor:
     """The trivial layout: a local tensor is ``canonical[start:stop]`` along ``axis`` (None: all of it)."""
     box = list(full(global_shape))
     if axis is not None:

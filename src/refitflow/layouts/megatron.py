@@ -5,7 +5,7 @@ from __future__ import annotations
 from refitflow.layouts.canonical import LayoutMap, ModelDims
 from refitflow.layouts.rules import Parallel, Table, build
 
-__all__ = ["TOP", "LAYER", "layout"]
+__all__ = ["LAYER", "TOP", "layout"]
 
 TOP: Table = {
     "embedding.word_embeddings.weight": ("col", ("model.embed_tokens.weight",)),

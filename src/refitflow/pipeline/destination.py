@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from refitflow.core.errors import ConfigError
+from refitflow.layouts.canonical import LocalTensor
 
 __all__ = ["ApplyMode", "Destination"]
 
@@ -23,7 +24,12 @@ class ApplyMode(enum.StrEnum):
 
 
 class Destination:
-    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], mode: ApplyMode) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        mode: ApplyMode,
+        layout: Mapping[str, LocalTensor] | None = None,
+    ) -> None:
         self.mode = mode
         named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model.items()
         self.params: dict[str, torch.Tensor] = {}  # canonical name -> live tensor
@@ -40,6 +46,16 @@ class Destination:
                 self.params[name] = tensor
         if not self.params:
             raise ConfigError("the model has no parameters to refit")
+        self.layout = dict(layout) if layout is not None else None
+        self.layout_key = None if layout is None else tuple(sorted(layout.items()))
+        if self.layout is not None:
+            wrong = sorted(
+                n
+                for n in set(self.params) | set(self.layout)
+                if n not in self.layout or n not in self.params or tuple(self.params[n].shape) != self.layout[n].shape
+            )
+            if wrong:
+                raise ConfigError(f"the parameters do not match the layout (names or shapes): {wrong[:20]}")
         self.shadows: dict[str, torch.Tensor] = (
             {n: torch.empty_like(t.detach()) for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )

@@ -1,6 +1,7 @@
-"""Commit: credit every verified piece to coverage; at the end of input, prepare the transaction.
+"""Commit: credit every verified destination box to coverage; at the end of input, prepare.
 
-Preparing checks that every destination parameter was written exactly once and makes nothing
+Preparing checks that every destination parameter was written exactly once (a fused parameter
+counts only when every box of it arrived, whichever buckets they came in) and makes nothing
 visible; the pipeline's owner finishes (or, after an engine vote, aborts) it.
 """
 
@@ -10,6 +11,7 @@ import time
 
 from anyio.abc import ObjectReceiveStream
 
+from refitflow.layouts.boxes import volume
 from refitflow.stages._context import StageContext, Work
 
 __all__ = ["run"]
@@ -22,7 +24,8 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
             t0 = time.perf_counter()
             assert ctx.attempt is not None  # begun before the first bucket was planned
             for p in work.bucket.pieces:
-                ctx.attempt.record(p.param, p.region_key, p.numel)
+                for s in p.scatters:
+                    ctx.attempt.record(s.param, s.dbox, volume(s.dbox))
             ctx.note("commit", 1, work.bucket.nbytes, time.perf_counter() - t0)
     if ctx.attempt is None:
         return  # discovery failed or refused: its error propagates from its own task
