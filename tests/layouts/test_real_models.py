@@ -31,9 +31,12 @@ def _model(kind: str, kv_heads: int, seed: int = 0) -> torch.nn.Module:
 
 
 async def _refit(
-    trainer: torch.nn.Module, train: tuple[int, int], infer: tuple[int, int], **options
+    trainer: torch.nn.Module, train: tuple[int, int], infer: tuple[int, int], tamper=None, **options
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict], list[rf.RefitResult]]:
-    """Publish the trainer Megatron-sharded at (tp, ep); refit fused ranks at (tp, ep); return them."""
+    """Publish the trainer Megatron-sharded at (tp, ep); refit fused ranks at (tp, ep); return them.
+
+    ``tamper(shards)``: called with each trainer rank's published tensors after publishing.
+    """
     d = hf.dims_from_config(trainer.config)
     canon = to_canonical([(hf.layout(d), trainer.state_dict())], canonical_shapes(d))
     registry, ident = rf.Registry(), rf.Identity(model="tiny", layout="megatron")
@@ -49,7 +52,10 @@ async def _refit(
             pub = await stack.enter_async_context(
                 rf.Publisher(registry, identity=ident, rank=r, world_size=len(tpars), metadata=meta)
             )
-            await pub.publish(1, from_canonical(megatron.layout(d, p), canon))
+            shards = from_canonical(megatron.layout(d, p), canon)
+            await pub.publish(1, shards)
+            if tamper is not None:
+                tamper(shards)
         for m, tensors in zip(maps, ranks, strict=True):
             async with rf.Receiver(tensors, registry, identity=ident, layout=m, **options) as recv:
                 results.append(await recv.refit(1, timeout=10))
