@@ -205,12 +205,17 @@ def _chunks(box: Box, shape: tuple[int, ...], item: int, cap: int, max_runs: int
 
 def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piece]:
     exact = landing.layout is None
-    dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items()}
+    scales = set(landing.derived.values())
+    dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items() if n not in scales}
     groups: dict[tuple[int, str], list[Copy]] = {}
     for c in copies(pub, dest, landing.canonical, exact):
         dst = landing.params[c.param]
         dtype_name(dst.dtype, tensor=c.param)
-        _check_cast(dtype_from_name(c.spec.dtype, tensor=c.spec.name), dst.dtype, limits, c.spec.name)
+        src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
+        if c.param in landing.derived:  # quantised: assembled in fp32 first
+            _check_cast(src, torch.float32, limits, c.spec.name)
+        else:
+            _check_cast(src, dst.dtype, limits, c.spec.name)
         groups.setdefault((c.source, c.spec.name), []).append(c)
     for (source, _), cs in groups.items():
         spec: ShardSpec = cs[0].spec

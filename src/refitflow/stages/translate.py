@@ -28,7 +28,8 @@ def copies_of(ctx: StageContext, work: Work) -> list:
         staged = raw.view(dtype_from_name(p.src_dtype)).view(p.shape)
         for s in p.scatters:
             rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(s.sub, p.box, strict=True))
-            dst = ctx.landing.target(s.param)[box_index(s.dbox)]
+            whole = ctx.landing.assembly(s.param) if s.param in ctx.landing.derived else ctx.landing.target(s.param)
+            dst = whole[box_index(s.dbox)]
             src = staged[box_index(rel)]
             out.append((dst, src if src.shape == dst.shape else src.reshape(dst.shape)))
     return out
