@@ -55,3 +55,24 @@ def test_experts_w13_and_megatron_local_experts() -> None:
     fc1 = meg["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([gate[3], up[3]]))
     assert torch.equal(meg["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"], down[2])
+
+
+def test_legacy_per_expert_names_map_onto_the_stacked_experts() -> None:
+    from refitflow.layouts import hf
+
+    c = _canon(MOE)
+    got = from_canonical(hf.layout(MOE, legacy_experts=True), c)
+    assert torch.equal(got[L + "block_sparse_moe.experts.2.w1.weight"], c[L + "mlp.experts.gate"][2])
+    assert torch.equal(got[L + "block_sparse_moe.experts.2.w3.weight"], c[L + "mlp.experts.up"][2])
+    assert torch.equal(got[L + "block_sparse_moe.experts.3.w2.weight"], c[L + "mlp.experts.down"][3])
+    fused_hf = from_canonical(hf.layout(MOE), c)[L + "mlp.experts.gate_up_proj"]
+    assert torch.equal(fused_hf, torch.cat([c[L + "mlp.experts.gate"], c[L + "mlp.experts.up"]], dim=1))
+
+
+def test_run_helpers_agree() -> None:
+    from refitflow.layouts.boxes import row_runs, run_count, run_length
+
+    shape = (6, 5, 4)
+    for box in [((0, 6), (1, 3), (0, 4)), ((2, 3), (0, 5), (1, 2)), ((0, 6), (0, 5), (0, 4)), ((1, 4), (0, 5), (0, 4))]:
+        runs = row_runs(box, shape)
+        assert len(runs) == run_count(box, shape) and all(n == run_length(box, shape) for _, n in runs)

@@ -107,3 +107,30 @@ def test_compile_filter_rejects_other_targets() -> None:
     with pytest.raises(rf.PlanError, match=r"compile metadata differs on \['quant'\]"):
         check_compile(pub, ReceiverConfig(compile_metadata={"quant": "fp8"}).limits)
     check_compile(pub, ReceiverConfig(compile_targets=("hf_raw",)).limits)
+
+
+def test_replicated_tensors_are_read_once_spread_across_sources() -> None:
+    ident = rf.Identity(model="m")
+    names = [f"t{i}" for i in range(4)]
+
+    def spec(n: str) -> rf.ShardSpec:
+        return rf.ShardSpec(
+            name=n, dtype="float32", global_shape=(8,), axis=None, start=0, stop=8, digest="0" * 16, region=0
+        )
+
+    manifests = tuple(
+        rf.Manifest(
+            identity=ident,
+            version=1,
+            rank=r,
+            world_size=2,
+            source=rf.SourceAddress(transport="loopback", agent=f"a{r}"),
+            shards=tuple(spec(n) for n in names),
+        )
+        for r in range(2)
+    )
+    dest = Destination({n: torch.zeros(8) for n in names}, ApplyMode.IN_PLACE)
+    plan = build_plan(rf.Publication(identity=ident, version=1, manifests=manifests), dest, ReceiverConfig().limits)
+    pieces = [p for b in plan.buckets for p in b.pieces]
+    assert sorted(p.tensor for p in pieces) == names  # each once
+    assert {p.source for p in pieces} == {0, 1}  # from both sources

@@ -12,6 +12,7 @@ __all__ = [
     "intersect",
     "row_runs",
     "run_count",
+    "run_length",
     "shape_of",
     "shift",
     "volume",
@@ -77,6 +78,14 @@ def run_count(box: Box, shape: Sequence[int]) -> int:
     while d > 0 and box[d - 1] == (0, shape[d - 1]):
         d -= 1
     return 1 if d <= 1 else math.prod(e - s for s, e in box[: d - 1])
+
+
+def run_length(box: Box, shape: Sequence[int]) -> int:
+    """Elements per contiguous run of ``box`` (see ``row_runs``)."""
+    d = len(shape)
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    return volume(box) if d <= 1 else (box[d - 1][1] - box[d - 1][0]) * math.prod(shape[d:])
 
 
 def row_runs(box: Box, shape: Sequence[int]) -> list[tuple[int, int]]:

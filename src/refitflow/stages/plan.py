@@ -28,7 +28,18 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import PlanError
 from refitflow.core.types import Publication, ShardSpec
-from refitflow.layouts.boxes import Box, contiguous_span, full, intersect, row_runs, run_count, shape_of, shift, volume
+from refitflow.layouts.boxes import (
+    Box,
+    contiguous_span,
+    full,
+    intersect,
+    row_runs,
+    run_count,
+    run_length,
+    shape_of,
+    shift,
+    volume,
+)
 from refitflow.layouts.canonical import sliced
 from refitflow.stages._context import Landing, Limits, StageContext
 from refitflow.stages._segments import Copy, copies
@@ -164,10 +175,8 @@ def _region_of(c: Copy, shape: tuple[int, ...], item: int, limits: Limits) -> tu
         if aligned:
             return box, False
         return _rows(box, shape, lo // br * br, min(shape[0], -(-hi // br) * br)), True
-    if contiguous_span(box, shape) is None:
-        runs = row_runs(box, shape)[:1]
-        if runs and runs[0][1] * item < limits.min_run_bytes:
-            return _rows(box, shape, *box[0]), True
+    if contiguous_span(box, shape) is None and run_length(box, shape) * item < limits.min_run_bytes:
+        return _rows(box, shape, *box[0]), True
     return box, False
 
 
