@@ -24,6 +24,8 @@ def _model(kind: str, kv_heads: int, seed: int = 0) -> torch.nn.Module:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif kind == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common | {"head_dim": 8}))
     else:
         cfg = tf.MixtralConfig(**common | {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2})
         model = tf.MixtralForCausalLM(cfg)
@@ -73,6 +75,7 @@ CASES = [
     ("llama", 4, (4, 1), (1, 1)),
     ("llama", 2, (1, 1), (2, 1)),
     ("qwen2", 2, (2, 1), (4, 1)),
+    ("qwen3", 2, (2, 1), (1, 1)),
     ("mixtral", 2, (1, 2), (2, 1)),
     ("mixtral", 2, (2, 2), (1, 2)),
 ]
