@@ -134,3 +134,32 @@ def test_replicated_tensors_are_read_once_spread_across_sources() -> None:
     pieces = [p for b in plan.buckets for p in b.pieces]
     assert sorted(p.tensor for p in pieces) == names  # each once
     assert {p.source for p in pieces} == {0, 1}  # from both sources
+
+
+def test_every_gap_and_an_axis_mismatch_are_reported() -> None:
+    ident = rf.Identity(model="m")
+
+    def manifest(r: int, *specs: rf.ShardSpec) -> rf.Manifest:
+        src = rf.SourceAddress(transport="loopback", agent=f"a{r}")
+        return rf.Manifest(identity=ident, version=1, rank=r, world_size=2, source=src, shards=specs)
+
+    def spec(name: str, axis: int, start: int, stop: int) -> rf.ShardSpec:
+        return rf.ShardSpec(
+            name=name,
+            dtype="float32",
+            global_shape=(8, 8),
+            axis=axis,
+            start=start,
+            stop=stop,
+            digest="0" * 16,
+            region=0,
+        )
+
+    dest = Destination({"a": torch.zeros(8, 8), "b": torch.zeros(8, 8)}, ApplyMode.IN_PLACE)
+    limits = ReceiverConfig().limits
+    gaps = (manifest(0, spec("a", 0, 0, 2), spec("b", 1, 0, 4)), manifest(1, spec("a", 0, 4, 8)))
+    with pytest.raises(rf.PlanError, match=r"gap in a axis 0 \[2, 4\); coverage gap in b axis 1 \[4, 8\)"):
+        build_plan(rf.Publication(identity=ident, version=1, manifests=gaps), dest, limits)
+    mixed = (manifest(0, spec("a", 0, 0, 4), spec("b", 0, 0, 8)), manifest(1, spec("a", 1, 4, 8)))
+    with pytest.raises(rf.PlanError, match="axis mismatch: shards of a split on axis 1 and axis 0"):
+        build_plan(rf.Publication(identity=ident, version=1, manifests=mixed), dest, limits)

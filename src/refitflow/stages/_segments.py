@@ -45,6 +45,7 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
     """canonical name -> held boxes (replicas resolved), and canonical name -> shape."""
     held: dict[str, dict[Box, list[Held]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    axes: dict[str, int | None] = {}
     for i, m in enumerate(pub.manifests):
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         shapes |= canon_shapes
@@ -52,6 +53,12 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
             if layout is None:
                 canon = aliases.get(spec.name, spec.name)
                 local = sliced(canon, spec.global_shape, spec.axis, spec.start, spec.stop)
+                axis = axes.setdefault(canon, spec.axis)
+                if axis != spec.axis and None not in (axis, spec.axis):
+                    raise PlanError(
+                        f"axis mismatch: shards of {canon} split on axis {spec.axis} and axis {axis}",
+                        tensor=spec.name, version=pub.version,
+                    )  # fmt: skip
                 if shapes.setdefault(canon, spec.global_shape) != spec.global_shape:
                     raise PlanError(
                         f"shards disagree on the shape: {spec.global_shape} vs {shapes[canon]}",
@@ -120,6 +127,7 @@ def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[s
     if missing:
         raise CoverageError("the publication does not cover every parameter", missing=missing, version=pub.version)
     out: list[Copy] = []
+    gaps: list[PlanError] = []
     for param, lt in dest.items():
         for seg in lt.segments:
             pshape = shapes[seg.canonical]
@@ -137,5 +145,9 @@ def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[s
                 out.append(Copy(h.source, h.spec, shift(common, h.segment.cbox, h.segment.lbox), param,
                                 shift(common, seg.cbox, seg.lbox)))  # fmt: skip
             if sum(volume(b) for b in got) != volume(seg.cbox):
-                raise _gap(seg.canonical, seg.cbox, got, pub.version)
+                gaps.append(_gap(seg.canonical, seg.cbox, got, pub.version))
+    if gaps:  # every gap, before anything is pulled
+        more = f" (and {len(gaps) - 20} more)" if len(gaps) > 20 else ""
+        text = "; ".join(g.reason for g in gaps[:20]) + more
+        raise PlanError(text, tensor=gaps[0].tensor, version=pub.version)
     return out
