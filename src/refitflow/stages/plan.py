@@ -5,7 +5,8 @@ layout, limits) and replayed for every later version with the same layout. Every
 fail (unknown name or dtype, shape mismatch, overlapping or missing shards, a cast nobody asked for)
 fails here, as ``PlanError`` or ``CoverageError``, before any byte is written.
 
-The box copies come from ``_segments`` (receiver segments ∩ publisher segments in canonical space).
+The box copies come from ``_segments`` (receiver segments ∩ publisher segments in canonical space);
+regions and chunks from ``_regions``; the compile filter is ``_filter``.
 Per source shard, copies become *regions* (boxes of the shard read together): a copy's own box, or,
 when its bytes cannot be verified or its runs are too short, the enclosing rows of dim 0 (aligned
 to the digest blocks under ``verify="strict"``); overlapping regions merge. Regions are cut into
@@ -31,17 +32,16 @@ from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import (
     Box,
     contiguous_span,
-    full,
     intersect,
     row_runs,
-    run_count,
-    run_length,
     shape_of,
     shift,
     volume,
 )
 from refitflow.layouts.canonical import sliced
 from refitflow.stages._context import Landing, Limits, StageContext
+from refitflow.stages._filter import check_compile
+from refitflow.stages._regions import chunks, regions
 from refitflow.stages._segments import Copy, copies
 
 __all__ = [
@@ -126,25 +126,6 @@ class Plan:
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
 
 
-def check_compile(pub: Publication, limits: Limits) -> None:
-    """Refuse a publication compiled for a target (or with metadata) this receiver does not accept."""
-    if limits.compile_targets is None and not limits.compile_metadata:
-        return
-    want = dict(limits.compile_metadata)
-    for m in pub.manifests:
-        for s in m.shards:
-            target = s.compile_target or pub.identity.compile_target
-            if limits.compile_targets is not None and target not in limits.compile_targets:
-                raise PlanError(
-                    f"compile target {target!r} is not one of {sorted(limits.compile_targets)}",
-                    tensor=s.name, version=pub.version,
-                )  # fmt: skip
-            have = dict(s.compile_metadata)
-            wrong = sorted(k for k, v in want.items() if have.get(k) != v)
-            if wrong:
-                raise PlanError(f"compile metadata differs on {wrong}", tensor=s.name, version=pub.version)
-
-
 def box_index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(s, e) for s, e in box)
 
@@ -156,60 +137,6 @@ def _check_cast(src: torch.dtype, dst: torch.dtype, limits: Limits, tensor: str)
         if torch.finfo(dst).bits > torch.finfo(src).bits:
             return
     raise PlanError(f"casting {src} to {dst} loses information and lossy_casts is off", tensor=tensor)
-
-
-def _rows(box: Box, shape: tuple[int, ...], lo: int, hi: int) -> Box:
-    return ((lo, hi), *full(shape[1:])) if shape else ()
-
-
-def _region_of(c: Copy, shape: tuple[int, ...], item: int, limits: Limits) -> tuple[Box, bool]:
-    """The box to read for one copy, and whether it was widened to whole rows."""
-    box = c.sbox
-    if not shape:
-        return box, False
-    spec = c.spec
-    if limits.verify == "strict":
-        br = spec.block_rows or spec.rows
-        lo, hi = box[0]
-        aligned = box[1:] == full(shape[1:]) and lo % br == 0 and (hi % br == 0 or hi == shape[0])
-        if aligned:
-            return box, False
-        return _rows(box, shape, lo // br * br, min(shape[0], -(-hi // br) * br)), True
-    if contiguous_span(box, shape) is None and run_length(box, shape) * item < limits.min_run_bytes:
-        return _rows(box, shape, *box[0]), True
-    return box, False
-
-
-def _regions(cs: list[Copy], shape: tuple[int, ...], item: int, limits: Limits) -> list[tuple[Box, list[Copy]]]:
-    """Group one shard's copies into regions; widened (whole-row) regions swallow what they overlap."""
-    items = sorted(((*_region_of(c, shape, item, limits), c) for c in cs), key=lambda x: x[0][0] if x[0] else (0, 0))
-    out: list[list] = []  # [box, widened, members]
-    for box, widened, c in items:
-        last = out[-1] if out else None
-        if last is not None and (last[1] or widened) and box and box[0][0] < last[0][0][1] and intersect(last[0], box):
-            last[0] = _rows(box, shape, min(last[0][0][0], box[0][0]), max(last[0][0][1], box[0][1]))
-            last[1] = True
-            last[2].append(c)
-        else:
-            out.append([box, widened, [c]])
-    return [(b, m) for b, _, m in out]
-
-
-def _chunks(box: Box, shape: tuple[int, ...], item: int, cap: int, max_runs: int) -> Iterator[Box]:
-    """Cut ``box`` into boxes of at most ``cap`` bytes and ``max_runs`` contiguous runs each."""
-    if volume(box) * item <= cap and run_count(box, shape) <= max_runs:
-        yield box
-        return
-    d = next(k for k, (s, e) in enumerate(box) if e - s > 1)
-    one = (*box[:d], (box[d][0], box[d][0] + 1), *box[d + 1 :])
-    step = min(cap // max(volume(one) * item, 1), max_runs // run_count(one, shape))
-    lo, hi = box[d]
-    if step >= 1:
-        for s in range(lo, hi, step):
-            yield (*box[:d], (s, min(hi, s + step)), *box[d + 1 :])
-    else:
-        for s in range(lo, hi):
-            yield from _chunks((*box[:d], (s, s + 1), *box[d + 1 :]), shape, item, cap, max_runs)
 
 
 def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piece]:
@@ -230,7 +157,7 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
         spec: ShardSpec = cs[0].spec
         src_dtype = dtype_from_name(spec.dtype)
         item, shape = src_dtype.itemsize, spec.shape
-        for region, members in _regions(cs, shape, item, limits):
+        for region, members in regions(cs, shape, item, limits):
             c = members[0]
             dst = landing.params[c.param]
             direct = (
@@ -238,7 +165,7 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
                 and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
             )  # fmt: skip
             cap = limits.direct_bucket_bytes if direct else limits.bucket_bytes
-            for chunk in _chunks(region, shape, item, cap, limits.max_strided_runs):
+            for chunk in chunks(region, shape, item, cap, limits.max_strided_runs):
                 scatters = []
                 for m in members:
                     sub = intersect(chunk, m.sbox) if shape else chunk
