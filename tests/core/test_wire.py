@@ -50,3 +50,18 @@ def test_malformed_manifests_are_refused(mutate) -> None:
 def test_bad_json_is_a_manifest_error() -> None:
     with pytest.raises(rf.ManifestError):
         decode(b"{not json")
+
+
+def test_block_digests_and_compile_target_roundtrip() -> None:
+    spec = rf.ShardSpec(
+        name="w", dtype="bfloat16", global_shape=(130, 4), axis=None, start=0, stop=130, digest="0" * 16, region=0,
+        block_rows=64, blocks="A" * 32, compile_target="vllm_fused", compile_metadata=(("quant", "none"),),
+    )  # fmt: skip
+    assert spec.block_count == 3 and spec.block_bytes == 64 * 4 * 2 and len(spec.block_digests()) == 3
+    m = rf.Manifest(
+        identity=rf.Identity(model="m"), version=1, rank=0, world_size=1,
+        source=rf.SourceAddress(transport="loopback", agent="a"), shards=(spec,), metadata={"layout": "{}"},
+    )  # fmt: skip
+    assert manifest_from_dict(decode(encode(manifest_to_dict(m)))) == m
+    with pytest.raises(rf.ManifestError, match="2 block digests for 3 blocks"):
+        rf.ShardSpec(**{**spec.__dict__, "blocks": "AAAAAAAAAAAAAAAAAAAAAA=="})  # 16 bytes

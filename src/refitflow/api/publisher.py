@@ -8,6 +8,8 @@ until ``await pub.released(version)`` returns.
 
 from __future__ import annotations
 
+import base64
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -47,9 +49,27 @@ class PublishRegistry(Protocol):
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
-def digest(tensor: torch.Tensor) -> str:
-    """xxh3_64 of a contiguous CPU tensor's bytes."""
-    return xxhash.xxh3_64(as_bytes(tensor).numpy().data).hexdigest()
+BLOCK_ROWS = 64
+BLOCK_MAX_BYTES = 4 << 20
+
+
+def block_rows(shape: tuple[int, ...], item: int) -> int:
+    """Rows of dim 0 per digest block: 64 (1-D: up to 4 MiB), fewer when 64 rows exceed 4 MiB."""
+    row = math.prod(shape[1:]) * item
+    cap = max(1, BLOCK_MAX_BYTES // max(row, 1))
+    rows = shape[0] if shape else 1
+    return max(1, min(rows, cap if len(shape) <= 1 else min(BLOCK_ROWS, cap)))
+
+
+def digest(tensor: torch.Tensor) -> tuple[str, int, str]:
+    """(digest, block rows, base64 block digests) of a contiguous CPU tensor's bytes."""
+    data = as_bytes(tensor)
+    rows = block_rows(tuple(tensor.shape), tensor.element_size())
+    step = rows * (data.numel() // max(tensor.shape[0], 1) if tensor.dim() else data.numel())
+    raw = b"".join(
+        xxhash.xxh3_64(data[i : i + step].numpy().data).digest() for i in range(0, max(data.numel(), 1), step)
+    )
+    return xxhash.xxh3_64(raw).hexdigest(), rows, base64.b64encode(raw).decode()
 
 
 class Publisher:
@@ -62,6 +82,8 @@ class Publisher:
         world_size: int = 1,
         transport: str | Transport = "loopback",
         metadata: Mapping[str, str] | None = None,
+        compile_target: str = "",
+        compile_metadata: Mapping[str, str] | None = None,
         observer: PublishObserver = NULL_OBSERVER,
         release_policy: ReleasePolicy | None = None,
     ) -> None:
@@ -77,6 +99,9 @@ class Publisher:
         self.rank = rank
         self.world_size = world_size
         self.metadata = dict(metadata or {})
+        self.compile = dict(
+            compile_target=compile_target, compile_metadata=tuple(sorted((compile_metadata or {}).items()))
+        )
         self.observer = observer
         self._transport_spec = transport
         self._transport: Transport | None = None
@@ -122,7 +147,12 @@ class Publisher:
         if tensor.device.type != "cpu" and self.transport.name != "nixl":
             raise ConfigError(f"{name!r} is on {tensor.device}; the {self.transport.name} transport needs CPU")
         fields = dict(
-            dtype=dtype_name(tensor.dtype, tensor=name), global_shape=shape, axis=axis, start=start, stop=stop
+            dtype=dtype_name(tensor.dtype, tensor=name),
+            global_shape=shape,
+            axis=axis,
+            start=start,
+            stop=stop,
+            **self.compile,
         )
         return tensor.detach(), fields
 
@@ -133,13 +163,13 @@ class Publisher:
         prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
 
-        def digest_all() -> list[str]:
+        def digest_all() -> list[tuple[str, int, str]]:
             return [digest(t) for _, t, _ in prepared]
 
         digests = await anyio.to_thread.run_sync(digest_all)
         shards = tuple(
-            ShardSpec(name=name, digest=d, region=regions[name], **fields)
-            for (name, _, fields), d in zip(prepared, digests, strict=True)
+            ShardSpec(name=name, digest=d, block_rows=rows, blocks=blocks, region=regions[name], **fields)
+            for (name, _, fields), (d, rows, blocks) in zip(prepared, digests, strict=True)
         )
         manifest = Manifest(
             identity=self.identity,

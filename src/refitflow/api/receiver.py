@@ -16,6 +16,7 @@ import torch
 from refitflow.api._connect import connect_registry
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Publication
+from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArena
 from refitflow.pipeline.budget import ByteBudget
@@ -50,6 +51,8 @@ class RefitResult:
     version: int
     revision: str
     nbytes: int  # bytes pulled
+    ideal_bytes: int  # the bytes of this rank's slice alone (nbytes above it: widened or enclosing reads)
+    unverified_bytes: int  # pulled bytes no whole digest block covered (verify="pulled" only)
     direct_bytes: int  # of which landed straight in their destination
     seconds: float
     plan_cached: bool
@@ -83,6 +86,7 @@ class Receiver:
         budget_bytes: int = ReceiverConfig.budget_bytes,
         observer: Observer = NULL_OBSERVER,
         receiver_id: str | None = None,
+        layout: Mapping[str, LocalTensor] | None = None,
         **options: Any,
     ) -> None:
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
@@ -91,7 +95,7 @@ class Receiver:
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
-        self.destination = Destination(model, self.config.mode)
+        self.destination = Destination(model, self.config.mode, layout)
         self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
         self.budget = ByteBudget(
             self.config.budget_bytes,
@@ -183,6 +187,7 @@ class Receiver:
         direct = sum(b.direct_bytes for b in ctx.plan.buckets)
         result = RefitResult(
             version=txn.version, revision=txn.revision, nbytes=ctx.plan.nbytes, direct_bytes=direct,
+            ideal_bytes=ctx.plan.ideal_bytes, unverified_bytes=ctx.unverified_bytes,
             seconds=time.perf_counter() - t0, plan_cached=self._plans.misses == misses,
             peak_staging_bytes=stats.peak_bytes,
             stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in ctx.stats.items()},

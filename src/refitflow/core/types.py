@@ -6,6 +6,7 @@ enters (``ManifestError`` naming the problem) and never reaches the planner.
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,11 @@ class ShardSpec:
     """The part of one tensor a source holds, and where its bytes live in the source's memory.
 
     ``axis is None`` means the source holds the whole tensor (replicated or unsharded).
+
+    Integrity is per block of ``block_rows`` rows of dim 0 of the shard: ``blocks`` is the base64 of
+    the blocks' xxh3_64 digests (8 bytes each, big-endian), ``digest`` the xxh3_64 of those bytes.
+    Without ``blocks`` (``block_rows == 0``) the shard is one block and ``digest`` is of its bytes.
+    ``compile_target``/``compile_metadata``: what the bytes were compiled for (receivers may filter).
     """
 
     name: str
@@ -63,6 +69,10 @@ class ShardSpec:
     digest: str
     region: int
     offset: int = 0
+    block_rows: int = 0
+    blocks: str = ""
+    compile_target: str = ""
+    compile_metadata: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -88,6 +98,38 @@ class ShardSpec:
             raise ManifestError("digest missing or not a 16-hex-digit xxh3_64", tensor=self.name)
         if self.region < 0 or self.offset < 0:
             raise ManifestError("negative region or offset", tensor=self.name)
+        if self.block_rows < 0 or bool(self.block_rows) != bool(self.blocks):
+            raise ManifestError("block_rows and blocks go together", tensor=self.name)
+        if self.blocks:
+            try:
+                raw = base64.b64decode(self.blocks, validate=True)
+            except ValueError:
+                raise ManifestError("blocks is not base64", tensor=self.name) from None
+            if len(raw) != 8 * self.block_count:
+                raise ManifestError(f"{len(raw) // 8} block digests for {self.block_count} blocks", tensor=self.name)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * itemsize(self.dtype)
+
+    @property
+    def block_count(self) -> int:
+        return max(1, -(-self.rows // self.block_rows)) if self.block_rows else 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of every block but the last (which may be shorter)."""
+        return self.block_rows * self.row_bytes if self.block_rows else self.nbytes
+
+    def block_digests(self) -> list[str]:
+        if not self.blocks:
+            return [self.digest]
+        raw = base64.b64decode(self.blocks)
+        return [raw[i : i + 8].hex() for i in range(0, len(raw), 8)]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -104,7 +146,10 @@ class ShardSpec:
 
     def layout_key(self) -> tuple[Any, ...]:
         """Everything that shapes a plan, nothing that changes with the bytes."""
-        return (self.name, self.dtype, self.global_shape, self.axis, self.start, self.stop, self.region, self.offset)
+        return (
+            self.name, self.dtype, self.global_shape, self.axis, self.start, self.stop, self.region, self.offset,
+            self.block_rows,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +205,10 @@ class Publication:
         return h.hexdigest()
 
     def layout_key(self) -> tuple[Any, ...]:
-        return tuple((m.rank, m.source.agent, tuple(s.layout_key() for s in m.shards)) for m in self.manifests)
+        return tuple(
+            (m.rank, m.source.agent, m.metadata.get("layout"), tuple(s.layout_key() for s in m.shards))
+            for m in self.manifests
+        )
 
     @property
     def nbytes(self) -> int:

@@ -47,6 +47,8 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
         },
         "shards": [
             [s.name, s.dtype, list(s.global_shape), s.axis, s.start, s.stop, s.digest, s.region, s.offset]
+            + ([s.block_rows, s.blocks] if s.blocks or s.compile_target else [])
+            + ([s.compile_target, dict(s.compile_metadata)] if s.compile_target else [])
             for s in m.shards
         ],
     }
@@ -67,8 +69,14 @@ def manifest_from_dict(d: Any) -> Manifest:
                 digest=_typed(digest, str),
                 region=_typed(region, int),
                 offset=_typed(offset, int),
+                block_rows=_typed(rest[0], int) if rest else 0,
+                blocks=_typed(rest[1], str) if rest else "",
+                compile_target=_typed(rest[2], str) if len(rest) > 2 else "",
+                compile_metadata=tuple(sorted((_typed(k, str), _typed(v, str)) for k, v in rest[3].items()))
+                if len(rest) > 3
+                else (),
             )
-            for name, dtype, shape, axis, start, stop, digest, region, offset in d["shards"]
+            for name, dtype, shape, axis, start, stop, digest, region, offset, *rest in d["shards"]
         )
         return Manifest(
             identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),

@@ -24,6 +24,11 @@ class ReceiverConfig:
     stream_depth: int = 2
     read_timeout_s: float = 60.0
     refit_timeout_s: float = 600.0
+    verify: str = "strict"
+    max_strided_runs: int = 1024
+    min_run_bytes: int = 32
+    compile_targets: tuple[str, ...] | None = None
+    compile_metadata: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode))
@@ -40,6 +45,14 @@ class ReceiverConfig:
             raise ConfigError("direct_bucket_bytes must be at least 64 bytes")
         if self.max_reads_per_bucket < 1 or self.stream_depth < 1:
             raise ConfigError("max_reads_per_bucket and stream_depth must be at least 1")
+        if self.verify not in ("strict", "pulled"):
+            raise ConfigError(f"verify must be 'strict' or 'pulled', got {self.verify!r}")
+        if self.max_strided_runs < 1 or self.min_run_bytes < 0:
+            raise ConfigError("max_strided_runs must be at least 1 and min_run_bytes not negative")
+        if isinstance(self.compile_metadata, dict):
+            object.__setattr__(self, "compile_metadata", tuple(sorted(self.compile_metadata.items())))
+        if self.compile_targets is not None:
+            object.__setattr__(self, "compile_targets", tuple(self.compile_targets))
         if self.read_timeout_s <= 0 or self.refit_timeout_s <= 0:
             raise ConfigError("timeouts must be positive numbers of seconds")
 
@@ -52,6 +65,11 @@ class ReceiverConfig:
             max_reads_per_bucket=self.max_reads_per_bucket,
             lossy_casts=self.lossy_casts,
             read_timeout_s=self.read_timeout_s,
+            verify=self.verify,
+            max_strided_runs=self.max_strided_runs,
+            min_run_bytes=self.min_run_bytes,
+            compile_targets=self.compile_targets,
+            compile_metadata=self.compile_metadata,
         )
 
 

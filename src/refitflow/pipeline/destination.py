@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from refitflow.core.errors import ConfigError
+from refitflow.layouts.canonical import LocalTensor
 
 __all__ = ["ApplyMode", "Destination"]
 
@@ -22,8 +23,22 @@ class ApplyMode(enum.StrEnum):
     SHADOW = "shadow"
 
 
+def _scale(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor]) -> str:
+    scale = name + "_scale_inv"
+    want = (*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)) if t.dim() >= 2 else None
+    got = params.get(scale)
+    if want is None or got is None or tuple(got.shape) != want or got.dtype != torch.float32:
+        raise ConfigError(f"float8 parameter {name!r} needs a float32 {scale!r} of shape {want} (128×128 blocks)")
+    return scale
+
+
 class Destination:
-    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], mode: ApplyMode) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        mode: ApplyMode,
+        layout: Mapping[str, LocalTensor] | None = None,
+    ) -> None:
         self.mode = mode
         named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model.items()
         self.params: dict[str, torch.Tensor] = {}  # canonical name -> live tensor
@@ -40,6 +55,22 @@ class Destination:
                 self.params[name] = tensor
         if not self.params:
             raise ConfigError("the model has no parameters to refit")
+        self.derived: dict[str, str] = {}  # float8 parameter -> its scale tensor (written at quantisation)
+        for name, t in self.params.items():
+            if t.dtype == torch.float8_e4m3fn:
+                self.derived[name] = _scale(name, t, self.params)
+        self._assemblies: dict[str, torch.Tensor] = {}
+        self.layout = dict(layout) if layout is not None else None
+        self.layout_key = None if layout is None else tuple(sorted(layout.items()))
+        if self.layout is not None:
+            names = set(self.params) - set(self.derived.values())
+            wrong = sorted(
+                n
+                for n in names | set(self.layout)
+                if n not in self.layout or n not in names or tuple(self.params[n].shape) != self.layout[n].shape
+            )
+            if wrong:
+                raise ConfigError(f"the parameters do not match the layout (names or shapes): {wrong[:20]}")
         self.shadows: dict[str, torch.Tensor] = (
             {n: torch.empty_like(t.detach()) for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )
@@ -49,6 +80,15 @@ class Destination:
         if self.mode is ApplyMode.SHADOW:
             return self.shadows[name]
         return self.params[name].detach()
+
+    def assembly(self, name: str) -> torch.Tensor:
+        """An fp32 buffer a float8 parameter is assembled in before it is quantised (made on first use)."""
+        if name not in self._assemblies:
+            self._assemblies[name] = torch.empty(self.params[name].shape, dtype=torch.float32)
+        return self._assemblies[name]
+
+    def release_assembly(self, name: str) -> torch.Tensor:
+        return self._assemblies.pop(name)
 
     def landing_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor a read may land in (to register with a transport once)."""

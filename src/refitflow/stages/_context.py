@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from refitflow.core.types import Identity, Publication
+from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.transports.base import Transport
 
@@ -37,8 +38,17 @@ class Landing(Protocol):
     def params(self) -> Mapping[str, torch.Tensor]: ...
     @property
     def canonical(self) -> Mapping[str, str]: ...
+    @property
+    def layout(self) -> Mapping[str, LocalTensor] | None: ...
+    @property
+    def layout_key(self) -> Hashable: ...
+
+    @property
+    def derived(self) -> Mapping[str, str]: ...
 
     def target(self, name: str) -> torch.Tensor: ...
+    def assembly(self, name: str) -> torch.Tensor: ...
+    def release_assembly(self, name: str) -> torch.Tensor: ...
 
 
 class Attempt(Protocol):
@@ -62,6 +72,11 @@ class Limits:
     max_reads_per_bucket: int
     lossy_casts: bool
     read_timeout_s: float
+    verify: str = "strict"  # strict: widen partial pulls to whole digest blocks; pulled: verify what is whole
+    max_strided_runs: int = 1024  # contiguous runs per piece of a strided (column) read
+    min_run_bytes: int = 32  # strided runs shorter than this read the enclosing rows instead
+    compile_targets: tuple[str, ...] | None = None  # None: any
+    compile_metadata: tuple[tuple[str, str], ...] = ()  # required subset
 
 
 @dataclass(kw_only=True)
@@ -75,6 +90,7 @@ class StageContext:
     attempt: Attempt | None = None
     plan: Any = None  # the Plan in use (stages.plan.Plan)
     stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
+    unverified_bytes: int = 0  # pulled bytes no whole digest block covered
 
     def connect_sources(self, pub: Publication) -> None:
         for m in pub.manifests:

@@ -4,61 +4,91 @@ A plan is data, independent of the bytes: it is computed once per (publication l
 layout, limits) and replayed for every later version with the same layout. Every check that can
 fail (unknown name or dtype, shape mismatch, overlapping or missing shards, a cast nobody asked for)
 fails here, as ``PlanError`` or ``CoverageError``, before any byte is written.
+
+The box copies come from ``_segments`` (receiver segments ∩ publisher segments in canonical space);
+regions and chunks from ``_regions``; the compile filter is ``_filter``.
+Per source shard, copies become *regions* (boxes of the shard read together): a copy's own box, or,
+when its bytes cannot be verified or its runs are too short, the enclosing rows of dim 0 (aligned
+to the digest blocks under ``verify="strict"``); overlapping regions merge. Regions are cut into
+pieces of at most a bucket and ``max_strided_runs`` runs. A piece lands straight in its parameter
+when it is one contiguous copy in both places with the same dtype; otherwise it is staged (its box
+laid out row-major) and *scatters* to one or more destination boxes.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.dtypes import dtype_from_name, dtype_name
-from refitflow.core.errors import CoverageError, PlanError
+from refitflow.core.errors import PlanError
 from refitflow.core.types import Publication, ShardSpec
+from refitflow.layouts.boxes import (
+    Box,
+    contiguous_span,
+    intersect,
+    row_runs,
+    shape_of,
+    shift,
+    volume,
+)
+from refitflow.layouts.canonical import sliced
 from refitflow.stages._context import Landing, Limits, StageContext
+from refitflow.stages._filter import check_compile
+from refitflow.stages._regions import chunks, regions
+from refitflow.stages._segments import Copy, copies
 
-__all__ = ["Bucket", "Piece", "Plan", "PlanCache", "PlannedRead", "build_plan", "piece_view", "run"]
+__all__ = [
+    "Bucket",
+    "Piece",
+    "Plan",
+    "PlanCache",
+    "PlannedRead",
+    "Scatter",
+    "box_index",
+    "build_plan",
+    "check_compile",
+    "run",
+]
 
 
 _SERIALS = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
+class Scatter:
+    """``piece[sub]`` (source coordinates, inside the piece's box) → ``param[dbox]``."""
+
+    param: str
+    sub: Box
+    dbox: Box
+
+
+@dataclass(frozen=True, slots=True)
 class Piece:
-    """A box of one source shard and where it lands in one destination parameter."""
+    """A box of one source shard, read as ``spans`` (element runs, in landing order)."""
 
     source: int  # index of the manifest in the publication
-    tensor: str  # the source tensor's name
-    param: str  # the canonical destination parameter
+    tensor: str  # the source shard's name
     src_dtype: str
-    shape: tuple[int, ...]  # the piece's shape (source layout)
-    axis: int | None  # the shard's place in the parameter: dst.narrow(axis, start, stop - start)
-    start: int
-    stop: int
-    index: tuple[int, ...]  # then [index] into the leading dims, then rows [r0, r1)
-    r0: int
-    r1: int
+    box: Box  # in the shard's local coordinates
+    spans: tuple[tuple[int, int], ...]  # (first element, count) of the shard, in landing order
     src_region: int
-    src_offset: int
+    src_offset: int  # the shard's byte offset in its region
     nbytes: int
     direct: bool  # lands straight in the destination: no staging, no copy
     landing_offset: int  # direct: byte offset in the parameter; staged: byte offset in the bucket
-    first: bool  # first / last piece of its shard (the digest streams across pieces in order)
-    last: bool
+    scatters: tuple[Scatter, ...]
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def region_key(self) -> Hashable:
-        return (self.axis, self.start, self.stop, self.index, self.r0, self.r1)
+    def shape(self) -> tuple[int, ...]:
+        return shape_of(self.box)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,43 +121,13 @@ class Plan:
     key: Hashable
     buckets: tuple[Bucket, ...]
     nbytes: int
+    ideal_bytes: int = 0  # the source bytes of the copies alone (what a perfect plan would read)
     seconds: float = 0.0  # time it took to build
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
 
 
-def piece_view(target: torch.Tensor, p: Piece) -> torch.Tensor:
-    """The part of ``target`` (a destination parameter) that piece ``p`` covers."""
-    view = target if p.axis is None else target.narrow(p.axis, p.start, p.stop - p.start)
-    if p.index:
-        view = view[p.index]
-    if view.dim() == 0:
-        return view
-    return view[p.r0 : p.r1]
-
-
-def _split(shape: tuple[int, ...], item: int, cap: int, index: tuple[int, ...] = ()) -> Iterator[tuple]:
-    """Boxes of a contiguous shape, each ≤ ``cap`` bytes: (index into leading dims, r0, r1, shape)."""
-    if not shape:
-        yield index, 0, 1, ()
-        return
-    rows, row_shape = shape[0], shape[1:]
-    row_bytes = math.prod(row_shape) * item
-    if row_bytes * rows <= cap:
-        yield index, 0, rows, shape
-    elif row_bytes <= cap:
-        step = cap // max(row_bytes, 1)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            yield index, r0, r1, (r1 - r0, *row_shape)
-    else:
-        for i in range(rows):
-            yield from _split(row_shape, item, cap, (*index, i))
-
-
-def _flat_offset(shape: tuple[int, ...], index: tuple[int, ...], r0: int) -> int:
-    strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
-    pos = (*index, r0) if shape else ()
-    return sum(i * s for i, s in zip(pos, strides, strict=False))
+def box_index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(s, e) for s, e in box)
 
 
 def _check_cast(src: torch.dtype, dst: torch.dtype, limits: Limits, tensor: str) -> None:
@@ -139,91 +139,49 @@ def _check_cast(src: torch.dtype, dst: torch.dtype, limits: Limits, tensor: str)
     raise PlanError(f"casting {src} to {dst} loses information and lossy_casts is off", tensor=tensor)
 
 
-def _choose_shards(pub: Publication, landing_canonical: Mapping[str, str]) -> dict[str, list[tuple[int, ShardSpec]]]:
-    """canonical parameter -> [(source index, spec)] covering it, validated; aliases counted once."""
-    by_tensor: dict[str, list[tuple[int, ShardSpec]]] = {}
-    for i, m in enumerate(pub.manifests):
-        for spec in m.shards:
-            by_tensor.setdefault(spec.name, []).append((i, spec))
-    unknown = sorted(n for n in by_tensor if n not in landing_canonical)
-    if unknown:
-        raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
-    chosen: dict[str, list[tuple[int, ShardSpec]]] = {}
-    for ordinal, name in enumerate(sorted(by_tensor, key=lambda n: (landing_canonical[n] != n, n))):
-        param = landing_canonical[name]
-        if param in chosen:  # a tied alias published under a second name: the weight counts once
-            continue
-        shards = by_tensor[name]
-        whole = [(i, s) for i, s in shards if s.axis is None]
-        if whole:  # replicated: read from one source, spread across sources
-            chosen[param] = [whole[ordinal % len(whole)]]
-            continue
-        chosen[param] = _tile(name, shards, pub.version)
-    return chosen
-
-
-def _tile(name: str, shards: list[tuple[int, ShardSpec]], version: int) -> list[tuple[int, ShardSpec]]:
-    first = shards[0][1]
-    for _, s in shards:
-        if (s.axis, s.global_shape, s.dtype) != (first.axis, first.global_shape, first.dtype):
-            raise PlanError(
-                f"shards disagree: axis/shape/dtype {(s.axis, s.global_shape, s.dtype)} vs "
-                f"{(first.axis, first.global_shape, first.dtype)}",
-                tensor=name,
-                version=version,
-            )
-    assert first.axis is not None
-    ordered = sorted(shards, key=lambda x: x[1].start)
-    pos = 0
-    for _, s in ordered:
-        if s.start < pos:
-            raise PlanError(f"overlapping shards on axis {s.axis} at [{s.start}, {pos})", tensor=name, version=version)
-        if s.start > pos:
-            raise PlanError(f"coverage gap in {name} axis {s.axis} [{pos}, {s.start})", tensor=name, version=version)
-        pos = s.stop
-    if pos < first.global_shape[first.axis]:
-        raise PlanError(
-            f"coverage gap in {name} axis {first.axis} [{pos}, {first.global_shape[first.axis]})",
-            tensor=name,
-            version=version,
-        )
-    return ordered
-
-
 def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piece]:
-    chosen = _choose_shards(pub, landing.canonical)
-    missing = sorted(set(landing.params) - set(chosen))
-    if missing:
-        raise CoverageError("the publication does not cover every parameter", missing=missing, version=pub.version)
-    for param, shards in chosen.items():
-        dst = landing.params[param]
-        dtype_name(dst.dtype, tensor=param)
-        for source, spec in shards:
-            src_dtype = dtype_from_name(spec.dtype, tensor=spec.name)
-            if tuple(dst.shape) != spec.global_shape:
-                raise PlanError(
-                    f"shape mismatch: publication {spec.global_shape}, model {tuple(dst.shape)}",
-                    tensor=spec.name,
-                    version=pub.version,
-                )
-            _check_cast(src_dtype, dst.dtype, limits, spec.name)
-            meta = torch.empty(spec.global_shape, dtype=dst.dtype, device="meta")
-            shard_view = meta if spec.axis is None else meta.narrow(spec.axis, spec.start, spec.stop - spec.start)
-            direct = src_dtype == dst.dtype and shard_view.is_contiguous()
+    exact = landing.layout is None
+    scales = set(landing.derived.values())
+    dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items() if n not in scales}
+    groups: dict[tuple[int, str], list[Copy]] = {}
+    for c in copies(pub, dest, landing.canonical, exact):
+        dst = landing.params[c.param]
+        dtype_name(dst.dtype, tensor=c.param)
+        src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
+        if c.param in landing.derived:  # quantised: assembled in fp32 first
+            _check_cast(src, torch.float32, limits, c.spec.name)
+        else:
+            _check_cast(src, dst.dtype, limits, c.spec.name)
+        groups.setdefault((c.source, c.spec.name), []).append(c)
+    for (source, _), cs in groups.items():
+        spec: ShardSpec = cs[0].spec
+        src_dtype = dtype_from_name(spec.dtype)
+        item, shape = src_dtype.itemsize, spec.shape
+        for region, members in regions(cs, shape, item, limits):
+            c = members[0]
+            dst = landing.params[c.param]
+            direct = (
+                len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
+                and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
+            )  # fmt: skip
             cap = limits.direct_bucket_bytes if direct else limits.bucket_bytes
-            boxes = list(_split(spec.shape, src_dtype.itemsize, cap))
-            for k, (index, r0, r1, shape) in enumerate(boxes):
-                p = Piece(
-                    source=source, tensor=spec.name, param=param, src_dtype=spec.dtype, shape=shape,
-                    axis=spec.axis, start=spec.start, stop=spec.stop, index=index, r0=r0, r1=r1,
-                    src_region=spec.region,
-                    src_offset=spec.offset + _flat_offset(spec.shape, index, r0) * src_dtype.itemsize,
-                    nbytes=math.prod(shape) * src_dtype.itemsize, direct=direct, landing_offset=0,
-                    first=k == 0, last=k == len(boxes) - 1,
-                )  # fmt: skip
+            for chunk in chunks(region, shape, item, cap, limits.max_strided_runs):
+                scatters = []
+                for m in members:
+                    sub = intersect(chunk, m.sbox) if shape else chunk
+                    if sub is not None:
+                        scatters.append(Scatter(m.param, sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
+                spans = tuple(row_runs(chunk, shape)) if shape else ((0, 1),)
+                landing_offset = 0
                 if direct:
-                    p = replace(p, landing_offset=int(piece_view(meta, p).storage_offset()) * dst.element_size())
-                yield p
+                    span = contiguous_span(scatters[0].dbox, tuple(dst.shape))
+                    assert span is not None
+                    landing_offset = span[0] * dst.element_size()
+                yield Piece(
+                    source=source, tensor=spec.name, src_dtype=spec.dtype, box=chunk, spans=spans,
+                    src_region=spec.region, src_offset=spec.offset, nbytes=volume(chunk) * item, direct=direct,
+                    landing_offset=landing_offset, scatters=tuple(scatters),
+                )  # fmt: skip
 
 
 def _bucket(index: int, pieces: list[Piece]) -> Bucket:
@@ -236,17 +194,22 @@ def _bucket(index: int, pieces: list[Piece]) -> Bucket:
             p = replace(p, landing_offset=staged)
             staged += p.nbytes
         laid.append(p)
-        param = p.param if p.direct else None
-        prev = reads[-1] if reads else None
-        if (
-            prev is not None
-            and (prev.source, prev.region, prev.param) == (p.source, p.src_region, param)
-            and prev.src_offset + prev.nbytes == p.src_offset
-            and prev.landing_offset + prev.nbytes == p.landing_offset
-        ):
-            reads[-1] = replace(prev, nbytes=prev.nbytes + p.nbytes)
-        else:
-            reads.append(PlannedRead(p.source, p.src_region, p.src_offset, p.nbytes, param, p.landing_offset))
+        param = p.scatters[0].param if p.direct else None
+        item = p.nbytes // max(sum(n for _, n in p.spans), 1)
+        at = p.landing_offset
+        for first, count in p.spans:
+            src, n = p.src_offset + first * item, count * item
+            prev = reads[-1] if reads else None
+            if (
+                prev is not None
+                and (prev.source, prev.region, prev.param) == (p.source, p.src_region, param)
+                and prev.src_offset + prev.nbytes == src
+                and prev.landing_offset + prev.nbytes == at
+            ):
+                reads[-1] = replace(prev, nbytes=prev.nbytes + n)
+            else:
+                reads.append(PlannedRead(p.source, p.src_region, src, n, param, at))
+            at += n
     direct = sum(p.nbytes for p in laid if p.direct)
     return Bucket(index, tuple(laid), tuple(reads), staging_bytes=staged, direct_bytes=direct)
 
@@ -256,23 +219,25 @@ def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable
     t0 = time.perf_counter()
     buckets: list[Bucket] = []
     current: list[Piece] = []
-    staged = direct = 0
+    staged = direct = runs = ideal = 0
     for p in _pieces(pub, landing, limits):
-        full = (
+        ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
+        full_ = (
             (not p.direct and staged + p.nbytes > limits.bucket_bytes)
             or (p.direct and direct + p.nbytes > limits.direct_bucket_bytes)
-            or len(current) >= limits.max_reads_per_bucket
+            or runs + len(p.spans) > limits.max_reads_per_bucket
         )
-        if current and full:
+        if current and full_:
             buckets.append(_bucket(len(buckets), current))
-            current, staged, direct = [], 0, 0
+            current, staged, direct, runs = [], 0, 0, 0
         current.append(p)
         staged += 0 if p.direct else p.nbytes
         direct += p.nbytes if p.direct else 0
+        runs += len(p.spans)
     if current:
         buckets.append(_bucket(len(buckets), current))
     total = sum(b.nbytes for b in buckets)
-    return Plan(key=key, buckets=tuple(buckets), nbytes=total, seconds=time.perf_counter() - t0)
+    return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0)
 
 
 class PlanCache:
@@ -289,6 +254,7 @@ class PlanCache:
             pub.layout_key(),
             tuple((n, tuple(t.shape), t.dtype) for n, t in landing.params.items()),
             tuple(sorted(landing.canonical.items())),
+            landing.layout_key,
             limits,
         )
         plan = self._plans.get(key)
@@ -315,6 +281,7 @@ async def run(
         async for pub in receive:
             ctx.enter("plan")
             t0 = time.perf_counter()
+            check_compile(pub, ctx.limits)
             plan = cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
             ctx.note("plan", len(plan.buckets), plan.nbytes, time.perf_counter() - t0)

@@ -1,7 +1,8 @@
-"""Translate: turn staged source bytes into typed views and pair them with their destinations.
+"""Translate: turn staged source bytes into typed boxes and pair each with its destination box.
 
-Here a translation is a dtype reinterpretation plus a box of the destination; layout changes
-(fused projections, other parallelism) plug in here as data.
+A staged piece holds its source box row-major; each of its scatters is a sub-box of it that lands
+in a box of a destination parameter (a slice of a fused parameter, another TP slice, another rank
+of leading dimensions). Layout knowledge is already in the plan's boxes: nothing here is per model.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.dtypes import dtype_from_name
 from refitflow.stages._context import StageContext, Work
-from refitflow.stages.plan import piece_view
+from refitflow.stages.plan import box_index
 
-__all__ = ["run"]
+__all__ = ["copies_of", "run"]
 
 
 def copies_of(ctx: StageContext, work: Work) -> list:
@@ -24,8 +25,13 @@ def copies_of(ctx: StageContext, work: Work) -> list:
             continue
         assert work.lease is not None
         raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
-        src = raw.view(dtype_from_name(p.src_dtype)).view(p.shape)
-        out.append((piece_view(ctx.landing.target(p.param), p), src))
+        staged = raw.view(dtype_from_name(p.src_dtype)).view(p.shape)
+        for s in p.scatters:
+            rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(s.sub, p.box, strict=True))
+            whole = ctx.landing.assembly(s.param) if s.param in ctx.landing.derived else ctx.landing.target(s.param)
+            dst = whole[box_index(s.dbox)]
+            src = staged[box_index(rel)]
+            out.append((dst, src if src.shape == dst.shape else src.reshape(dst.shape)))
     return out
 
 

@@ -1,0 +1,115 @@
+"""Boxes: per-dimension half-open ranges ``((start, stop), ...)`` of a row-major tensor, and their algebra."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = [
+    "Box",
+    "contiguous_span",
+    "full",
+    "intersect",
+    "row_runs",
+    "run_count",
+    "run_length",
+    "shape_of",
+    "shift",
+    "volume",
+]
+
+Box = tuple[tuple[int, int], ...]
+
+
+def full(shape: Sequence[int]) -> Box:
+    return tuple((0, int(d)) for d in shape)
+
+
+def shape_of(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def volume(box: Box) -> int:
+    return math.prod(shape_of(box))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of the same rank, or None when they do not meet."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return out if all(s < e for s, e in out) else None
+
+
+def shift(box: Box, old_origin: Box, new_origin: Box) -> Box:
+    """Move ``box`` (inside ``old_origin``) to the same place relative to ``new_origin``.
+
+    The ranks may differ by leading size-1 dimensions (dropped from, or taken from ``new_origin``).
+    """
+    k = len(old_origin) - len(new_origin)
+    head: Box = ()
+    if k < 0:
+        head, new_origin = new_origin[:-k], new_origin[-k:]
+        k = 0
+    if any(e - s != 1 for s, e in (*box[:k], *head)):
+        raise ValueError(f"cannot map box {box} of {old_origin} onto {new_origin}")
+    return head + tuple(
+        (n0 + s - o0, n0 + e - o0) for (s, e), (o0, _), (n0, _) in zip(box[k:], old_origin[k:], new_origin, strict=True)
+    )
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+
+
+def contiguous_span(box: Box, shape: Sequence[int]) -> tuple[int, int] | None:
+    """(first element, element count) when ``box`` is one contiguous run of a row-major ``shape``."""
+    n = len(shape)
+    d = n  # the first dimension from which every later one is full
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    if any(e - s != 1 for s, e in box[: max(d - 1, 0)]):
+        return None
+    start = sum(s * st for (s, _), st in zip(box, _strides(shape), strict=True))
+    return start, volume(box)
+
+
+def run_count(box: Box, shape: Sequence[int]) -> int:
+    """How many contiguous runs ``box`` is made of (see ``row_runs``)."""
+    d = len(shape)
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    return 1 if d <= 1 else math.prod(e - s for s, e in box[: d - 1])
+
+
+def run_length(box: Box, shape: Sequence[int]) -> int:
+    """Elements per contiguous run of ``box`` (see ``row_runs``)."""
+    d = len(shape)
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    return volume(box) if d <= 1 else (box[d - 1][1] - box[d - 1][0]) * math.prod(shape[d:])
+
+
+def row_runs(box: Box, shape: Sequence[int]) -> list[tuple[int, int]]:
+    """The contiguous runs (first element, element count) that make up ``box``, in row-major order."""
+    n = len(shape)
+    d = n
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    if d <= 1:
+        span = contiguous_span(box, shape)
+        assert span is not None
+        return [span]
+    strides = _strides(shape)
+    run = (box[d - 1][1] - box[d - 1][0]) * strides[d - 1]
+    outer = box[: d - 1]
+    runs = []
+    for idx in _indices(outer):
+        base = sum(i * st for i, st in zip(idx, strides, strict=False)) + box[d - 1][0] * strides[d - 1]
+        runs.append((base, run))
+    return runs
+
+
+def _indices(box: Box) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for s, e in box:
+        out = [(*o, i) for o in out for i in range(s, e)]
+    return out

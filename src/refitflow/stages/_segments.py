@@ -1,0 +1,153 @@
+"""Intersect the receiver's segments with the publication's, in canonical space, into box copies.
+
+Every publisher shard becomes segments of canonical tensors: from its layout (``metadata["layout"]``)
+or, without one, the trivial layout (the shard is ``tensor[start:stop]`` along ``axis``). Identical
+boxes held by several sources are replicas: one is chosen, spread across sources. Distinct boxes
+that overlap, boxes that leave a gap in what the receiver needs, or shapes that disagree are a
+``PlanError``; a destination parameter nothing is published for is a ``CoverageError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from refitflow.core.errors import CoverageError, ManifestError, PlanError
+from refitflow.core.types import Publication, ShardSpec
+from refitflow.layouts.boxes import Box, intersect, shape_of, shift, volume
+from refitflow.layouts.canonical import LocalTensor, Segment, sliced
+from refitflow.layouts.wire import resolve
+
+__all__ = ["Copy", "Held", "copies"]
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A canonical box one source holds, and where in which of its shards."""
+
+    source: int
+    spec: ShardSpec
+    segment: Segment
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """``source.spec[sbox]`` → ``param[dbox]`` (same elements; ranks may differ by leading 1-dims)."""
+
+    source: int
+    spec: ShardSpec
+    sbox: Box
+    param: str
+    dbox: Box
+
+
+def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, list[Held]], dict[str, tuple]]:
+    """canonical name -> held boxes (replicas resolved), and canonical name -> shape."""
+    held: dict[str, dict[Box, list[Held]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    axes: dict[str, int | None] = {}
+    for i, m in enumerate(pub.manifests):
+        layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
+        shapes |= canon_shapes
+        for spec in m.shards:
+            if layout is None:
+                canon = aliases.get(spec.name, spec.name)
+                local = sliced(canon, spec.global_shape, spec.axis, spec.start, spec.stop)
+                axis = axes.setdefault(canon, spec.axis)
+                if axis != spec.axis and None not in (axis, spec.axis):
+                    raise PlanError(
+                        f"axis mismatch: shards of {canon} split on axis {spec.axis} and axis {axis}",
+                        tensor=spec.name, version=pub.version,
+                    )  # fmt: skip
+                if shapes.setdefault(canon, spec.global_shape) != spec.global_shape:
+                    raise PlanError(
+                        f"shards disagree on the shape: {spec.global_shape} vs {shapes[canon]}",
+                        tensor=spec.name, version=pub.version,
+                    )  # fmt: skip
+            else:
+                found = layout.get(spec.name)
+                if found is None or spec.axis is not None or found.shape != spec.global_shape:
+                    raise ManifestError(
+                        f"shard does not match its layout ({found and found.shape} vs {spec.shape})",
+                        tensor=spec.name, version=pub.version,
+                    )  # fmt: skip
+                local = found
+            for seg in local.segments:
+                held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
+    out: dict[str, list[Held]] = {}
+    for ordinal, canon in enumerate(sorted(held)):
+        boxes = held[canon]
+        out[canon] = [reps[(ordinal + k) % len(reps)] for k, reps in enumerate(boxes.values())]
+        _check_overlap(canon, list(boxes), pub.version)
+    return out, shapes
+
+
+def _check_overlap(canon: str, boxes: list[Box], version: int) -> None:
+    for a in range(len(boxes)):
+        for b in range(a + 1, len(boxes)):
+            common = intersect(boxes[a], boxes[b])
+            if common is not None:
+                axis = next((k for k, (x, y) in enumerate(common) if (x, y) != (0, 0)), 0)
+                diff = [k for k in range(len(common)) if boxes[a][k] != boxes[b][k]]
+                axis = diff[0] if diff else axis
+                lo, hi = common[axis]
+                raise PlanError(f"overlapping shards on axis {axis} at [{lo}, {hi})", tensor=canon, version=version)
+
+
+def _gap(canon: str, need: Box, got: list[Box], version: int) -> PlanError:
+    """Name the gap along the one axis the boxes differ on, else count the missing elements."""
+    axes = {k for b in got for k in range(len(need)) if b[k] != need[k]}
+    if len(axes) <= 1:
+        axis = axes.pop() if axes else 0
+        pos, lo_need, hi_need = need[axis][0], need[axis][0], need[axis][1]
+        for b in sorted(got, key=lambda b: b[axis][0]):
+            if b[axis][0] > pos:
+                break
+            pos = max(pos, b[axis][1])
+        end = min((b[axis][0] for b in got if b[axis][0] > pos), default=hi_need)
+        if lo_need <= pos < hi_need:
+            return PlanError(f"coverage gap in {canon} axis {axis} [{pos}, {end})", tensor=canon, version=version)
+    missing = volume(need) - sum(volume(b) for b in got)
+    return PlanError(
+        f"coverage gap in {canon}: {missing} elements of {need} not published", tensor=canon, version=version
+    )
+
+
+def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[str, str], exact: bool) -> list[Copy]:
+    """Every box copy the receiver needs, in destination order; every check done before returning.
+
+    ``exact``: the receiver holds whole tensors (trivial layout), so shapes must match exactly.
+    """
+    held, shapes = _published(pub, aliases)
+    needed = {seg.canonical for lt in dest.values() for seg in lt.segments}
+    unknown = sorted(n for n in held if n not in needed)
+    if unknown:
+        raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
+    missing = sorted(p for p, lt in dest.items() if any(s.canonical not in held for s in lt.segments))
+    if missing:
+        raise CoverageError("the publication does not cover every parameter", missing=missing, version=pub.version)
+    out: list[Copy] = []
+    gaps: list[PlanError] = []
+    for param, lt in dest.items():
+        for seg in lt.segments:
+            pshape = shapes[seg.canonical]
+            fits = len(pshape) == len(seg.cbox) and all(e <= d for (_, e), d in zip(seg.cbox, pshape, strict=True))
+            if not fits or (exact and shape_of(seg.cbox) != pshape):
+                raise PlanError(
+                    f"shape mismatch: publication {pshape}, model {lt.shape}", tensor=seg.canonical, version=pub.version
+                )
+            got = []
+            for h in held[seg.canonical]:
+                common = intersect(seg.cbox, h.segment.cbox)
+                if common is None:
+                    continue
+                got.append(common)
+                out.append(Copy(h.source, h.spec, shift(common, h.segment.cbox, h.segment.lbox), param,
+                                shift(common, seg.cbox, seg.lbox)))  # fmt: skip
+            if sum(volume(b) for b in got) != volume(seg.cbox):
+                gaps.append(_gap(seg.canonical, seg.cbox, got, pub.version))
+    if gaps:  # every gap, before anything is pulled
+        more = f" (and {len(gaps) - 20} more)" if len(gaps) > 20 else ""
+        text = "; ".join(g.reason for g in gaps[:20]) + more
+        raise PlanError(text, tensor=gaps[0].tensor, version=pub.version)
+    return out

@@ -1,0 +1,165 @@
+"""Multi-source slice planning: the issue's worked examples, gaps, overlaps, strided columns, blocks."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+import refitflow as rf
+from refitflow.layouts.canonical import sliced
+from refitflow.pipeline.config import ReceiverConfig
+from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.stages.plan import build_plan, check_compile
+
+SHAPE = (4096, 1024)
+ROW = 1024 * 2  # bf16 bytes per row
+
+
+def _spec(start: int, stop: int, **kw) -> rf.ShardSpec:
+    return rf.ShardSpec(
+        name="w", dtype="bfloat16", global_shape=SHAPE, axis=0, start=start, stop=stop, digest="0" * 16, region=0, **kw
+    )
+
+
+def _pub(*ranges: tuple[int, int], **kw) -> rf.Publication:
+    ident = rf.Identity(model="m")
+    manifests = tuple(
+        rf.Manifest(
+            identity=ident,
+            version=1,
+            rank=r,
+            world_size=len(ranges),
+            source=rf.SourceAddress(transport="loopback", agent=f"a{r}"),
+            shards=(_spec(a, b, **kw),),
+        )
+        for r, (a, b) in enumerate(ranges)
+    )
+    return rf.Publication(identity=ident, version=1, manifests=manifests)
+
+
+def _plan(pub: rf.Publication, axis: int, start: int, stop: int, **cfg):
+    local = sliced("w", SHAPE, axis, start, stop)
+    dest = Destination({"w": torch.zeros(local.shape, dtype=torch.bfloat16)}, ApplyMode.IN_PLACE, {"w": local})
+    limits = ReceiverConfig(**({"verify": "pulled"} | cfg)).limits
+    return build_plan(pub, dest, limits)
+
+
+def _reads(plan) -> list[tuple[int, int, int]]:
+    return [(r.source, r.src_offset // ROW, (r.src_offset + r.nbytes) // ROW) for b in plan.buckets for r in b.reads]
+
+
+def test_tp8_rank1_reads_rows_512_to_1024_from_rank0_only() -> None:
+    plan = _plan(_pub((0, 2048), (2048, 4096)), 0, 512, 1024)
+    assert _reads(plan) == [(0, 512, 1024)]
+    assert plan.nbytes == plan.ideal_bytes == 512 * ROW
+    assert all(p.direct for b in plan.buckets for p in b.pieces)  # contiguous both sides, same dtype: no staging
+
+
+def test_range_1500_2500_stitches_two_sources() -> None:
+    plan = _plan(_pub((0, 2048), (2048, 4096)), 0, 1500, 2500)
+    assert _reads(plan) == [(0, 1500, 2048), (1, 0, 452)]  # rank 1's shard rows [0, 452)
+    assert plan.nbytes == 1000 * ROW
+
+
+def test_one_publisher_holding_rows_0_1024_is_a_gap() -> None:
+    with pytest.raises(rf.PlanError, match=r"coverage gap in w axis 0 \[1024, 4096\)"):
+        _plan(_pub((0, 1024)), 0, 0, 4096)
+
+
+def test_a_gap_outside_the_receivers_slice_does_not_matter() -> None:
+    assert _reads(_plan(_pub((0, 1024)), 0, 0, 512)) == [(0, 0, 512)]
+
+
+def test_overlapping_shards_are_a_plan_error() -> None:
+    with pytest.raises(rf.PlanError, match=r"overlapping shards on axis 0 at \[1000, 2048\)"):
+        _plan(_pub((0, 2048), (1000, 4096)), 0, 0, 4096)
+
+
+def test_column_slice_reads_only_its_columns_as_strided_runs() -> None:
+    plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 256, 512, max_strided_runs=1000)
+    reads = [r for b in plan.buckets for r in b.reads]
+    assert plan.nbytes == plan.ideal_bytes == 4096 * 256 * 2
+    assert all(r.nbytes == 256 * 2 for r in reads) and len(reads) == 4096  # one run per row, nothing more
+    assert max(len(p.spans) for b in plan.buckets for p in b.pieces) <= 1000
+
+
+def test_short_strided_runs_read_the_enclosing_rows() -> None:
+    plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 0, 8, min_run_bytes=64)  # 16-byte runs
+    assert plan.nbytes == 4096 * ROW and plan.ideal_bytes == 4096 * 8 * 2
+    assert len([r for b in plan.buckets for r in b.reads]) <= 4096 * ROW // plan.buckets[0].nbytes + 2
+
+
+def test_strict_verify_widens_unaligned_cuts_to_whole_blocks() -> None:
+    blocks = base64.b64encode(bytes(8 * 32)).decode()  # 32 blocks of 64 rows per shard
+    plan = _plan(_pub((0, 2048), (2048, 4096), block_rows=64, blocks=blocks), 0, 1500, 2500, verify="strict")
+    assert _reads(plan) == [(0, 1472, 2048), (1, 0, 512)]
+    assert plan.ideal_bytes == 1000 * ROW
+    # without block digests a shard is one block: strict reads both shards whole
+    assert _reads(_plan(_pub((0, 2048), (2048, 4096)), 0, 1500, 2500, verify="strict")) == [(0, 0, 2048), (1, 0, 2048)]
+
+
+def test_compile_filter_rejects_other_targets() -> None:
+    pub = _pub((0, 4096))
+    with pytest.raises(rf.PlanError, match="compile target 'hf_raw'"):
+        check_compile(pub, ReceiverConfig(compile_targets=("vllm_fused",)).limits)
+    with pytest.raises(rf.PlanError, match=r"compile metadata differs on \['quant'\]"):
+        check_compile(pub, ReceiverConfig(compile_metadata={"quant": "fp8"}).limits)
+    check_compile(pub, ReceiverConfig(compile_targets=("hf_raw",)).limits)
+
+
+def test_replicated_tensors_are_read_once_spread_across_sources() -> None:
+    ident = rf.Identity(model="m")
+    names = [f"t{i}" for i in range(4)]
+
+    def spec(n: str) -> rf.ShardSpec:
+        return rf.ShardSpec(
+            name=n, dtype="float32", global_shape=(8,), axis=None, start=0, stop=8, digest="0" * 16, region=0
+        )
+
+    manifests = tuple(
+        rf.Manifest(
+            identity=ident,
+            version=1,
+            rank=r,
+            world_size=2,
+            source=rf.SourceAddress(transport="loopback", agent=f"a{r}"),
+            shards=tuple(spec(n) for n in names),
+        )
+        for r in range(2)
+    )
+    dest = Destination({n: torch.zeros(8) for n in names}, ApplyMode.IN_PLACE)
+    plan = build_plan(rf.Publication(identity=ident, version=1, manifests=manifests), dest, ReceiverConfig().limits)
+    pieces = [p for b in plan.buckets for p in b.pieces]
+    assert sorted(p.tensor for p in pieces) == names  # each once
+    assert {p.source for p in pieces} == {0, 1}  # from both sources
+
+
+def test_every_gap_and_an_axis_mismatch_are_reported() -> None:
+    ident = rf.Identity(model="m")
+
+    def manifest(r: int, *specs: rf.ShardSpec) -> rf.Manifest:
+        src = rf.SourceAddress(transport="loopback", agent=f"a{r}")
+        return rf.Manifest(identity=ident, version=1, rank=r, world_size=2, source=src, shards=specs)
+
+    def spec(name: str, axis: int, start: int, stop: int) -> rf.ShardSpec:
+        return rf.ShardSpec(
+            name=name,
+            dtype="float32",
+            global_shape=(8, 8),
+            axis=axis,
+            start=start,
+            stop=stop,
+            digest="0" * 16,
+            region=0,
+        )
+
+    dest = Destination({"a": torch.zeros(8, 8), "b": torch.zeros(8, 8)}, ApplyMode.IN_PLACE)
+    limits = ReceiverConfig().limits
+    gaps = (manifest(0, spec("a", 0, 0, 2), spec("b", 1, 0, 4)), manifest(1, spec("a", 0, 4, 8)))
+    with pytest.raises(rf.PlanError, match=r"gap in a axis 0 \[2, 4\); coverage gap in b axis 1 \[4, 8\)"):
+        build_plan(rf.Publication(identity=ident, version=1, manifests=gaps), dest, limits)
+    mixed = (manifest(0, spec("a", 0, 0, 4), spec("b", 0, 0, 8)), manifest(1, spec("a", 1, 4, 8)))
+    with pytest.raises(rf.PlanError, match="axis mismatch: shards of a split on axis 1 and axis 0"):
+        build_plan(rf.Publication(identity=ident, version=1, manifests=mixed), dest, limits)
