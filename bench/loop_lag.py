@@ -1,6 +1,6 @@
 """Event-loop lag while a refit runs: a task ticking every 1 ms records how late each tick is.
 
-    python bench/loop_lag.py [--size-mb 512] [--tensors 1000] [--transport loopback]
+python bench/loop_lag.py [--size-mb 512] [--tensors 1000] [--transport loopback]
 """
 
 from __future__ import annotations

@@ -95,8 +95,10 @@ async def main(args: argparse.Namespace) -> None:
             warm_s = time.perf_counter() - min(warm_start)
         shards = args.world * args.tensors
         print(f"{args.clients} concurrent clients, {took:.1f} s:")
-        print(f"  cold discovery (fetch {args.world} manifests, {shards} shards): "
-              f"p50 {pct(cold, 50):.1f} ms  p99 {pct(cold, 99):.1f} ms")
+        print(
+            f"  cold discovery (fetch {args.world} manifests, {shards} shards): "
+            f"p50 {pct(cold, 50):.1f} ms  p99 {pct(cold, 99):.1f} ms"
+        )
         print(f"  warm discovery (cached, one round trip): p50 {pct(warm, 50):.2f} ms  p99 {pct(warm, 99):.2f} ms  "
               f"({len(warm) / warm_s:.0f} queries/s)")  # fmt: skip
     finally:

@@ -7,6 +7,7 @@ as child processes (events over a multiprocessing queue) or as tasks of one proc
 from __future__ import annotations
 
 import functools
+import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -115,14 +116,15 @@ async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, re
                     "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes,
                     "committed": recv.status.committed_version == version and recv.fence.state == "ready",
                     "peak_staging": result.peak_staging_bytes,
+                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                     "stages": {k: v.seconds for k, v in result.stages.items()},
                 })  # fmt: skip
     finally:
         metrics.close()
 
 
-def run_role_process(role: str, args: tuple[Any, ...], queue: Any) -> None:
-    """Entry point of a demo child process: run one role, send its events (and any failure) to the queue."""
+def run_role_process(run: Callable[..., Awaitable[None]], args: tuple[Any, ...], label: str, queue: Any) -> None:
+    """Entry point of a child process: run one role, send its events (and any failure) to the queue."""
     import logging
 
     logging.getLogger("nixl").setLevel(logging.WARNING)
@@ -131,11 +133,10 @@ def run_role_process(role: str, args: tuple[Any, ...], queue: Any) -> None:
     def report(event: dict[str, Any]) -> None:
         queue.put(event)
 
-    run: Callable[..., Awaitable[None]] = publisher_role if role == "publisher" else receiver_role
     try:
         anyio.run(functools.partial(run, *args, report=report))
     except BaseException as exc:
-        queue.put({"kind": "error", "role": role, "error": f"{type(exc).__name__}: {exc}"})
+        queue.put({"kind": "error", "role": label, "error": f"{type(exc).__name__}: {exc}"})
         raise
     finally:
-        queue.put({"kind": "exit", "role": role if role == "publisher" else args[0]})
+        queue.put({"kind": "exit", "role": label})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from refitflow.api._demo_view import DemoView
 from refitflow.api.registry import Registry
 from refitflow.api.synthetic import synthetic_shapes
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "run_demo", "run_processes"]
 
 RECEIVERS = (("in_place", "in_place"), ("shadow", "shadow"))
 
@@ -99,33 +100,38 @@ async def _in_process(cfg: DemoConfig, view: DemoView) -> None:
 
 
 async def _processes(cfg: DemoConfig, view: DemoView) -> None:
+    async with Registry.serve("tcp://127.0.0.1:*", lease_s=30) as server:
+        roles: list[tuple[Any, tuple[Any, ...], str]] = [
+            (publisher_role, (server.address, cfg.roles, len(RECEIVERS)), "publisher")
+        ]
+        roles += [(receiver_role, (name, mode, server.address, cfg.roles), name) for name, mode in RECEIVERS]
+        nbytes = [0]
+        await run_processes(roles, cfg.timeout_s, lambda event: _handle(view, event, nbytes))
+
+
+async def run_processes(
+    roles: list[tuple[Any, tuple[Any, ...], str]], timeout_s: float, on_event: Callable[[dict[str, Any]], None]
+) -> None:
+    """Run each role in a child process; pass on their events until all have exited (or one died)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    async with Registry.serve("tcp://127.0.0.1:*", lease_s=30) as server:
-        procs = [
-            ctx.Process(target=run_role_process, args=("publisher", (server.address, cfg.roles, len(RECEIVERS)), queue))
-        ]
-        procs += [
-            ctx.Process(target=run_role_process, args=("receiver", (name, mode, server.address, cfg.roles), queue))
-            for name, mode in RECEIVERS
-        ]
+    procs = [ctx.Process(target=run_role_process, args=(run, args, label, queue)) for run, args, label in roles]
+    for p in procs:
+        p.start()
+    running = len(procs)
+    try:
+        with anyio.fail_after(timeout_s):
+            while running:
+                event = await anyio.to_thread.run_sync(_get, queue, procs)
+                if event is None:
+                    raise RuntimeError("a process died without a word: " + _codes(procs))
+                running -= event["kind"] == "exit"
+                on_event(event)
+    finally:
         for p in procs:
-            p.start()
-        running, nbytes = len(procs), [0]
-        try:
-            with anyio.fail_after(cfg.timeout_s):
-                while running:
-                    event = await anyio.to_thread.run_sync(_get, queue, procs)
-                    if event is None:
-                        raise RuntimeError("a demo process died without a word: " + _codes(procs))
-                    if event["kind"] == "exit":
-                        running -= 1
-                    _handle(view, event, nbytes)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
 
 
 def _get(queue: Any, procs: list[Any]) -> dict[str, Any] | None:
