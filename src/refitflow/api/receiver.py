@@ -54,7 +54,8 @@ class RefitResult:
     ideal_bytes: int  # the bytes of this rank's slice alone (nbytes above it: widened or enclosing reads)
     unverified_bytes: int  # pulled bytes no whole digest block covered (verify="pulled" only)
     direct_bytes: int  # of which landed straight in their destination
-    seconds: float
+    seconds: float  # from finding the publication to prepared (excludes waiting for it to appear)
+    wait_seconds: float  # how long discovery waited for a complete version
     plan_cached: bool
     peak_staging_bytes: int
     stages: dict[str, StageStats]
@@ -161,7 +162,6 @@ class Receiver:
             raise ConfigError("use the receiver inside 'async with'")
         if min_version is None:
             min_version = (self.ledger.last_begun or 0) + 1
-        t0 = time.perf_counter()
         ctx = StageContext(
             transport=self._transport, staging=self._arena, landing=self.destination,
             limits=self.config.limits, observer=self.observer,
@@ -188,7 +188,8 @@ class Receiver:
         result = RefitResult(
             version=txn.version, revision=txn.revision, nbytes=ctx.plan.nbytes, direct_bytes=direct,
             ideal_bytes=ctx.plan.ideal_bytes, unverified_bytes=ctx.unverified_bytes,
-            seconds=time.perf_counter() - t0, plan_cached=self._plans.misses == misses,
+            seconds=time.perf_counter() - ctx.discovered_at, wait_seconds=ctx.waited_s,
+            plan_cached=self._plans.misses == misses,
             peak_staging_bytes=stats.peak_bytes,
             stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in ctx.stats.items()},
         )  # fmt: skip

@@ -89,6 +89,8 @@ class StageContext:
     publication: Publication | None = None
     attempt: Attempt | None = None
     plan: Any = None  # the Plan in use (stages.plan.Plan)
+    discovered_at: float = 0.0  # perf_counter when the publication was found
+    waited_s: float = 0.0  # how long discovery waited for it
     stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
     unverified_bytes: int = 0  # pulled bytes no whole digest block covered
 

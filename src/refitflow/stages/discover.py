@@ -22,11 +22,16 @@ async def run(
     begin: Callable[[Publication], None],
     send: ObjectSendStream[Publication],
 ) -> None:
-    """Wait (up to ``timeout``) for a complete version ≥ ``min_version``; ``begin`` may refuse it."""
+    """Wait (up to ``timeout``) for a complete version ≥ ``min_version``; ``begin`` may refuse it.
+
+    The wait is not the stage's work: it is reported apart (``RefitResult.wait_seconds``).
+    """
     async with send:
         ctx.enter("discover")
-        t0 = time.perf_counter()
+        t_wait = time.perf_counter()
         pub = await registry.wait_complete(identity, min_version, timeout)
+        t0 = ctx.discovered_at = time.perf_counter()
+        ctx.waited_s = t0 - t_wait
         ctx.connect_sources(pub)
         begin(pub)
         ctx.publication = pub
