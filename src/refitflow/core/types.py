@@ -164,6 +164,10 @@ class Manifest:
     shards: tuple[ShardSpec, ...]
     revision: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    # a digest of everything that shapes a plan (names, shapes, dtypes, ranges, regions, layout), computed
+    # by the publisher; receivers key their cached plans on it. A wrong one cannot corrupt a refit: every
+    # pulled byte is still checked against this version's content digests.
+    layout_digest: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or self.version < 0:
@@ -179,6 +183,11 @@ class Manifest:
             object.__setattr__(self, "revision", expected)
         elif self.revision != expected:
             raise ManifestError("revision does not match the shard digests", version=self.version)
+        if not self.layout_digest:
+            h = xxhash.xxh3_128(repr(self.metadata.get("layout")).encode())
+            for s in self.shards:
+                h.update(repr(s.layout_key()).encode())
+            object.__setattr__(self, "layout_digest", h.hexdigest())
 
 
 def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
@@ -205,10 +214,7 @@ class Publication:
         return h.hexdigest()
 
     def layout_key(self) -> tuple[Any, ...]:
-        return tuple(
-            (m.rank, m.source.agent, m.metadata.get("layout"), tuple(s.layout_key() for s in m.shards))
-            for m in self.manifests
-        )
+        return tuple((m.rank, m.source.agent, m.layout_digest) for m in self.manifests)
 
     @property
     def nbytes(self) -> int:

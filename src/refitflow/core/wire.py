@@ -39,6 +39,7 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
         "rank": m.rank,
         "world_size": m.world_size,
         "revision": m.revision,
+        "layout_digest": m.layout_digest,
         "metadata": m.metadata,
         "source": {
             "transport": m.source.transport,
@@ -84,6 +85,7 @@ def manifest_from_dict(d: Any) -> Manifest:
             rank=_typed(d["rank"], int),
             world_size=_typed(d["world_size"], int),
             revision=_typed(d.get("revision", ""), str),
+            layout_digest=_typed(d.get("layout_digest", ""), str),
             metadata={_typed(k, str): _typed(v, str) for k, v in d.get("metadata", {}).items()},
             source=SourceAddress(
                 transport=_typed(src["transport"], str),

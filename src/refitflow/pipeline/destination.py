@@ -75,6 +75,8 @@ class Destination:
             {n: torch.empty_like(t.detach()) for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )
 
+    generation = 0  # swaps so far: shadow targets alternate between two storages
+
     def target(self, name: str) -> torch.Tensor:
         """The tensor the next version is written into (the live one, or its shadow)."""
         if self.mode is ApplyMode.SHADOW:
@@ -99,6 +101,7 @@ class Destination:
 
     def swap(self) -> None:
         """Make the shadow copies live (shadow mode); synchronous, so no coroutine sees a mix."""
+        self.generation += 1
         for name, p in self.params.items():
             old = p.data
             p.data = self.shadows[name]

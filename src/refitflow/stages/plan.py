@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -124,6 +125,7 @@ class Plan:
     ideal_bytes: int = 0  # the source bytes of the copies alone (what a perfect plan would read)
     seconds: float = 0.0  # time it took to build
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
+    read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
 
 
 def box_index(box: Box) -> tuple[slice, ...]:
@@ -248,15 +250,17 @@ class PlanCache:
         self._size = size
         self.hits = 0
         self.misses = 0
+        self._landing: tuple[Landing, Hashable] | None = None
 
     def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
-        key = (
-            pub.layout_key(),
-            tuple((n, tuple(t.shape), t.dtype) for n, t in landing.params.items()),
-            tuple(sorted(landing.canonical.items())),
-            landing.layout_key,
-            limits,
-        )
+        if self._landing is None or self._landing[0] is not landing:  # the target layout: once per landing
+            target = (
+                tuple((n, tuple(t.shape), t.dtype) for n, t in landing.params.items()),
+                tuple(sorted(landing.canonical.items())),
+                landing.layout_key,
+            )
+            self._landing = (landing, target)
+        key = (pub.layout_key(), self._landing[1], limits)
         plan = self._plans.get(key)
         if plan is not None:
             self.hits += 1

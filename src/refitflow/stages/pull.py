@@ -15,6 +15,20 @@ __all__ = ["run"]
 
 
 def reads_of(ctx: StageContext, work: Work) -> list[Read]:
+    """The bucket's reads; for a cached plan the same list object as last time its targets were the same.
+
+    Staging placement is deterministic and shadow targets alternate between two storages, so a
+    (bucket, lease offset, destination generation) replays the very same reads, and a transport can
+    recognise the list and skip describing it again.
+    """
+    key = (work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
+    cached = ctx.plan.read_lists.get(key)
+    if cached is None:
+        cached = ctx.plan.read_lists[key] = _build_reads(ctx, work)
+    return cached
+
+
+def _build_reads(ctx: StageContext, work: Work) -> list[Read]:
     assert ctx.publication is not None
     peers = [m.source.agent for m in ctx.publication.manifests]
     out = []

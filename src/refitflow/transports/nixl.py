@@ -95,6 +95,9 @@ class NixlTransport(Transport):
         self._local_epoch = 0
         self._peers: dict[str, _Peer] = {}
         self._cache: OrderedDict[CacheKey, list[_Prepared]] = OrderedDict()
+        # key -> (the very reads list described, address state, its description): a caller that replays
+        # the same list object under the same key skips describing it again
+        self._described: OrderedDict[Hashable, tuple[Sequence[Read], tuple[Any, ...], Any]] = OrderedDict()
         self._cache_size = cache_size
         self._closed = False
         self.prepared = 0  # descriptor preparations made (a replay makes none)
@@ -203,8 +206,7 @@ class NixlTransport(Transport):
         t0 = time.perf_counter()
         if self._index is None:
             self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
-        regions = {agent: peer.regions for agent, peer in self._peers.items()}
-        for (peer, lmem, rmem), (larr, rarr) in describe([r for r in reads if r.nbytes], regions, self._index).items():
+        for (peer, lmem, rmem), (larr, rarr) in self._describe(reads, key).items():
             if not self._peers[peer].loaded:
                 self.prep_seconds += time.perf_counter() - t0
                 await self._load(peer)  # connection set-up, not counted as descriptor preparation
@@ -236,6 +238,22 @@ class NixlTransport(Transport):
                 for p in prepared:
                     self._release(p)
             t0 = time.perf_counter()
+
+    def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Any:
+        """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object."""
+        state = (self._local_epoch, tuple((a, p.epoch) for a, p in self._peers.items()))
+        cached = self._described.get(key) if key is not None else None
+        if cached is not None and cached[0] is reads and cached[1] == state:
+            self._described.move_to_end(key)
+            return cached[2]
+        regions = {agent: peer.regions for agent, peer in self._peers.items()}
+        assert self._index is not None
+        groups = describe([r for r in reads if r.nbytes], regions, self._index)
+        if key is not None:
+            self._described[key] = (reads, state, groups)
+            while len(self._described) > self._cache_size:
+                self._described.popitem(last=False)
+        return groups
 
     def _prepare(
         self, ckey: CacheKey | None, nx: LockedAgent, peer: str, lmem: str, rmem: str,
