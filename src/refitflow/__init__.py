@@ -26,6 +26,7 @@ from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
 from refitflow.pipeline.vote import Ballot, Decision, GlooVote, VoteChannel
+from refitflow.pipeline.zmq_vote import ZmqVote
 from refitflow.transports import LoopbackTransport, Transport
 
 __version__ = "0.1.0"
@@ -67,5 +68,6 @@ __all__ = [
     "TransportError",
     "VersionError",
     "VoteChannel",
+    "ZmqVote",
     "__version__",
 ]
