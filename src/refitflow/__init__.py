@@ -4,7 +4,9 @@ Publish a version on the trainer, refit it on the inference ranks; each rank com
 transactionally (nothing half-updated is ever served). See README.md and docs/architecture.md.
 """
 
+from refitflow.api.controller import Controller, EngineResult, RankReport
 from refitflow.api.engine import EngineMember, EngineOutcome
+from refitflow.api.engine_agent import EngineAgent
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
 from refitflow.api.registry import Registry
@@ -37,10 +39,13 @@ __all__ = [
     "BudgetStatistics",
     "ByteBudget",
     "ConfigError",
+    "Controller",
     "CoverageError",
     "Decision",
+    "EngineAgent",
     "EngineMember",
     "EngineOutcome",
+    "EngineResult",
     "Fence",
     "FenceState",
     "FencedError",
@@ -53,6 +58,7 @@ __all__ = [
     "PlanError",
     "Publication",
     "Publisher",
+    "RankReport",
     "Receiver",
     "ReceiverConfig",
     "ReceiverStatus",
