@@ -74,10 +74,11 @@ class StageContext:
     publication: Publication | None = None
     attempt: Attempt | None = None
     plan: Any = None  # the Plan in use (stages.plan.Plan)
+    reroute: Any = None  # stages._reroute.Rerouter: replica sources that failed during this attempt
     stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
 
     def connect_sources(self, pub: Publication) -> None:
-        for m in pub.manifests:
+        for m in pub.sources:
             self.transport.connect(m.source)
 
     def enter(self, stage: str) -> None:

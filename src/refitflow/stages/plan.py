@@ -22,6 +22,7 @@ from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import CoverageError, PlanError
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.stages._context import Landing, Limits, StageContext
+from refitflow.stages.sources import SourceLoad
 
 __all__ = ["Bucket", "Piece", "Plan", "PlanCache", "PlannedRead", "build_plan", "piece_view", "run"]
 
@@ -142,21 +143,22 @@ def _check_cast(src: torch.dtype, dst: torch.dtype, limits: Limits, tensor: str)
 def _choose_shards(pub: Publication, landing_canonical: Mapping[str, str]) -> dict[str, list[tuple[int, ShardSpec]]]:
     """canonical parameter -> [(source index, spec)] covering it, validated; aliases counted once."""
     by_tensor: dict[str, list[tuple[int, ShardSpec]]] = {}
-    for i, m in enumerate(pub.manifests):
+    load = SourceLoad(trainers=len(pub.manifests))
+    for i, m in enumerate(pub.sources):
         for spec in m.shards:
             by_tensor.setdefault(spec.name, []).append((i, spec))
     unknown = sorted(n for n in by_tensor if n not in landing_canonical)
     if unknown:
         raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
     chosen: dict[str, list[tuple[int, ShardSpec]]] = {}
-    for ordinal, name in enumerate(sorted(by_tensor, key=lambda n: (landing_canonical[n] != n, n))):
+    for name in sorted(by_tensor, key=lambda n: (landing_canonical[n] != n, n)):
         param = landing_canonical[name]
         if param in chosen:  # a tied alias published under a second name: the weight counts once
             continue
         shards = by_tensor[name]
         whole = [(i, s) for i, s in shards if s.axis is None]
-        if whole:  # replicated: read from one source, spread across sources
-            chosen[param] = [whole[ordinal % len(whole)]]
+        if whole:  # replicated (trainer ranks or replica sources): read from one, spread by load
+            chosen[param] = [load.choose(whole)]
             continue
         chosen[param] = _tile(name, shards, pub.version)
     return chosen

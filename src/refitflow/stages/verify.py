@@ -49,7 +49,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             t0 = time.perf_counter()
             if not digests:
                 assert ctx.publication is not None
-                digests = {(i, s.name): s.digest for i, m in enumerate(ctx.publication.manifests) for s in m.shards}
+                digests = {(i, s.name): s.digest for i, m in enumerate(ctx.publication.sources) for s in m.shards}
             bad = await anyio.to_thread.run_sync(_hash_bucket, ctx, work, hashers, digests)
             if bad:
                 assert ctx.attempt is not None
