@@ -10,14 +10,19 @@ import socket
 
 import anyio
 import pytest
-from _nixl_peer import Peer
+import torch
+from _nixl_peer import Peer, model
 from _nixl_receiver import ReceiverProc
-from test_nixl_xproc import served_at_least
+from test_nixl_xproc import KillBefore, served_at_least
 
 import refitflow as rf
 
 SPEC = {"tensors": 64, "numel": 4000, "model": "fanout"}
 MODEL_BYTES = sum((SPEC["numel"] + i % 7) * 4 for i in range(SPEC["tensors"]))
+
+
+def same(dst: dict[str, torch.Tensor], seed: int) -> bool:
+    return all(torch.equal(dst[n], t) for n, t in model(SPEC, seed).items())
 
 
 def _address() -> str:
@@ -66,3 +71,24 @@ async def test_a_dead_replica_still_offered_makes_its_reader_read_from_the_train
                 with anyio.fail_after(30):  # the reader's own refit deadline
                     result = await reader.refit(1, 41)
                 assert result["exact"] and result["version"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_replica_killed_mid_serve_makes_its_reader_finish_from_the_trainer() -> None:
+    address = _address()
+    ident = rf.Identity(model="fanout")
+    dst = {n: torch.zeros_like(t) for n, t in model(SPEC, 0).items()}
+    transport = KillBefore(nth=3)  # two buckets land, then the replica dies before the third
+    with anyio.fail_after(120):
+        async with rf.Registry.serve(address) as server, Peer(SPEC) as trainer:
+            await server.registry.publish(await trainer.publish(1, 51))
+            async with ReceiverProc(SPEC, address) as replica:
+                assert (await replica.refit(1, 51))["exact"]
+                transport.action = replica.kill
+                async with rf.Receiver(dst, server.registry, identity=ident, transport=transport, mode="shadow",
+                                       direct_bucket_bytes=32 * 1024, read_timeout_s=10.0) as reader:  # fmt: skip
+                    with anyio.fail_after(30):  # well inside the reader's own refit deadline
+                        result = await reader.refit(1)
+            assert transport.calls > 3 and result.version == 1 and same(dst, 51)
+            expected = sum(t.nbytes for t in dst.values())
+            assert await served_at_least(trainer, 2 * expected) < 2 * expected  # the replica served a part
