@@ -39,6 +39,8 @@ __all__ = ["ZmqVote"]
 
 log = logging.getLogger(__name__)
 
+_MAX_EARLY = 8  # later attempts whose ballots are kept
+
 
 @dataclass
 class _Attempt:
@@ -130,6 +132,8 @@ class ZmqVote:
             return False
         if their < attempt:
             return False  # late, from an earlier attempt: never counted
+        if their > attempt and their not in self._early and len(self._early) >= _MAX_EARLY:
+            return False  # a peer far ahead (or a flood): it will resend when we get there
         target = state if their == attempt else self._early.setdefault(their, _Attempt())
         target.acks.setdefault(peer, set()).update(has)
         if peer in target.ballots:
