@@ -4,7 +4,9 @@ Publish a version on the trainer, refit it on the inference ranks; each rank com
 transactionally (nothing half-updated is ever served). See README.md and docs/architecture.md.
 """
 
+from refitflow.api.controller import Controller, EngineResult, RankReport
 from refitflow.api.engine import EngineMember, EngineOutcome
+from refitflow.api.engine_agent import EngineAgent
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
 from refitflow.api.registry import Registry
@@ -26,6 +28,7 @@ from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
 from refitflow.pipeline.vote import Ballot, Decision, GlooVote, VoteChannel
+from refitflow.pipeline.zmq_vote import ZmqVote
 from refitflow.transports import LoopbackTransport, Transport
 
 __version__ = "0.1.0"
@@ -36,10 +39,13 @@ __all__ = [
     "BudgetStatistics",
     "ByteBudget",
     "ConfigError",
+    "Controller",
     "CoverageError",
     "Decision",
+    "EngineAgent",
     "EngineMember",
     "EngineOutcome",
+    "EngineResult",
     "Fence",
     "FenceState",
     "FencedError",
@@ -52,6 +58,7 @@ __all__ = [
     "PlanError",
     "Publication",
     "Publisher",
+    "RankReport",
     "Receiver",
     "ReceiverConfig",
     "ReceiverStatus",
@@ -67,5 +74,6 @@ __all__ = [
     "TransportError",
     "VersionError",
     "VoteChannel",
+    "ZmqVote",
     "__version__",
 ]

@@ -2,7 +2,8 @@
 
 Commands are JSON lines on stdin: ``{"version": v, "seed": s}`` publishes ``model(spec, seed)`` as
 version ``v`` (writing the same tensors in place, so their registrations stay) and answers with a
-line ``RF <manifest as JSON>``. Lines not starting with ``RF `` are noise from libraries.
+line ``RF <manifest as JSON>``; ``{"served": true}`` answers ``RF {"served": bytes peers read}``.
+Lines not starting with ``RF `` are noise from libraries.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ async def main() -> None:
         print(PREFIX + json.dumps({"ready": True}), flush=True)
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
+            if cmd.get("served"):
+                print(PREFIX + json.dumps({"served": pub._transport.served_bytes}), flush=True)  # type: ignore[union-attr]
+                continue
             fresh = model(spec, cmd["seed"])
             if tensors is None:
                 tensors = fresh
@@ -100,6 +104,12 @@ class Peer:
         assert self.proc is not None and self.proc.stdin is not None
         await self.proc.stdin.send(json.dumps({"version": version, "seed": seed}).encode() + b"\n")
         return manifest_from_dict(await self._reply())
+
+    async def served(self) -> int:
+        """Bytes receivers have read from the publisher so far (its transport's ``served_bytes``)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        await self.proc.stdin.send(b'{"served": true}\n')
+        return int((await self._reply())["served"])
 
     async def kill(self) -> None:
         """SIGKILL the publisher and wait until it is gone."""

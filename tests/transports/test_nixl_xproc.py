@@ -29,6 +29,18 @@ def same(dst: dict[str, torch.Tensor], seed: int) -> bool:
     return set(dst) == set(expected) and all(torch.equal(dst[n], expected[n]) for n in expected)
 
 
+async def served_at_least(peer: Peer, nbytes: int, timeout: float = 5.0) -> int:
+    """The peer's served bytes once they reach ``nbytes`` (or whatever they are at the deadline)."""
+    served = await peer.served()
+    with anyio.move_on_after(timeout):
+        for _ in iter(int, 1):  # polling another process: it has no event to wait on
+            if served >= nbytes:
+                break
+            await anyio.sleep(0.01)
+            served = await peer.served()
+    return served
+
+
 @pytest.mark.asyncio
 async def test_many_small_tensors_from_another_process_are_bit_exact() -> None:
     registry = rf.Registry()
@@ -41,6 +53,9 @@ async def test_many_small_tensors_from_another_process_are_bit_exact() -> None:
                 assert same(dst, seed)
                 assert result.nbytes == sum(t.nbytes for t in dst.values())
                 assert result.plan_cached == (version > 1)
+                # every READ tells its owner how many bytes it took (NIXL notifications, which may
+                # arrive just after the reader saw its READ done)
+                assert await served_at_least(peer, version * result.nbytes) == version * result.nbytes
 
 
 class KillBefore(NixlTransport):

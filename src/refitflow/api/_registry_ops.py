@@ -70,7 +70,23 @@ class Handler:
         if pub is None:
             return None
         return {"identity": identity_to_dict(pub.identity), "version": pub.version,
-                "revisions": [m.revision for m in pub.manifests]}  # fmt: skip
+                "revisions": [m.revision for m in pub.manifests],
+                "replicas": [f"{m.metadata.get('replica')}|{m.source.agent}" for m in pub.replicas]}  # fmt: skip
+
+    async def op_replicas(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        version = _arg(msg, "version", int)
+        pub = await self.registry.latest(identity, version)
+        if pub is None or pub.version != version:
+            return []
+        return [manifest_to_dict(m) for m in pub.replicas]
+
+    async def op_publish_replica(self, msg: dict[str, Any]) -> Any:
+        await self.registry.publish_replica(manifest_from_dict(_arg(msg, "manifest", dict)))
+
+    async def op_withdraw_replica(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        await self.registry.withdraw_replica(identity, _arg(msg, "receiver_id", str))
 
     async def op_manifests(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))

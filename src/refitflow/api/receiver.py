@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -14,8 +15,9 @@ import anyio.to_thread
 import torch
 
 from refitflow.api._connect import connect_registry
+from refitflow.api._replica_source import replica_manifest
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
-from refitflow.core.types import Identity, Publication
+from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArena
@@ -31,12 +33,19 @@ from refitflow.transports import Transport, make_transport
 
 __all__ = ["Receiver", "ReceiverStatus", "RefitResult", "StageStats"]
 
+log = logging.getLogger(__name__)
+
 
 class ReceiveRegistry(Protocol):
     async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication: ...
     async def register_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
+
+
+class ReplicaRegistry(Protocol):
+    async def publish_replica(self, manifest: Manifest) -> None: ...
+    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +97,7 @@ class Receiver:
         observer: Observer = NULL_OBSERVER,
         receiver_id: str | None = None,
         layout: Mapping[str, LocalTensor] | None = None,
+        serve_replicas: bool = False,
         **options: Any,
     ) -> None:
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
@@ -107,6 +117,12 @@ class Receiver:
         self._transport_spec = transport
         self._transport: Transport | None = None
         self._arena: StagingArena | None = None
+        # tree fan-out: offer each committed version to other receivers until the next begins
+        self.serve_replicas = serve_replicas
+        if serve_replicas and not all(hasattr(self.registry, n) for n in ("publish_replica", "withdraw_replica")):
+            raise ConfigError("serve_replicas needs a registry that takes replica sources")
+        self._prepared: dict[int, Publication] = {}
+        self._serving: int | None = None  # the version offered as a replica source
 
     async def __aenter__(self) -> Receiver:
         # off the loop: a real transport imports its library and creates its agent (seconds)
@@ -168,6 +184,7 @@ class Receiver:
         )  # fmt: skip
         misses = self._plans.misses
         self.budget.reset_peak()
+        await self._withdraw()  # never serve bytes under change
         try:
             with anyio.fail_after(self.config.refit_timeout_s):
                 txn = await run_pipeline(
@@ -183,6 +200,8 @@ class Receiver:
                     version=ctx.attempt.version if ctx.attempt else None,
                 ) from exc
             raise
+        assert ctx.publication is not None
+        self._prepared = {txn.version: ctx.publication}
         stats = self.budget.statistics()
         direct = sum(b.direct_bytes for b in ctx.plan.buckets)
         result = RefitResult(
@@ -200,10 +219,37 @@ class Receiver:
         self.ledger.finish(txn)
         self.observer.refit_outcome("committed", txn.version)
         await self._report(txn.version)
+        pub = self._prepared.pop(txn.version, None)
+        if self.serve_replicas and pub is not None:
+            await self._offer(pub)
+
+    async def _offer(self, pub: Publication) -> None:
+        """Offer the committed copy of ``pub`` as a replica source (bounded; a refusal is only logged)."""
+        assert self._transport is not None
+        manifest = replica_manifest(pub, self.destination, self._transport, self.receiver_id)
+        if manifest is None:
+            log.info("version %d is not byte-identical here (sharded or cast): not offered", pub.version)
+            return
+        registry: ReplicaRegistry = self.registry  # type: ignore[assignment]
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            try:
+                await registry.publish_replica(manifest)
+                self._serving = pub.version
+            except RefitError as exc:
+                log.info("replica of version %d not offered: %s", pub.version, exc)
+
+    async def _withdraw(self) -> None:
+        if self._serving is None:
+            return
+        registry: ReplicaRegistry = self.registry  # type: ignore[assignment]
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await registry.withdraw_replica(self.identity, self.receiver_id)
+            self._serving = None
 
     async def abort(self, txn: Transaction, reason: str) -> None:
         """Abandon a prepared version (e.g. a peer of the engine was not ready)."""
         self.ledger.abort(txn, reason)
+        self._prepared.pop(txn.version, None)
         self.observer.refit_outcome("aborted", txn.version)
         await self._report(txn.version)
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from refitflow.api._checks import check_against
+from refitflow.api._replicas import REPLICA_KEY, check_replica
 from refitflow.api.release import ReleasePolicy
 from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
@@ -39,6 +40,7 @@ class _Model:
     versions: dict[int, dict[int, Manifest]] = field(default_factory=dict)  # version -> rank -> manifest
     receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
     completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
+    replicas: dict[int, dict[str, Manifest]] = field(default_factory=dict)  # version -> receiver id -> manifest
 
 
 class Registry:
@@ -114,7 +116,9 @@ class Registry:
                 manifests = tuple(ranks[r] for r in range(world))
                 if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
                     continue
-                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests)
+                replicas = tuple(model.replicas.get(version, {}).values())
+                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests,
+                                   replicas=replicas)  # fmt: skip
                 break
         return best
 
@@ -157,9 +161,30 @@ class Registry:
         self._own(owner, (identity, receiver_id, -1))
         self._notify()
 
+    async def publish_replica(self, manifest: Manifest) -> None:
+        """Offer a receiver's committed copy of a complete version as a source (tree fan-out)."""
+        pub = self._complete(manifest.identity, manifest.version, None, None)
+        if pub is None or pub.version != manifest.version:
+            raise VersionError("a replica needs its version complete and still offered", version=manifest.version)
+        check_replica(pub, manifest)
+        self._model(manifest.identity).replicas.setdefault(manifest.version, {})[manifest.metadata[REPLICA_KEY]] = (
+            manifest
+        )
+        self._notify()
+
+    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
+        """Stop offering every replica of ``receiver_id`` (it is about to change its copy, or leaving)."""
+        self._drop_replicas(self._model(identity), receiver_id)
+        self._notify()
+
+    def _drop_replicas(self, model: _Model, receiver_id: str) -> None:
+        for held in model.replicas.values():
+            held.pop(receiver_id, None)
+
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
         model = self._model(identity)
         model.receivers.pop(receiver_id, None)
+        self._drop_replicas(model, receiver_id)
         self._collect(model)
         self._notify()
 
@@ -210,6 +235,7 @@ class Registry:
         for version in [v for v in model.versions if v < max(complete) and self._released(model, v)]:
             del model.versions[version]
             model.completed_at.pop(version, None)
+            model.replicas.pop(version, None)
 
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
@@ -231,11 +257,13 @@ class Registry:
                 model = self._model(identity)
                 if isinstance(key, str):
                     model.receivers.pop(key, None)
+                    self._drop_replicas(model, key)
                 elif rank in model.versions.get(key, {}):
                     del model.versions[key][rank]
                     if not model.versions[key]:
                         del model.versions[key]
                         model.completed_at.pop(key, None)
+                        model.replicas.pop(key, None)
         if stale:
             self._notify()
         return stale

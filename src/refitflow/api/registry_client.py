@@ -12,6 +12,7 @@ stops on ``aclose()``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
@@ -65,6 +66,7 @@ class RegistryClient:
         self._cache: OrderedDict[tuple[Any, ...], Publication] = OrderedDict()
         self._cache_size = cache_size
         self._fetching: dict[tuple[Any, ...], asyncio.Future[Publication]] = {}
+        self._replica_cache: tuple[Any, tuple[Manifest, ...]] = (None, ())
         self._held: dict[tuple[str, int], Manifest] = {}  # (identity key, rank) -> newest manifest published
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self.fetches = 0  # manifest fetches (for tests and benches: one per new version)
@@ -176,7 +178,23 @@ class RegistryClient:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
+        replicas = tuple(found.get("replicas") or ())
+        if replicas:  # tree fan-out: the receivers serving this version now (they come and go)
+            pub = dataclasses.replace(pub, replicas=await self._replicas(found["identity"], pub.version, replicas))
         return pub
+
+    async def _replicas(self, identity: dict[str, str], version: int, names: tuple[str, ...]) -> tuple[Manifest, ...]:
+        key = (tuple(sorted(identity.items())), version, names)
+        if self._replica_cache[0] != key:
+            dicts = await self._request("replicas", identity=identity, version=version)
+            self._replica_cache = (key, tuple(manifest_from_dict(d) for d in dicts))
+        return self._replica_cache[1]
+
+    async def publish_replica(self, manifest: Manifest) -> None:
+        await self._request("publish_replica", manifest=manifest_to_dict(manifest))
+
+    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
+        await self._request("withdraw_replica", identity=identity_to_dict(identity), receiver_id=receiver_id)
 
     async def _fetch(self, identity: dict[str, str], version: int) -> Publication:
         dicts = await self._request("manifests", identity=identity, version=version)

@@ -200,11 +200,21 @@ def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Publication:
-    """One complete version: a manifest from every rank of the publisher's world."""
+    """One complete version: a manifest from every rank of the publisher's world.
+
+    ``replicas``: receivers that committed this version and serve it to others (tree fan-out),
+    each a manifest of whole tensors with the trainer's digests. ``sources`` is the manifests,
+    then the replicas: a plan's source index points into it.
+    """
 
     identity: Identity
     version: int
     manifests: tuple[Manifest, ...]
+    replicas: tuple[Manifest, ...] = ()
+
+    @property
+    def sources(self) -> tuple[Manifest, ...]:
+        return self.manifests + self.replicas
 
     @property
     def revision(self) -> str:
@@ -214,7 +224,7 @@ class Publication:
         return h.hexdigest()
 
     def layout_key(self) -> tuple[Any, ...]:
-        return tuple((m.rank, m.source.agent, m.layout_digest) for m in self.manifests)
+        return tuple((m.rank, m.source.agent, m.layout_digest) for m in self.sources)
 
     @property
     def nbytes(self) -> int:

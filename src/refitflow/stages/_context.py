@@ -93,11 +93,12 @@ class StageContext:
     plan: Any = None  # the Plan in use (stages.plan.Plan)
     discovered_at: float = 0.0  # perf_counter when the publication was found
     waited_s: float = 0.0  # how long discovery waited for it
+    reroute: Any = None  # stages._reroute.Rerouter: replica sources that failed during this attempt
     stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
     unverified_bytes: int = 0  # pulled bytes no whole digest block covered
 
     def connect_sources(self, pub: Publication) -> None:
-        for m in pub.manifests:
+        for m in pub.sources:
             self.transport.connect(m.source)
 
     def enter(self, stage: str) -> None:

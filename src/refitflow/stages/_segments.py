@@ -17,6 +17,7 @@ from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, intersect, shape_of, shift, volume
 from refitflow.layouts.canonical import LocalTensor, Segment, sliced
 from refitflow.layouts.wire import resolve
+from refitflow.stages.sources import SourceLoad
 
 __all__ = ["Copy", "Held", "copies"]
 
@@ -46,7 +47,7 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
     held: dict[str, dict[Box, list[Held]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     axes: dict[str, int | None] = {}
-    for i, m in enumerate(pub.manifests):
+    for i, m in enumerate(pub.sources):  # trainer ranks, then replica sources
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         shapes |= canon_shapes
         for spec in m.shards:
@@ -75,11 +76,20 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
             for seg in local.segments:
                 held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
     out: dict[str, list[Held]] = {}
-    for ordinal, canon in enumerate(sorted(held)):
+    load = SourceLoad(trainers=len(pub.manifests))
+    for canon in sorted(held):
         boxes = held[canon]
-        out[canon] = [reps[(ordinal + k) % len(reps)] for k, reps in enumerate(boxes.values())]
+        out[canon] = [_choose(reps, load) for reps in boxes.values()]
         _check_overlap(canon, list(boxes), pub.version)
     return out, shapes
+
+
+def _choose(reps: list[Held], load: SourceLoad) -> Held:
+    """One of the sources holding the same box: the least loaded (trainer bytes weigh more)."""
+    if len(reps) == 1:
+        return reps[0]
+    source, _ = load.choose([(h.source, h.spec) for h in reps])
+    return next(h for h in reps if h.source == source)
 
 
 def _check_overlap(canon: str, boxes: list[Box], version: int) -> None:

@@ -85,7 +85,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             t0 = time.perf_counter()
             if not st.specs:
                 assert ctx.publication is not None
-                for i, m in enumerate(ctx.publication.manifests):
+                for i, m in enumerate(ctx.publication.sources):
                     for s in m.shards:
                         st.specs[(i, s.name)] = s
                         st.digests[(i, s.name)] = s.block_digests()

@@ -4,7 +4,9 @@ NIXL's default thread-sync mode does no locking, and one agent driven from two t
 crashes (SIGSEGV). Every call here goes through one ``threading.Lock``; the progress thread only
 *tries* the lock, so it never queues behind a long copy. It calls ``get_new_notifs()`` every few
 milliseconds, which is what a data owner must do for connection wire-up (NIXL's own progress
-thread would spin a core instead).
+thread would spin a core instead), and counts the bytes peers read from it: a reader posts every
+READ with the notification ``SERVED_PREFIX + str(nbytes)``, which the owner receives once the
+transfer is done.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError, TransportError
 
-__all__ = ["LockedAgent", "load_nixl"]
+__all__ = ["SERVED_PREFIX", "LockedAgent", "load_nixl"]
+
+SERVED_PREFIX = b"rf-served:"
 
 
 def load_nixl() -> Any:
@@ -45,6 +49,7 @@ class LockedAgent:
         self.interval = progress_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.served = 0  # bytes peers reported reading from this agent
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         with self.translated("agent creation"):
             self.agent = nixl_agent(name, config)
@@ -82,11 +87,29 @@ class LockedAgent:
             if not self.lock.acquire(blocking=False):
                 continue  # someone else is driving the agent: that progresses it too
             try:
-                self.agent.get_new_notifs()  # notifications are not used; this is for wire-up
-            except self.errors:
-                pass  # a dead peer's failed wire-up: readers see it on their own transfers
+                self._take_notifs()
             finally:
                 self.lock.release()
+
+    def _take_notifs(self) -> None:
+        """Under the lock: progress the agent (wire-up) and count served-bytes notifications."""
+        try:
+            notifs = self.agent.get_new_notifs()
+        except self.errors:
+            return  # a dead peer's failed wire-up: readers see it on their own transfers
+        for messages in notifs.values():
+            for m in messages:
+                if m.startswith(SERVED_PREFIX):
+                    try:
+                        self.served += int(m[len(SERVED_PREFIX) :])
+                    except ValueError:
+                        pass  # not ours
+
+    def drain(self) -> int:
+        """Count the notifications that arrived so far (waits for the lock); the bytes served."""
+        with self.lock:
+            self._take_notifs()
+        return self.served
 
     def stop_progress(self) -> None:
         self._stop.set()

@@ -33,7 +33,7 @@ import torch
 
 from refitflow.core.errors import ConfigError, TransportError
 from refitflow.core.types import SourceAddress
-from refitflow.transports._nixl_agent import LockedAgent
+from refitflow.transports._nixl_agent import SERVED_PREFIX, LockedAgent
 from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
 from refitflow.transports.base import Read, Transport
 
@@ -67,6 +67,11 @@ class _Prepared:
     epochs: tuple[int, int]  # (peer epoch, local epoch) it was prepared under
     nx: LockedAgent
     handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
+
+    @property
+    def notif(self) -> bytes:
+        """Tells the owner how many bytes this READ took from it (its ``served_bytes``)."""
+        return SERVED_PREFIX + str(int(self.larr[:, 1].sum()) if len(self.larr) else 0).encode()
 
 
 CacheKey = tuple[Hashable, str, str, str, int]  # (read key, peer, local mem, remote mem, stripe)
@@ -294,7 +299,7 @@ class NixlTransport(Transport):
         """Post the READ off the event loop; poll a pending one with growing sleeps (no spinning)."""
         nx, handle = prepared.nx, prepared.handles[2]
         try:
-            state = str(await anyio.to_thread.run_sync(nx.call, "transfer", nx.agent.transfer, handle))
+            state = str(await anyio.to_thread.run_sync(nx.call, "transfer", nx.agent.transfer, handle, prepared.notif))
             delay = 50e-6
             while state == "PROC":
                 await anyio.sleep(delay)
@@ -306,6 +311,11 @@ class NixlTransport(Transport):
             raise
         if state != "DONE":
             raise TransportError(f"nixl READ from {peer!r} ended in state {state}")
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes peers have read from this agent (reported by their READs' notifications on arrival)."""
+        return self._nx.served if self._closed else self._nx.drain()
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""The controller: an RL loop's view of every engine's refit, as one async call.
+
+``await Controller({"engine-a": [addr0, addr1], ...}).refit(v)`` sends every rank (an
+``EngineAgent``) the same refit command, waits for every reply under one deadline, and returns
+one ``EngineResult`` per engine. An engine succeeded only if every one of its ranks answered that
+it committed ``v``; a rank that does not answer before the deadline (dead, hung, unreachable)
+counts as failed for its engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from refitflow.core.errors import ConfigError
+from refitflow.core.wire import decode, encode
+
+__all__ = ["Controller", "EngineResult", "RankReport"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    committed: bool
+    decision: str | None  # the engine vote's decision as this rank saw it
+    version: int | None
+    committed_version: int | None  # what the rank serves now
+    fence: str | None
+    error: str | None  # the rank's own failure, or why its answer is missing
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineResult:
+    engine: str
+    committed: bool  # every rank committed, the same version
+    version: int | None  # that version (None unless committed)
+    ranks: tuple[RankReport, ...]
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [i for i, r in enumerate(self.ranks) if not r.committed]
+
+
+class Controller:
+    """Drives the engines' ranks through ``EngineAgent``s at the given addresses."""
+
+    def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0) -> None:
+        if not engines or any(not ranks for ranks in engines.values()):
+            raise ConfigError("a controller needs at least one engine, each with at least one rank address")
+        self.engines = {name: list(ranks) for name, ranks in engines.items()}
+        self.slack_s = slack_s  # beyond the refit timeout: the vote, the commit, the reply
+        # command ids double as vote attempt ids: they increase across controller restarts too
+        self._ids = itertools.count(time.time_ns() // 1000)
+
+    async def refit(self, version: int, *, timeout: float = 60.0) -> dict[str, EngineResult]:
+        """Refit every engine to the newest version ≥ ``version`` (waiting up to ``timeout`` s for one).
+
+        An engine's result is committed only when every rank committed, and all the same version.
+        """
+        command = {"op": "refit", "id": next(self._ids), "version": version, "timeout": timeout}
+        replies = await self._ask_all(command, timeout + self.slack_s)
+        results = {}
+        for name, ranks in replies.items():
+            reports = tuple(_report(r) for r in ranks)
+            versions = {r.version for r in reports}
+            ok = all(r.committed for r in reports) and len(versions) == 1
+            agreed = versions.pop() if ok else None
+            ok = ok and agreed is not None and agreed >= version
+            results[name] = EngineResult(engine=name, committed=ok, version=agreed if ok else None, ranks=reports)
+        return results
+
+    async def status(self, *, timeout: float = 5.0) -> dict[str, list[dict[str, Any] | None]]:
+        """Every rank's receiver status (``None`` for a rank that did not answer in time)."""
+        replies = await self._ask_all({"op": "status", "id": next(self._ids)}, timeout)
+        return {n: [r["result"] if r and r.get("ok") else None for r in rs] for n, rs in replies.items()}
+
+    async def stop_agents(self, *, timeout: float = 5.0) -> None:
+        """Ask every agent to stop serving commands (the ranks keep serving their model)."""
+        await self._ask_all({"op": "stop", "id": next(self._ids)}, timeout)
+
+    async def _ask_all(self, command: dict[str, Any], deadline: float) -> dict[str, list[dict[str, Any] | None]]:
+        replies: dict[str, list[dict[str, Any] | None]] = {n: [None] * len(rs) for n, rs in self.engines.items()}
+        context = zmq.asyncio.Context()
+        try:
+            with anyio.move_on_after(deadline):
+                async with anyio.create_task_group() as tg:
+                    for name, ranks in self.engines.items():
+                        for i, address in enumerate(ranks):
+                            tg.start_soon(_ask, context, address, command, replies[name], i)
+        finally:
+            context.destroy(linger=0)
+        return replies
+
+
+async def _ask(context: zmq.asyncio.Context, address: str, command: dict[str, Any], into: list[Any], i: int) -> None:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        await sock.send(encode(command))
+        while True:  # a reply to an earlier command (one we gave up on) is not this one's
+            reply = decode(await sock.recv())
+            if isinstance(reply, dict) and reply.get("id") == command["id"]:
+                into[i] = reply
+                return
+    finally:
+        sock.close(linger=0)
+
+
+def _report(reply: dict[str, Any] | None) -> RankReport:
+    if reply is None:
+        return RankReport(committed=False, decision=None, version=None, committed_version=None, fence=None,
+                          error="no answer before the deadline (dead, hung or unreachable)")  # fmt: skip
+    if not reply.get("ok"):
+        return RankReport(committed=False, decision=None, version=None, committed_version=None, fence=None,
+                          error=str(reply.get("result")))  # fmt: skip
+    r = reply["result"]
+    return RankReport(
+        committed=bool(r["committed"]), decision=r["decision"], version=r["version"],
+        committed_version=r["committed_version"], fence=r["fence"], error=r["error"],
+    )  # fmt: skip
