@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from refitflow.api._replicas import REPLICA_KEY
 from refitflow.core.dtypes import dtype_name
-from refitflow.core.types import Manifest, Publication, ShardSpec
+from refitflow.core.types import Manifest, Publication
 from refitflow.pipeline.destination import Destination
 from refitflow.transports import Transport
 
@@ -26,10 +28,7 @@ def replica_manifest(
             if dtype_name(live.dtype) != spec.dtype or tuple(live.shape) != spec.global_shape:
                 return None
             region = transport.register(live)  # idempotent: both storages were registered up front
-            shards.append(ShardSpec(
-                name=spec.name, dtype=spec.dtype, global_shape=spec.global_shape, axis=None, start=spec.start,
-                stop=spec.stop, digest=spec.digest, region=region, offset=0,
-            ))  # fmt: skip
+            shards.append(replace(spec, region=region, offset=0))  # the same bytes: the same digests
     return Manifest(
         identity=pub.identity, version=pub.version, rank=0, world_size=1, source=transport.address(),
         shards=tuple(shards), metadata={REPLICA_KEY: receiver_id},
