@@ -24,6 +24,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import anyio.to_thread
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
@@ -252,7 +253,7 @@ class PlanCache:
         self.misses = 0
         self._landing: tuple[Landing, Hashable] | None = None
 
-    def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
+    def key(self, pub: Publication, landing: Landing, limits: Limits) -> Hashable:
         if self._landing is None or self._landing[0] is not landing:  # the target layout: once per landing
             target = (
                 tuple((n, tuple(t.shape), t.dtype) for n, t in landing.params.items()),
@@ -260,17 +261,28 @@ class PlanCache:
                 landing.layout_key,
             )
             self._landing = (landing, target)
-        key = (pub.layout_key(), self._landing[1], limits)
+        return (pub.layout_key(), self._landing[1], limits)
+
+    def lookup(self, key: Hashable) -> Plan | None:
         plan = self._plans.get(key)
         if plan is not None:
             self.hits += 1
             self._plans.move_to_end(key)
-            return plan
+        return plan
+
+    def store(self, plan: Plan) -> None:
         self.misses += 1
-        plan = build_plan(pub, landing, limits, key)
-        self._plans[key] = plan
+        self._plans[plan.key] = plan
         if len(self._plans) > self._size:
             self._plans.popitem(last=False)
+
+    async def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
+        """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""
+        key = self.key(pub, landing, limits)
+        plan = self.lookup(key)
+        if plan is None:
+            plan = await anyio.to_thread.run_sync(build_plan, pub, landing, limits, key)
+            self.store(plan)
         return plan
 
 
@@ -286,7 +298,7 @@ async def run(
             ctx.enter("plan")
             t0 = time.perf_counter()
             check_compile(pub, ctx.limits)
-            plan = cache.get(pub, ctx.landing, ctx.limits)
+            plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
             ctx.note("plan", len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
             for bucket in plan.buckets:
