@@ -71,11 +71,12 @@ class Destination:
             )
             if wrong:
                 raise ConfigError(f"the parameters do not match the layout (names or shapes): {wrong[:20]}")
+        # a copy of the serving version, not empty memory: its pages are resident before the first refit
+        # writes them (no page faults inside a refit), and it never holds anything but a complete version
         self.shadows: dict[str, torch.Tensor] = (
-            {n: torch.empty_like(t.detach()) for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
+            {n: t.detach().clone() for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )
-
-    generation = 0  # swaps so far: shadow targets alternate between two storages
+        self.generation = 0  # swaps so far: shadow targets alternate between two storages
 
     def target(self, name: str) -> torch.Tensor:
         """The tensor the next version is written into (the live one, or its shadow)."""
