@@ -268,7 +268,10 @@ class NixlTransport(Transport):
         epochs = (self._peers[peer].epoch, self._local_epoch)
         variants = self._cache.get(ckey, []) if ckey is not None else []
         for p in variants:
-            if p.epochs == epochs and np.array_equal(p.larr, larr) and np.array_equal(p.rarr, rarr):
+            same = (p.larr is larr and p.rarr is rarr) or (
+                np.array_equal(p.larr, larr) and np.array_equal(p.rarr, rarr)
+            )
+            if p.epochs == epochs and same:
                 if ckey is not None:
                     self._cache.move_to_end(ckey)
                 return p
