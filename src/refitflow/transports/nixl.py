@@ -23,7 +23,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -33,8 +32,9 @@ import torch
 
 from refitflow.core.errors import ConfigError, TransportError
 from refitflow.core.types import SourceAddress
-from refitflow.transports._nixl_agent import SERVED_PREFIX, LockedAgent
+from refitflow.transports._nixl_agent import LockedAgent
 from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
+from refitflow.transports._nixl_state import CacheKey, _Local, _Peer, _Prepared
 from refitflow.transports.base import Read, Transport
 
 __all__ = ["NixlTransport"]
@@ -42,39 +42,6 @@ __all__ = ["NixlTransport"]
 _EPOCHS = itertools.count(1)
 _VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
 _MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
-
-
-@dataclass(slots=True)
-class _Local:
-    tensor: torch.Tensor  # keeps the memory alive while registered
-    info: RegionInfo
-    dlists: list[Any]  # one nixlRegDList per agent; empty for empty tensors
-
-
-@dataclass(slots=True)
-class _Peer:
-    address: bytes
-    regions: dict[int, RegionInfo]
-    epoch: int
-    md: bytes  # NIXL agent metadata, loaded into the agents on first read (off the event loop)
-    loaded: bool = False
-
-
-@dataclass(slots=True)
-class _Prepared:
-    larr: np.ndarray
-    rarr: np.ndarray
-    epochs: tuple[int, int]  # (peer epoch, local epoch) it was prepared under
-    nx: LockedAgent
-    handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
-
-    @property
-    def notif(self) -> bytes:
-        """Tells the owner how many bytes this READ took from it (its ``served_bytes``)."""
-        return SERVED_PREFIX + str(int(self.larr[:, 1].sum()) if len(self.larr) else 0).encode()
-
-
-CacheKey = tuple[Hashable, str, str, str, int]  # (read key, peer, local mem, remote mem, stripe)
 
 
 class NixlTransport(Transport):

@@ -1,0 +1,48 @@
+"""The state a ``NixlTransport`` keeps: its registrations, its peers, its prepared transfers."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from refitflow.transports._nixl_agent import SERVED_PREFIX, LockedAgent
+from refitflow.transports._nixl_descs import RegionInfo
+
+__all__ = ["CacheKey", "_Local", "_Peer", "_Prepared"]
+
+
+@dataclass(slots=True)
+class _Local:
+    tensor: torch.Tensor  # keeps the memory alive while registered
+    info: RegionInfo
+    dlists: list[Any]  # one nixlRegDList per agent; empty for empty tensors
+
+
+@dataclass(slots=True)
+class _Peer:
+    address: bytes
+    regions: dict[int, RegionInfo]
+    epoch: int
+    md: bytes  # NIXL agent metadata, loaded into the agents on first read (off the event loop)
+    loaded: bool = False
+
+
+@dataclass(slots=True)
+class _Prepared:
+    larr: np.ndarray
+    rarr: np.ndarray
+    epochs: tuple[int, int]  # (peer epoch, local epoch) it was prepared under
+    nx: LockedAgent
+    handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
+
+    @property
+    def notif(self) -> bytes:
+        """Tells the owner how many bytes this READ took from it (its ``served_bytes``)."""
+        return SERVED_PREFIX + str(int(self.larr[:, 1].sum()) if len(self.larr) else 0).encode()
+
+
+CacheKey = tuple[Hashable, str, str, str, int]  # (read key, peer, local mem, remote mem, stripe)
