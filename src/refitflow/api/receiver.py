@@ -140,6 +140,9 @@ class Receiver:
         with anyio.CancelScope(shield=True):
             try:
                 await self.registry.unregister_receiver(self.identity, self.receiver_id)
+            except RefitError:
+                if e is None:  # never mask the body's own error (the registry's lease expires us anyway)
+                    raise
             finally:
                 if self._transport is not None:
                     await self._transport.aclose()
