@@ -10,6 +10,8 @@ from refitflow.api.engine_agent import EngineAgent
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
 from refitflow.api.registry import Registry
+from refitflow.api.registry_client import RegistryClient
+from refitflow.api.release import ReleasePolicy
 from refitflow.core.errors import (
     ConfigError,
     CoverageError,
@@ -66,6 +68,8 @@ __all__ = [
     "RefitResult",
     "RefitTimeoutError",
     "Registry",
+    "RegistryClient",
+    "ReleasePolicy",
     "ShardSpec",
     "Sharded",
     "SourceAddress",

@@ -55,3 +55,27 @@ async def test_release_policy_count_needs_that_many_receivers() -> None:
             await registry.report(identity, "b", 1)
             await pub.released(1, timeout=5)
             assert not await registry.is_released(identity, 1)  # the default policy still waits for "c"
+
+
+@pytest.mark.asyncio
+async def test_released_early_by_policy_then_changed_bytes_never_commit() -> None:
+    """ReleasePolicy(after_s=0): the trainer may change a version nobody read yet; a receiver that
+    reads it then fails its integrity check, keeps serving its old bytes (shadow), and the next
+    version commits."""
+    registry, ident = rf.Registry(), rf.Identity(model="early")
+    trainer = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    server = {n: torch.zeros_like(t) for n, t in trainer.items()}
+    with anyio.fail_after(20):
+        async with (
+            rf.Publisher(registry, identity=ident, release_policy=ReleasePolicy(after_s=0)) as pub,
+            rf.Receiver(server, registry, identity=ident, mode="shadow") as recv,
+        ):
+            await pub.publish(1, trainer)
+            await pub.released(1, timeout=1)  # released by time alone: the receiver read nothing yet
+            trainer["w"].add_(1.0)  # the next training step, in place
+            with pytest.raises(rf.IntegrityError):
+                await recv.refit(1)
+            assert recv.fence.state == "ready" and all(torch.equal(t, torch.zeros_like(t)) for t in server.values())
+            await pub.publish(2, trainer)
+            await recv.refit(2)
+            assert all(torch.equal(server[n], trainer[n]) for n in trainer)
