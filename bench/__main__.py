@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import platform
-import time
 from typing import Any
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # a benchmark entry point, like the CLI, may set the environment
@@ -26,26 +25,11 @@ import anyio
 import torch
 
 from bench._raw_reader import raw_reader_role
-from bench.baselines import gloo_broadcast, shm_safetensors
+from bench.baselines import gloo_broadcast, memcpy_gbps, shm_safetensors
 from refitflow.api._demo_roles import RoleConfig, publisher_role, receiver_role
 from refitflow.api.demo import run_processes
 from refitflow.api.registry import Registry
-from refitflow.api.synthetic import synthetic_shapes
-
-
-def memcpy_gbps(nbytes: int) -> float:
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return nbytes / best / 1e9
+from refitflow.api.synthetic import synthetic_nbytes, synthetic_shapes
 
 
 async def refitflow_row(cfg: RoleConfig, role: Any, mode: str) -> dict[str, Any]:
@@ -83,7 +67,7 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/bench.json")
     args = ap.parse_args()
     size = int(args.size_mb * 1e6)
-    nbytes = sum(2 * _numel(s) for s in synthetic_shapes(size).values())
+    nbytes = synthetic_nbytes(size)
     cfg = RoleConfig(size_bytes=size, versions=args.versions, budget_bytes=int(args.budget_mb * 2**20),
                      transport="nixl", timeout_s=600)  # fmt: skip
     rows = anyio.run(collect, cfg, nbytes)
@@ -122,13 +106,6 @@ def report(rows: dict[str, dict[str, Any]], cfg: RoleConfig, nbytes: int, out: p
     out.write_text(json.dumps({"nbytes": nbytes, "versions": cfg.versions, "rows": rows,
                                "platform": platform.platform(), "cpus": os.cpu_count()}, indent=2))  # fmt: skip
     print(f"wrote {out}")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 if __name__ == "__main__":

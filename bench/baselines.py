@@ -22,9 +22,24 @@ import torch
 
 from refitflow.api.synthetic import synthetic_model
 
-__all__ = ["gloo_broadcast", "shm_safetensors"]
+__all__ = ["gloo_broadcast", "memcpy_gbps", "shm_safetensors"]
 
 BUCKET = 64 << 20
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / min(times) / 1e9
 
 
 def _free_port() -> int:

@@ -24,27 +24,14 @@ import anyio
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "transports"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _nixl_peer import Peer
 
 import refitflow as rf
+from bench.baselines import memcpy_gbps
 from refitflow.transports.base import Read, as_bytes
 from refitflow.transports.nixl import NixlTransport
-
-
-def memcpy_gbps(nbytes: int) -> float:
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return nbytes / min(times) / 1e9
 
 
 async def raw_read_gbps(manifest: rf.Manifest, dst: dict[str, torch.Tensor], agents: int) -> tuple[float, float]:

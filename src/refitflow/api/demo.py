@@ -22,7 +22,7 @@ import anyio.to_thread
 from refitflow.api._demo_roles import RoleConfig, publisher_role, receiver_role, run_role_process
 from refitflow.api._demo_view import DemoView
 from refitflow.api.registry import Registry
-from refitflow.api.synthetic import synthetic_shapes
+from refitflow.api.synthetic import synthetic_nbytes
 
 __all__ = ["DemoConfig", "run_demo", "run_processes"]
 
@@ -62,7 +62,7 @@ def _handle(view: DemoView, event: dict[str, Any], nbytes: list[int]) -> None:
 
 
 async def run_demo(cfg: DemoConfig) -> bool:
-    total = sum(2 * _numel(s) for s in synthetic_shapes(cfg.size_bytes).values())
+    total = synthetic_nbytes(cfg.size_bytes)
     view = DemoView(total, cfg.versions)
     view.say(f"refitflow demo: {total / 1e9:.3f} GB model, {cfg.versions} versions, transport {cfg.transport}, "
              f"staging budget {cfg.budget_bytes / 2**20:.0f} MiB per receiver")  # fmt: skip
@@ -77,13 +77,6 @@ async def run_demo(cfg: DemoConfig) -> bool:
     view.say(f"{'all versions verified and committed on every receiver' if ok else 'FAILED'} "
              f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return ok
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 async def _in_process(cfg: DemoConfig, view: DemoView) -> None:

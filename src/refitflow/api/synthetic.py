@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["synthetic_model", "synthetic_shapes"]
+__all__ = ["synthetic_model", "synthetic_nbytes", "synthetic_shapes"]
 
 
 def synthetic_shapes(total_bytes: int, *, itemsize: int = 2, hidden: int = 1024) -> dict[str, tuple[int, ...]]:
@@ -32,6 +32,11 @@ def synthetic_shapes(total_bytes: int, *, itemsize: int = 2, hidden: int = 1024)
         }
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
     return shapes
+
+
+def synthetic_nbytes(total_bytes: int, *, itemsize: int = 2) -> int:
+    """The exact bytes of ``synthetic_shapes(total_bytes)`` at ``itemsize`` bytes per element."""
+    return sum(math.prod(s) * itemsize for s in synthetic_shapes(total_bytes, itemsize=itemsize).values())
 
 
 def synthetic_model(
