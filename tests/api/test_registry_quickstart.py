@@ -79,3 +79,32 @@ async def test_released_early_by_policy_then_changed_bytes_never_commit() -> Non
             await pub.publish(2, trainer)
             await recv.refit(2)
             assert all(torch.equal(server[n], trainer[n]) for n in trainer)
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_requests_is_answered_busy_not_piled_up() -> None:
+    import orjson
+    import zmq
+    import zmq.asyncio
+
+    ident = {"model": "flood", "layout": "hf", "dtype": "any", "parallelism": "any", "compile_target": "hf_raw"}
+    with anyio.fail_after(20):
+        async with rf.Registry.serve("tcp://127.0.0.1:*", max_in_flight=3) as server:
+            ctx = zmq.asyncio.Context()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(server.address)
+            try:
+                await dealer.send(orjson.dumps({"v": 1, "id": "r", "op": "register_receiver", "identity": ident,
+                                                "receiver_id": "r"}))  # fmt: skip
+                await dealer.recv()  # so version 1 is not released: every wait below is held
+                for k in range(8):
+                    await dealer.send(orjson.dumps({"v": 1, "id": k, "op": "wait_released", "identity": ident,
+                                                    "version": 1, "wait_s": 1.0}))  # fmt: skip
+                replies = [orjson.loads(await dealer.recv()) for _ in range(8)]
+            finally:
+                dealer.close(linger=0)
+                ctx.term()
+    busy = [r for r in replies if not r["ok"] and "busy" in r["message"]]
+    assert len(busy) == 5 and all(r["error"] == "RefitTimeoutError" for r in busy)
+    assert replies[:5] == busy  # answered at once, before the three held requests
+    assert sorted(r["result"] for r in replies[5:]) == [False, False, False]  # held, then not released

@@ -22,7 +22,7 @@ import zmq.asyncio
 from refitflow.api._messages import decode_message, error_reply, identity_from_dict, ok_reply, topic
 from refitflow.api._registry_ops import Handler
 from refitflow.api.registry import Registry
-from refitflow.core.errors import ConfigError
+from refitflow.core.errors import ConfigError, RefitTimeoutError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
 
 __all__ = ["RegistryServer", "ServerSecurity", "serve"]
@@ -67,8 +67,15 @@ async def serve(
     security: ServerSecurity | None = None,
     pub_address: str | None = None,
     max_message_bytes: int = 1 << 28,
+    max_in_flight: int = 1024,
 ) -> AsyncIterator[RegistryServer]:
-    """Serve ``registry`` (a new one by default) at ``address`` until the context exits (asyncio only)."""
+    """Serve ``registry`` (a new one by default) at ``address`` until the context exits (asyncio only).
+
+    At most ``max_in_flight`` requests are worked on at once (long waits included); a request beyond
+    that is answered at once with a ``RefitTimeoutError`` ("busy"), so a flood cannot pile up tasks.
+    """
+    if max_in_flight < 1:
+        raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
     registry = registry or Registry(lease_s=lease_s)
     ctx = zmq.asyncio.Context()
     auth = None
@@ -101,7 +108,10 @@ async def serve(
         handler = Handler(registry, hello={"lease_s": registry.lease_s, "pub": server.pub_address,
                                            "protocol": PROTOCOL_VERSION}, announce=_announcer(pub))  # fmt: skip
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
-        tasks = [asyncio.create_task(_serve_requests(router, handler)), asyncio.create_task(_expire_leases(registry))]
+        tasks = [
+            asyncio.create_task(_serve_requests(router, handler, max_in_flight)),
+            asyncio.create_task(_expire_leases(registry)),
+        ]
         for task in tasks:
             task.add_done_callback(_log_crash)
         try:
@@ -125,24 +135,33 @@ def _announcer(pub: zmq.asyncio.Socket) -> Any:
     return announce
 
 
-async def _serve_requests(router: zmq.asyncio.Socket, handler: Handler) -> None:
+async def _serve_requests(router: zmq.asyncio.Socket, handler: Handler, max_in_flight: int) -> None:
+    in_flight = [0]
     async with anyio.create_task_group() as tg:
         while True:
             frames = await router.recv_multipart(copy=True)
             if len(frames) != 2:  # a DEALER sends exactly one frame; anything else is not ours
                 log.warning("registry: dropped a message of %d frames", len(frames))
                 continue
-            tg.start_soon(_answer, router, handler, frames[0], frames[1])
+            busy = in_flight[0] >= max_in_flight
+            in_flight[0] += 1
+            tg.start_soon(_answer, router, handler, frames[0], frames[1], in_flight, busy)
 
 
-async def _answer(router: zmq.asyncio.Socket, handler: Handler, peer: bytes, frame: bytes) -> None:
+async def _answer(
+    router: zmq.asyncio.Socket, handler: Handler, peer: bytes, frame: bytes, in_flight: list[int], busy: bool
+) -> None:
     request_id: Any = None
     try:
         msg = decode_message(frame)
         request_id = msg.get("id")
+        if busy:
+            raise RefitTimeoutError("registry busy: too many requests in flight, try again")
         reply = ok_reply(request_id, await handler.handle(msg))
     except Exception as exc:  # every failure becomes an error reply; the service keeps serving
         reply = error_reply(request_id, exc)
+    finally:
+        in_flight[0] -= 1
     try:
         await router.send_multipart([peer, reply])
     except zmq.ZMQError as exc:  # the peer went away: its reply is lost, as on any network
