@@ -36,6 +36,9 @@ class _State:
 def _feed(st: _State, key: tuple[int, str], a: int, data: memoryview, bad: list[str]) -> None:
     """Feed source bytes [a, a + len(data)) of shard ``key`` to its block hashers."""
     spec = st.specs[key]
+    digests = st.digests.get(key)
+    if digests is None:  # decoded on first use, in the worker thread
+        digests = st.digests[key] = spec.block_digests()
     size, total, end = spec.block_bytes, spec.nbytes, a + len(data)
     pos = a
     while pos < end:
@@ -50,7 +53,7 @@ def _feed(st: _State, key: tuple[int, str], a: int, data: memoryview, bad: list[
         if h is not None:
             h.update(data[pos - a : stop - a])  # type: ignore[attr-defined]
             if stop == b1:
-                if h.hexdigest() != st.digests[key][b]:  # type: ignore[attr-defined]
+                if h.hexdigest() != digests[b]:  # type: ignore[attr-defined]
                     bad.append(key[1])
                 st.verified += b1 - b0
             else:
@@ -88,7 +91,6 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
                 for i, m in enumerate(ctx.publication.sources):
                     for s in m.shards:
                         st.specs[(i, s.name)] = s
-                        st.digests[(i, s.name)] = s.block_digests()
             bad = await anyio.to_thread.run_sync(_hash_bucket, ctx, work, st)
             if bad:
                 assert ctx.attempt is not None
@@ -105,3 +107,8 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             ctx.unverified_bytes = pulled - st.verified
             ctx.note("verify", 1, work.bucket.nbytes, time.perf_counter() - t0)
             await send.send(work)
+    if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole blocks only
+        raise IntegrityError(
+            f"{ctx.unverified_bytes} pulled bytes were not covered by whole digest blocks under verify='strict'",
+            version=ctx.attempt.version if ctx.attempt is not None else None,
+        )
