@@ -109,7 +109,6 @@ class NixlTransport(Transport):
         self._local[region] = local
         self._by_ptr[key] = region
         self._changed()
-        self._nx.start_progress()
         return region
 
     def deregister(self, region: int) -> None:
@@ -132,6 +131,8 @@ class NixlTransport(Transport):
 
     def address(self) -> SourceAddress:
         self._check_open()
+        # only an agent that announces its memory is a data owner peers connect to: it alone needs the
+        # progress thread (a pure reader progresses its own transfers while it polls them)
         self._nx.start_progress()
         if self._address is None:
             md = self._nx.call("get_agent_metadata", self._nx.agent.get_agent_metadata)
