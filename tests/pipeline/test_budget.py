@@ -26,6 +26,11 @@ def test_acquire_nowait_release_and_statistics() -> None:
         budget.acquire_nowait(101)
     with pytest.raises(rf.ConfigError):
         rf.ByteBudget(0)
+    with pytest.raises(rf.ConfigError, match="unknown receiver options"):
+        rf.Receiver({"w": torch.zeros(2)}, rf.Registry(), identity=rf.Identity(model="m"), budget_byte=10)
+    with pytest.raises(rf.ConfigError, match="bucket_bytes"):
+        rf.Receiver({"w": torch.zeros(2)}, rf.Registry(), identity=rf.Identity(model="m"), budget_bytes=1024,
+                    bucket_bytes=4096)  # fmt: skip
 
 
 @pytest.mark.asyncio

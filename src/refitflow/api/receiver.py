@@ -100,6 +100,9 @@ class Receiver:
         serve_replicas: bool = False,
         **options: Any,
     ) -> None:
+        unknown = sorted(set(options) - set(ReceiverConfig.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"unknown receiver options {unknown}; see rf.ReceiverConfig")
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
         self._owns_registry = isinstance(registry, str)  # an address: a client opened and closed with us
         self.registry: ReceiveRegistry = connect_registry(registry)
