@@ -13,6 +13,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import Self
 
 import anyio
 import anyio.to_thread
@@ -76,43 +77,40 @@ if __name__ == "__main__":
     anyio.run(main)
 
 
-class Peer:
-    """The receiving side's handle on a publisher process running this file."""
+class LineChild:
+    """A test's handle on a child process speaking JSON lines: commands on stdin, ``RF <json>`` answers."""
 
-    def __init__(self, spec: dict) -> None:
-        self.spec = spec
+    def __init__(self, argv: list[str], *, path: list[str] | None = None) -> None:
+        self.argv, self.path = argv, path or []
         self.proc: Process | None = None
 
-    async def __aenter__(self) -> Peer:
+    async def __aenter__(self) -> Self:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = os.pathsep.join([SRC, *self.path, *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("UCX_NET_DEVICES", "lo")
-        argv = [sys.executable, __file__, json.dumps(self.spec)]
-        self.proc = await anyio.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=env)
+        self.proc = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                                             env=env)  # fmt: skip
         assert self.proc.stdout is not None
         self._out = BufferedByteReceiveStream(self.proc.stdout)
-        assert (await self._reply()) == {"ready": True}
+        assert (await self._ask(None)) == {"ready": True}
         return self
 
-    async def _reply(self) -> dict:
+    async def _ask(self, cmd: dict | None) -> dict:
+        """Send ``cmd`` (None: nothing) and return the next answer; other output lines are library noise."""
+        assert self.proc is not None and self.proc.stdin is not None
+        if cmd is not None:
+            await self.proc.stdin.send(json.dumps(cmd).encode() + b"\n")
         while True:
             line = (await self._out.receive_until(b"\n", 1 << 26)).decode()
             if line.startswith(PREFIX):
                 return json.loads(line[len(PREFIX) :])
 
-    async def publish(self, version: int, seed: int) -> rf.Manifest:
-        assert self.proc is not None and self.proc.stdin is not None
-        await self.proc.stdin.send(json.dumps({"version": version, "seed": seed}).encode() + b"\n")
-        return manifest_from_dict(await self._reply())
-
     async def served(self) -> int:
-        """Bytes receivers have read from the publisher so far (its transport's ``served_bytes``)."""
-        assert self.proc is not None and self.proc.stdin is not None
-        await self.proc.stdin.send(b'{"served": true}\n')
-        return int((await self._reply())["served"])
+        """Bytes peers have read from the child so far (its transport's ``served_bytes``)."""
+        return int((await self._ask({"served": True}))["served"])
 
     async def kill(self) -> None:
-        """SIGKILL the publisher and wait until it is gone."""
+        """SIGKILL the child and wait until it is gone."""
         assert self.proc is not None
         self.proc.kill()
         await self.proc.wait()
@@ -122,8 +120,18 @@ class Peer:
         with anyio.CancelScope(shield=True):
             if self.proc.returncode is None:
                 assert self.proc.stdin is not None
-                await self.proc.stdin.aclose()  # end of commands: the publisher exits cleanly
+                await self.proc.stdin.aclose()  # end of commands: the child exits cleanly
                 with anyio.move_on_after(10):
                     await self.proc.wait()
             if self.proc.returncode is None:
                 await self.kill()
+
+
+class Peer(LineChild):
+    """The receiving side's handle on a publisher process running this file."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__([sys.executable, __file__, json.dumps(spec)])
+
+    async def publish(self, version: int, seed: int) -> rf.Manifest:
+        return manifest_from_dict(await self._ask({"version": version, "seed": seed}))

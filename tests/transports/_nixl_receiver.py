@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import anyio
 import anyio.to_thread
 import torch
-from _nixl_peer import PREFIX, SRC, model
-from anyio.abc import Process
-from anyio.streams.buffered import BufferedByteReceiveStream
+from _nixl_peer import PREFIX, LineChild, model
 
 import refitflow as rf
 
@@ -44,51 +41,11 @@ if __name__ == "__main__":
     anyio.run(main)
 
 
-class ReceiverProc:
+class ReceiverProc(LineChild):
     """The test's handle on a receiver process running this file."""
 
     def __init__(self, spec: dict, registry: str) -> None:
-        self.argv = [sys.executable, __file__, json.dumps(spec), registry]
-        self.proc: Process | None = None
-
-    async def __aenter__(self) -> ReceiverProc:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([SRC, os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])
-        env.setdefault("UCX_NET_DEVICES", "lo")
-        self.proc = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-                                             env=env)  # fmt: skip
-        assert self.proc.stdout is not None
-        self._out = BufferedByteReceiveStream(self.proc.stdout)
-        assert (await self._ask(None)) == {"ready": True}
-        return self
-
-    async def _ask(self, cmd: dict | None) -> dict:
-        assert self.proc is not None and self.proc.stdin is not None
-        if cmd is not None:
-            await self.proc.stdin.send(json.dumps(cmd).encode() + b"\n")
-        while True:
-            line = (await self._out.receive_until(b"\n", 1 << 26)).decode()
-            if line.startswith(PREFIX):
-                return json.loads(line[len(PREFIX) :])
+        super().__init__([sys.executable, __file__, json.dumps(spec), registry], path=[os.path.dirname(__file__)])
 
     async def refit(self, version: int, seed: int) -> dict:
         return await self._ask({"refit": version, "seed": seed})
-
-    async def served(self) -> int:
-        return int((await self._ask({"served": True}))["served"])
-
-    async def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        await self.proc.wait()
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.proc is not None
-        with anyio.CancelScope(shield=True):
-            if self.proc.returncode is None:
-                assert self.proc.stdin is not None
-                await self.proc.stdin.aclose()
-                with anyio.move_on_after(10):
-                    await self.proc.wait()
-            if self.proc.returncode is None:
-                await self.kill()
