@@ -60,21 +60,6 @@ async def test_one_open_transaction_at_a_time(ident, registry) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_failed_attempt_consumes_its_version(ident, registry) -> None:
-    trainer, server = mlp(1), mlp(2)
-    with anyio.fail_after(20):
-        async with (
-            rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(server, registry, identity=ident, observer=FailAt("pull")) as recv,
-        ):
-            await _publish(pub, 1, trainer)
-            with pytest.raises(rf.RefitError):
-                await recv.refit(1)
-            with pytest.raises(rf.VersionError):
-                await recv.refit(1)
-
-
-@pytest.mark.asyncio
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("mode", ["in_place", "shadow"])
 async def test_failure_in_any_stage_aborts_cleanly(ident, registry, stage: str, mode: str) -> None:
@@ -153,7 +138,7 @@ async def test_fence_moves_ready_updating_ready_in_place(ident, registry) -> Non
 
 
 @pytest.mark.asyncio
-async def test_failure_after_a_direct_read_fences_in_place(ident, registry) -> None:
+async def test_failure_after_a_direct_read_fences_in_place_and_consumes_the_version(ident, registry) -> None:
     trainer, server = mlp(1), mlp(2)  # same dtype: reads land straight in the live parameters
     with anyio.fail_after(20):
         async with (
@@ -164,3 +149,5 @@ async def test_failure_after_a_direct_read_fences_in_place(ident, registry) -> N
             with pytest.raises(rf.RefitError):
                 await recv.refit(1)
             assert recv.fence.state == "fenced" and "partial write" in (recv.fence.reason or "")
+            with pytest.raises(rf.VersionError):  # a failed attempt consumed its number
+                await recv.refit(1)
