@@ -26,10 +26,10 @@ import torch
 
 from bench._raw_reader import raw_reader_role
 from bench.baselines import gloo_broadcast, memcpy_gbps, shm_safetensors
-from refitflow.api._demo_roles import RoleConfig, publisher_role, receiver_role
-from refitflow.api.demo import run_processes
-from refitflow.api.registry import Registry
-from refitflow.api.synthetic import synthetic_nbytes, synthetic_shapes
+from refitflow.cli.demo import run_processes
+from refitflow.cli.demo_roles import RoleConfig, publisher_role, receiver_role
+from refitflow.cli.synthetic import synthetic_nbytes, synthetic_shapes
+from refitflow.registry.embedded import Registry
 
 
 async def refitflow_row(cfg: RoleConfig, role: Any, mode: str) -> dict[str, Any]:

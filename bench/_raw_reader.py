@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from refitflow.api._connect import connect_registry
-from refitflow.api._demo_roles import IDENTITY, Report, RoleConfig
+from refitflow.cli.demo_roles import IDENTITY, Report, RoleConfig
+from refitflow.registry.connect import connect_registry
 from refitflow.transports.base import Read, as_bytes
 from refitflow.transports.nixl import NixlTransport
 

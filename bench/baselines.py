@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from refitflow.api.synthetic import synthetic_model
+from refitflow.cli.synthetic import synthetic_model
 
 __all__ = ["gloo_broadcast", "memcpy_gbps", "shm_safetensors"]
 

@@ -21,12 +21,12 @@ import time
 import zmq.asyncio
 
 import refitflow as rf
-from refitflow.api.registry_client import RegistryClient
 from refitflow.core.wire import PROTOCOL_VERSION
+from refitflow.registry.client import RegistryClient
 
 
 async def spawn_registry() -> tuple[asyncio.subprocess.Process, str]:
-    code = "import sys; from refitflow.api.cli_registry import registry_main; sys.exit(registry_main(sys.argv[1:]))"
+    code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, "--bind", "tcp://127.0.0.1:*",
                                                 "--lease-s", "600", stdout=asyncio.subprocess.PIPE)  # fmt: skip
     assert proc.stdout is not None

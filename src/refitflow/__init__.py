@@ -4,14 +4,8 @@ Publish a version on the trainer, refit it on the inference ranks; each rank com
 transactionally (nothing half-updated is ever served). See README.md and docs/architecture.md.
 """
 
-from refitflow.api.controller import Controller, EngineResult, RankReport
-from refitflow.api.engine import EngineMember, EngineOutcome
-from refitflow.api.engine_agent import EngineAgent
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
-from refitflow.api.registry import Registry
-from refitflow.api.registry_client import RegistryClient
-from refitflow.api.release import ReleasePolicy
 from refitflow.core.errors import (
     ConfigError,
     CoverageError,
@@ -25,12 +19,19 @@ from refitflow.core.errors import (
     VersionError,
 )
 from refitflow.core.types import Identity, Manifest, Publication, ShardSpec, SourceAddress
+from refitflow.engine.agent import EngineAgent
+from refitflow.engine.controller import Controller, EngineResult, RankReport
+from refitflow.engine.member import EngineMember, EngineOutcome
+from refitflow.engine.vote import Ballot, Decision, GlooVote, VoteChannel
+from refitflow.engine.zmq_vote import ZmqVote
 from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
-from refitflow.pipeline.vote import Ballot, Decision, GlooVote, VoteChannel
-from refitflow.pipeline.zmq_vote import ZmqVote
+from refitflow.registry.client import RegistryClient
+from refitflow.registry.embedded import Registry
+from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.security import ClientSecurity, ServerSecurity
 from refitflow.transports import LoopbackTransport, Transport
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "Ballot",
     "BudgetStatistics",
     "ByteBudget",
+    "ClientSecurity",
     "ConfigError",
     "Controller",
     "CoverageError",
@@ -70,6 +72,7 @@ __all__ = [
     "Registry",
     "RegistryClient",
     "ReleasePolicy",
+    "ServerSecurity",
     "ShardSpec",
     "Sharded",
     "SourceAddress",

@@ -1,5 +1,5 @@
 import sys
 
-from refitflow.api.cli import main
+from refitflow.cli.main import main
 
 sys.exit(main())

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from refitflow.api._replicas import REPLICA_KEY
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.types import Manifest, Publication
 from refitflow.pipeline.destination import Destination
+from refitflow.registry.replicas import REPLICA_KEY
 from refitflow.transports import Transport
 
 __all__ = ["replica_manifest"]

@@ -19,12 +19,12 @@ import anyio.to_thread
 import torch
 import xxhash
 
-from refitflow.api._connect import connect_registry
-from refitflow.api.release import ReleasePolicy
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
+from refitflow.registry.connect import connect_registry
+from refitflow.registry.release import ReleasePolicy
 from refitflow.transports import Transport, as_bytes, make_transport
 
 __all__ = ["Publisher", "Sharded"]

@@ -14,7 +14,6 @@ import anyio
 import anyio.to_thread
 import torch
 
-from refitflow.api._connect import connect_registry
 from refitflow.api._replica_source import replica_manifest
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
@@ -27,6 +26,7 @@ from refitflow.pipeline.destination import Destination
 from refitflow.pipeline.fence import Fence
 from refitflow.pipeline.graph import run_pipeline
 from refitflow.pipeline.transaction import Ledger, Transaction
+from refitflow.registry.connect import connect_registry
 from refitflow.stages._context import StageContext
 from refitflow.stages.plan import PlanCache
 from refitflow.transports import Transport, make_transport

@@ -1,4 +1,7 @@
-"""Transports: the ``Transport`` seam, ``LoopbackTransport``, and real ones imported lazily."""
+"""Transports: how bytes move between processes. The ``Transport`` seam (register memory, announce
+an address, one-sided reads), ``LoopbackTransport`` (in one process, the stand-in every pipeline
+test uses) and real transports (NIXL), whose libraries are imported lazily. Imports only ``core``.
+"""
 
 from __future__ import annotations
 

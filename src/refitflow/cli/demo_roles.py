@@ -1,0 +1,142 @@
+"""The demo's roles: a trainer process publishing two ranks, receiver processes refitting.
+
+Roles are async functions that report events (plain dicts) through a callback, so the same code runs
+as child processes (events over a multiprocessing queue) or as tasks of one process (loopback).
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from refitflow.api.publisher import Publisher, Sharded
+from refitflow.api.receiver import Receiver
+from refitflow.cli.synthetic import synthetic_model, synthetic_shapes
+from refitflow.core.types import Identity, Publication
+from refitflow.metrics.prometheus import PrometheusMetrics
+
+__all__ = ["IDENTITY", "RoleConfig", "publisher_role", "receiver_role", "run_role_process"]
+
+IDENTITY = Identity(model="demo-llama", dtype="bfloat16", parallelism="tp2")
+Report = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleConfig:
+    size_bytes: int
+    versions: int
+    budget_bytes: int
+    transport: str
+    timeout_s: float = 120.0
+
+
+def _shards(model: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor | Sharded]:
+    """Rank 0 and 1 each hold half the rows of every matrix (views, no copies); rank 0 the vectors."""
+    out: dict[str, torch.Tensor | Sharded] = {}
+    for name, t in model.items():
+        if t.dim() < 2:
+            if rank == 0:
+                out[name] = t
+            continue
+        half = t.shape[0] // 2
+        start, stop = (0, half) if rank == 0 else (half, t.shape[0])
+        out[name] = Sharded(tensor=t[start:stop], axis=0, start=start, global_shape=tuple(t.shape))
+    return out
+
+
+async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report: Report) -> None:
+    model = synthetic_model(cfg.size_bytes)
+    nbytes = sum(t.nbytes for t in model.values())
+    async with (
+        Publisher(registry, identity=IDENTITY, rank=0, world_size=2, transport=cfg.transport) as p0,
+        Publisher(registry, identity=IDENTITY, rank=1, world_size=2, transport=cfg.transport) as p1,
+    ):
+        with anyio.fail_after(cfg.timeout_s):  # release waits for registered receivers: wait for them all
+            while (await p0.registry.acked(IDENTITY, 0))[1] < receivers:  # noqa: ASYNC110 (no event for it)
+                await anyio.sleep(0.05)
+        report({"kind": "publisher_ready", "tensors": len(model), "nbytes": nbytes})
+        for version in range(1, cfg.versions + 1):
+            if version > 1:
+                await p0.released(version - 1, timeout=cfg.timeout_s)
+                for t in model.values():  # a training step changes the weights in place
+                    t.add_(0.25)
+            t0 = time.perf_counter()
+            m0 = await p0.publish(version, _shards(model, 0))
+            m1 = await p1.publish(version, _shards(model, 1))
+            revision = Publication(identity=IDENTITY, version=version, manifests=(m0, m1)).revision
+            report({"kind": "published", "version": version, "revision": revision,
+                    "seconds": time.perf_counter() - t0})  # fmt: skip
+        await p0.released(cfg.versions, timeout=cfg.timeout_s)
+
+
+class ProgressMetrics(PrometheusMetrics):
+    """Prometheus metrics that also report progress to the demo's display (throttled)."""
+
+    def __init__(self, name: str, report: Report) -> None:
+        super().__init__()
+        self.name, self.report = name, report
+        self.done, self.stage, self.last = 0, "discover", 0.0
+
+    def stage_enter(self, stage: str) -> None:
+        super().stage_enter(stage)
+        self.stage = stage
+
+    def stage_item(self, stage: str, nbytes: int, seconds: float) -> None:
+        super().stage_item(stage, nbytes, seconds)
+        if stage == "verify":
+            self.done += nbytes
+        now = time.monotonic()
+        if now - self.last > 0.1:
+            self.last = now
+            self.report({"kind": "progress", "name": self.name, "stage": self.stage, "done": self.done})
+
+
+async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, report: Report) -> None:
+    model = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in synthetic_shapes(cfg.size_bytes).items()}
+    metrics = ProgressMetrics(name, report)
+    port = metrics.serve()
+    try:
+        async with Receiver(
+            model, registry, identity=IDENTITY, transport=cfg.transport, mode=mode,
+            budget_bytes=cfg.budget_bytes, observer=metrics,
+        ) as recv:  # fmt: skip
+            report({"kind": "receiver_ready", "name": name, "metrics_port": port})
+            for version in range(1, cfg.versions + 1):
+                metrics.done = 0
+                result = await recv.refit(version, timeout=cfg.timeout_s)
+                report({
+                    "kind": "refit", "name": name, "version": result.version, "revision": result.revision,
+                    "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes,
+                    "committed": recv.status.committed_version == version and recv.fence.state == "ready",
+                    "peak_staging": result.peak_staging_bytes,
+                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "stages": {k: v.seconds for k, v in result.stages.items()},
+                })  # fmt: skip
+    finally:
+        metrics.close()
+
+
+def run_role_process(run: Callable[..., Awaitable[None]], args: tuple[Any, ...], label: str, queue: Any) -> None:
+    """Entry point of a child process: run one role, send its events (and any failure) to the queue."""
+    import logging
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+
+    def report(event: dict[str, Any]) -> None:
+        queue.put(event)
+
+    try:
+        anyio.run(functools.partial(run, *args, report=report))
+    except BaseException as exc:
+        queue.put({"kind": "error", "role": label, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        queue.put({"kind": "exit", "role": label})

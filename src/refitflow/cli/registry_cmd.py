@@ -1,0 +1,93 @@
+"""CLI entries for the registry: ``refitflow registry`` (serve until SIGINT/SIGTERM) and ``refitflow keys``.
+
+Both take the arguments that follow their sub-command. Environment variables are read here only:
+``REFITFLOW_REGISTRY_BIND``, ``REFITFLOW_REGISTRY_LEASE_S``, ``REFITFLOW_CURVE_SECRET`` (the
+server's ``.key_secret``) and ``REFITFLOW_CURVE_AUTHORIZED`` (folder of allowed clients' ``.key``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from refitflow.core.errors import RefitError
+from refitflow.registry.embedded import Registry
+from refitflow.registry.security import ServerSecurity
+
+__all__ = ["keys_main", "registry_main"]
+
+
+def registry_main(argv: Sequence[str] | None = None) -> int:
+    """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--curve-secret F --curve-authorized D]``."""
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="refitflow registry", description="Serve a refitflow registry over ZMQ.")
+    parser.add_argument(
+        "--bind",
+        default=env.get("REFITFLOW_REGISTRY_BIND", "tcp://127.0.0.1:7100"),
+        help="request endpoint; loopback unless you say otherwise (a '*' port picks a free one)",
+    )
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=float(env.get("REFITFLOW_REGISTRY_LEASE_S", "10")),
+        help="seconds without a heartbeat before a publisher's versions stop being offered",
+    )
+    parser.add_argument(
+        "--curve-secret",
+        default=env.get("REFITFLOW_CURVE_SECRET"),
+        help="the server's CURVE .key_secret file (enables CURVE)",
+    )
+    parser.add_argument("--curve-authorized", default=env.get("REFITFLOW_CURVE_AUTHORIZED"),
+                        help="folder of the allowed clients' public .key files")  # fmt: skip
+    args = parser.parse_args(argv)
+    if (args.curve_secret is None) != (args.curve_authorized is None):
+        parser.error("--curve-secret and --curve-authorized go together")
+    try:
+        security = None
+        if args.curve_secret is not None:
+            security = ServerSecurity(secret_key_file=Path(args.curve_secret),
+                                      authorized_dir=Path(args.curve_authorized))  # fmt: skip
+        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security))
+    except RefitError as exc:
+        print(f"refitflow registry: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def _serve_until_signalled(bind: str, lease_s: float, security: ServerSecurity | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Registry.serve(bind, lease_s=lease_s, security=security) as server:
+        print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address})", flush=True)
+        await stop.wait()
+
+
+def keys_main(argv: Sequence[str] | None = None) -> int:
+    """``refitflow keys DIR [--clients NAME ...]``: CURVE key pairs for the registry and its clients."""
+    parser = argparse.ArgumentParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
+    args = parser.parse_args(argv)
+    from zmq.auth import create_certificates
+
+    authorized = args.dir / "authorized"
+    authorized.mkdir(parents=True, exist_ok=True)
+    create_certificates(str(args.dir), "server")
+    for name in args.clients:
+        public, _ = create_certificates(str(args.dir), name)
+        shutil.copy(public, authorized / Path(public).name)
+    print(f"server: {args.dir / 'server.key_secret'} (keep) and {args.dir / 'server.key'} (give to clients)")
+    print(f"clients: {', '.join(f'{n}.key_secret' for n in args.clients)}; allow-list: {authorized}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(registry_main())

@@ -1,0 +1,134 @@
+"""The registry service's operations: one request dict in, one JSON-able result out (or a typed error)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
+from refitflow.core.wire import manifest_from_dict, manifest_to_dict
+from refitflow.registry.messages import identity_from_dict, identity_to_dict
+from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.store import RegistryStore
+
+__all__ = ["MAX_WAIT_S", "Handler"]
+
+MAX_WAIT_S = 30.0  # the longest a server-side wait lasts before the client asks again
+
+
+def _arg(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    value = msg.get(name, default)
+    if value is ...:
+        raise ManifestError(f"request {msg.get('op')!r:.30} lacks {name!r}")
+    if value is not default and ((isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)):
+        raise ManifestError(f"request argument {name!r} has the wrong type {type(value).__name__}")
+    return value
+
+
+def _filters(msg: dict[str, Any]) -> dict[str, Any]:
+    targets = _arg(msg, "compile_targets", list, None)
+    metadata = _arg(msg, "metadata", dict, None)
+    if targets is not None and not all(isinstance(t, str) for t in targets):
+        raise ManifestError("compile_targets must be a list of strings")
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise ManifestError("metadata filter values must be strings")
+    return {"compile_targets": targets, "metadata": metadata}
+
+
+class Handler:
+    def __init__(self, registry: RegistryStore, *, hello: dict[str, Any],
+                 announce: Callable[[dict[str, str], int], Awaitable[None]]) -> None:  # fmt: skip
+        self.registry = registry
+        self._hello = hello
+        self._announce = announce
+
+    async def handle(self, msg: dict[str, Any]) -> Any:
+        op = msg.get("op")
+        method = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        if method is None:
+            raise ManifestError(f"unknown operation {op!r:.40}")
+        return await method(msg)
+
+    async def op_hello(self, msg: dict[str, Any]) -> Any:
+        return self._hello
+
+    async def op_heartbeat(self, msg: dict[str, Any]) -> Any:
+        known = await self.registry.heartbeat(_arg(msg, "owner", str))
+        return {"known": known, "lease_s": self.registry.lease_s}
+
+    async def op_publish(self, msg: dict[str, Any]) -> Any:
+        manifest = manifest_from_dict(_arg(msg, "manifest", dict))
+        await self.registry.publish(manifest, owner=_arg(msg, "owner", str, None))
+        pub = await self.registry.latest(manifest.identity, manifest.version)
+        if pub is not None and pub.version == manifest.version:
+            await self._announce(identity_to_dict(manifest.identity), manifest.version)
+        return None
+
+    async def op_latest(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        pub = await self.registry.latest(identity, _arg(msg, "min_version", int, 0), **_filters(msg))
+        if pub is None:
+            return None
+        return {"identity": identity_to_dict(pub.identity), "version": pub.version,
+                "revisions": [m.revision for m in pub.manifests],
+                "replicas": [f"{m.metadata.get('replica')}|{m.source.agent}" for m in pub.replicas]}  # fmt: skip
+
+    async def op_replicas(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        version = _arg(msg, "version", int)
+        pub = await self.registry.latest(identity, version)
+        if pub is None or pub.version != version:
+            return []
+        return [manifest_to_dict(m) for m in pub.replicas]
+
+    async def op_publish_replica(self, msg: dict[str, Any]) -> Any:
+        await self.registry.publish_replica(manifest_from_dict(_arg(msg, "manifest", dict)))
+
+    async def op_withdraw_replica(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        await self.registry.withdraw_replica(identity, _arg(msg, "receiver_id", str))
+
+    async def op_manifests(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        version = _arg(msg, "version", int)
+        pub = await self.registry.latest(identity, version)
+        if pub is None or pub.version != version:
+            raise VersionError("no longer offered (superseded, released or its publisher's lease expired)",
+                               version=version)  # fmt: skip
+        return [manifest_to_dict(m) for m in pub.manifests]
+
+    async def op_register_receiver(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        await self.registry.register_receiver(identity, _arg(msg, "receiver_id", str),
+                                              owner=_arg(msg, "owner", str, None))  # fmt: skip
+
+    async def op_unregister_receiver(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        await self.registry.unregister_receiver(identity, _arg(msg, "receiver_id", str))
+
+    async def op_report(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        await self.registry.report(identity, _arg(msg, "receiver_id", str), _arg(msg, "version", int))
+
+    async def op_is_released(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        policy = ReleasePolicy.from_dict(msg.get("policy"))
+        return await self.registry.is_released(identity, _arg(msg, "version", int), policy=policy)
+
+    async def op_acked(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        return list(await self.registry.acked(identity, _arg(msg, "version", int)))
+
+    async def op_wait_released(self, msg: dict[str, Any]) -> Any:
+        """Wait up to ``wait_s`` (at most MAX_WAIT_S); the result says whether it was released."""
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        policy = ReleasePolicy.from_dict(msg.get("policy"))
+        wait_s = min(max(float(_arg(msg, "wait_s", (int, float))), 0.0), MAX_WAIT_S)
+        try:
+            await self.registry.wait_released(identity, _arg(msg, "version", int), wait_s, policy=policy)
+        except RefitTimeoutError:
+            return False
+        return True
+
+    async def op_versions(self, msg: dict[str, Any]) -> Any:
+        return await self.registry.versions(identity_from_dict(_arg(msg, "identity", dict)))

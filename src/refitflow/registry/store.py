@@ -1,0 +1,255 @@
+"""The embedded, in-memory registry: manifests by identity and version, receivers and their acks.
+
+A version is discoverable once every rank of its publisher's world has published it. Receivers
+register, and report each version they are done with (committed, aborted or skipped); a version is
+*released* per a :class:`ReleasePolicy` (default: every registered receiver is done with it), and
+dropped once released and superseded by a newer complete version.
+
+Leases: a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
+as that owner heartbeats; ``expire()`` drops what stale owners held, so their versions stop being
+offered. ``Registry`` (``embedded``) adds ``serve``, which runs a store as a ZMQ service (``service``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+import anyio
+
+from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
+from refitflow.core.types import Identity, Manifest, Publication
+from refitflow.registry.checks import check_against
+from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.replicas import REPLICA_KEY, check_replica
+
+__all__ = ["RegistryStore"]
+
+_DEFAULT_POLICY = ReleasePolicy()
+
+
+@dataclass
+class _Model:
+    versions: dict[int, dict[int, Manifest]] = field(default_factory=dict)  # version -> rank -> manifest
+    receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
+    completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
+    replicas: dict[int, dict[str, Manifest]] = field(default_factory=dict)  # version -> receiver id -> manifest
+
+
+class RegistryStore:
+    """In one process. All methods are coroutines, as they are on a remote registry client."""
+
+    def __init__(self, *, lease_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not lease_s > 0:
+            raise ConfigError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        self.lease_s = lease_s
+        self._clock = clock
+        self._models: dict[Identity, _Model] = {}
+        self._changed = anyio.Event()
+        self._leases: dict[str, float] = {}  # owner -> last heartbeat
+        self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _model(self, identity: Identity) -> _Model:
+        return self._models.setdefault(identity, _Model())
+
+    def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
+        if owner is not None:
+            self._leases[owner] = self._clock()
+            owned = self._owned.setdefault(owner, set())
+            if len(owned) >= 64:  # forget versions since dropped, so a long-lived owner's record stays small
+                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._model(k[0]).versions}
+            owned.add(key)
+
+    async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
+        """Record one rank's manifest; republishing a version with other content is refused."""
+        model = self._model(manifest.identity)
+        ranks = model.versions.get(manifest.version, {})
+        check_against(manifest, ranks.values())
+        old = ranks.get(manifest.rank)
+        if old is not None and old.revision != manifest.revision:
+            raise VersionError(
+                f"rank {manifest.rank} already published this version with other content", version=manifest.version
+            )
+        model.versions.setdefault(manifest.version, ranks)[manifest.rank] = manifest
+        if len(ranks) == manifest.world_size:
+            model.completed_at.setdefault(manifest.version, self._clock())
+        self._own(owner, (manifest.identity, manifest.version, manifest.rank))
+        self._collect(model)
+        self._notify()
+
+    def _complete(
+        self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None
+    ) -> Publication | None:
+        best: Publication | None = None
+        names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
+        for target in names:
+            model = self._models.get(dataclasses.replace(identity, compile_target=target))
+            if model is None:
+                continue
+            for version in sorted(model.versions, reverse=True):
+                if version < min_version or (best is not None and version <= best.version):
+                    break
+                ranks = model.versions[version]
+                world = next(iter(ranks.values())).world_size
+                if len(ranks) != world:
+                    continue
+                manifests = tuple(ranks[r] for r in range(world))
+                if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
+                    continue
+                replicas = tuple(model.replicas.get(version, {}).values())
+                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests,
+                                   replicas=replicas)  # fmt: skip
+                break
+        return best
+
+    async def latest(
+        self,
+        identity: Identity,
+        min_version: int = 0,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Publication | None:
+        """The newest complete version ≥ ``min_version``, or None.
+
+        ``compile_targets``: accept any of these compile targets instead of ``identity.compile_target``;
+        ``metadata``: only versions whose every manifest's metadata contains these items.
+        """
+        return self._complete(identity, min_version, compile_targets, metadata)
+
+    async def wait_complete(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Publication:
+        """The newest complete version ≥ ``min_version``, waiting up to ``timeout`` seconds for one."""
+        with anyio.move_on_after(timeout):
+            while True:
+                changed = self._changed
+                pub = self._complete(identity, min_version, compile_targets, metadata)
+                if pub is not None:
+                    return pub
+                await changed.wait()
+        raise RefitTimeoutError(f"no complete version ≥ {min_version} of {identity.model!r} within {timeout} s")
+
+    async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None:
+        self._model(identity).receivers.setdefault(receiver_id, -1)
+        self._own(owner, (identity, receiver_id, -1))
+        self._notify()
+
+    async def publish_replica(self, manifest: Manifest) -> None:
+        """Offer a receiver's committed copy of a complete version as a source (tree fan-out)."""
+        pub = self._complete(manifest.identity, manifest.version, None, None)
+        if pub is None or pub.version != manifest.version:
+            raise VersionError("a replica needs its version complete and still offered", version=manifest.version)
+        check_replica(pub, manifest)
+        self._model(manifest.identity).replicas.setdefault(manifest.version, {})[manifest.metadata[REPLICA_KEY]] = (
+            manifest
+        )
+        self._notify()
+
+    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
+        """Stop offering every replica of ``receiver_id`` (it is about to change its copy, or leaving)."""
+        self._drop_replicas(self._model(identity), receiver_id)
+        self._notify()
+
+    def _drop_replicas(self, model: _Model, receiver_id: str) -> None:
+        for held in model.replicas.values():
+            held.pop(receiver_id, None)
+
+    async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
+        model = self._model(identity)
+        model.receivers.pop(receiver_id, None)
+        self._drop_replicas(model, receiver_id)
+        self._collect(model)
+        self._notify()
+
+    async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
+        """A receiver is done with ``version`` (and so with every older one)."""
+        model = self._model(identity)
+        if receiver_id in model.receivers:
+            model.receivers[receiver_id] = max(model.receivers[receiver_id], version)
+        self._collect(model)
+        self._notify()
+
+    def _released(self, model: _Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
+        done_at = model.completed_at.get(version)
+        age = None if done_at is None else self._clock() - done_at
+        return policy.released(model.receivers.values(), version, age)
+
+    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
+        return self._released(self._model(identity), version, policy or _DEFAULT_POLICY)
+
+    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
+        """(receivers done with ``version``, receivers registered)."""
+        receivers = self._model(identity).receivers
+        return sum(done >= version for done in receivers.values()), len(receivers)
+
+    async def wait_released(
+        self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
+    ) -> None:
+        """Return once ``version`` is released per ``policy`` (default: every registered receiver is done)."""
+        policy = policy or _DEFAULT_POLICY
+        with anyio.move_on_after(timeout):
+            while True:
+                changed = self._changed
+                model = self._model(identity)
+                if self._released(model, version, policy):
+                    return
+                wake = None
+                if policy.after_s is not None and version in model.completed_at:
+                    wake = max(0.0, model.completed_at[version] + policy.after_s - self._clock()) + 1e-3
+                with anyio.move_on_after(wake):
+                    await changed.wait()
+        raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
+
+    def _collect(self, model: _Model) -> None:
+        """Drop versions that are released and superseded by a newer complete version."""
+        complete = [v for v, ranks in model.versions.items() if len(ranks) == next(iter(ranks.values())).world_size]
+        if not complete:
+            return
+        for version in [v for v in model.versions if v < max(complete) and self._released(model, v)]:
+            del model.versions[version]
+            model.completed_at.pop(version, None)
+            model.replicas.pop(version, None)
+
+    async def versions(self, identity: Identity) -> list[int]:
+        """The versions held (complete or not), oldest first."""
+        return sorted(self._model(identity).versions)
+
+    async def heartbeat(self, owner: str) -> bool:
+        """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""
+        known = owner in self._leases
+        self._leases[owner] = self._clock()
+        return known
+
+    def expire(self) -> list[str]:
+        """Drop every owner whose lease ran out, with the manifests and receivers it held."""
+        now = self._clock()
+        stale = [o for o, t in self._leases.items() if now - t > self.lease_s]
+        for owner in stale:
+            del self._leases[owner]
+            for identity, key, rank in self._owned.pop(owner, set()):
+                model = self._model(identity)
+                if isinstance(key, str):
+                    model.receivers.pop(key, None)
+                    self._drop_replicas(model, key)
+                elif rank in model.versions.get(key, {}):
+                    del model.versions[key][rank]
+                    if not model.versions[key]:
+                        del model.versions[key]
+                        model.completed_at.pop(key, None)
+                        model.replicas.pop(key, None)
+        if stale:
+            self._notify()
+        return stale

@@ -1,0 +1,73 @@
+"""The controller drives two engines of two rank processes each (ZMQ vote, loopback transport)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from typing import Any
+
+import anyio
+import pytest
+
+import refitflow as rf
+from tests.engine._engine_rank import serve_rank
+
+
+def _address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _start(behaviours: dict[str, list[str]]) -> tuple[dict[str, list[str]], list[Any]]:
+    ctx = mp.get_context("spawn")
+    engines, procs = {}, []
+    for name, ranks in behaviours.items():
+        votes, agents = [_address() for _ in ranks], [_address() for _ in ranks]
+        engines[name] = agents
+        for rank, behaviour in enumerate(ranks):
+            procs.append(ctx.Process(target=serve_rank, args=(rank, votes, agents[rank], behaviour)))
+    for p in procs:
+        p.start()
+    return engines, procs
+
+
+async def _run(behaviours: dict[str, list[str]]) -> tuple[dict[str, rf.EngineResult], dict[str, list]]:
+    engines, procs = _start(behaviours)
+    controller = rf.Controller(engines, slack_s=10)
+    try:
+        with anyio.fail_after(120):
+            results = await controller.refit(1, timeout=20)
+            status = await controller.status()
+            await controller.stop_agents()
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.exitcode is None:
+                p.kill()
+    assert all(p.exitcode is not None for p in procs), "a rank hung"
+    return results, status
+
+
+@pytest.mark.asyncio
+async def test_every_engine_commits_on_every_rank() -> None:
+    results, status = await _run({"a": ["clean", "clean"], "b": ["clean", "clean"]})
+    assert all(r.committed and r.version == 1 for r in results.values()), results
+    assert all(s["committed_version"] == 1 for ranks in status.values() for s in ranks), status
+
+
+@pytest.mark.asyncio
+async def test_a_failing_rank_fails_only_its_engine_and_nothing_commits_there() -> None:
+    results, status = await _run({"a": ["clean", "fail"], "b": ["clean", "clean"]})
+    assert results["b"].committed and not results["a"].committed, results
+    assert all(not r.committed and r.decision == "abort" for r in results["a"].ranks), results["a"]
+    assert all(s["committed_version"] is None and s["fence"] == "ready" for s in status["a"]), status  # shadow
+
+
+@pytest.mark.asyncio
+async def test_a_rank_that_dies_mid_refit_fails_its_engine_within_the_deadline() -> None:
+    results, status = await _run({"a": ["die", "clean"], "b": ["clean", "clean"]})
+    assert results["b"].committed and not results["a"].committed, results
+    dead, alive = results["a"].ranks
+    assert "no answer" in (dead.error or "") and not alive.committed and alive.decision == "abort", results["a"]
+    assert status["a"][0] is None and status["a"][1]["committed_version"] is None, status

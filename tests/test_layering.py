@@ -1,0 +1,116 @@
+"""The layering of docs/architecture.md, read from the imports themselves (an AST walk of src/).
+
+Every import counts, also one inside a function (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "refitflow"
+
+# folder -> the folders its files may import (besides their own); keep in step with docs/architecture.md
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "metrics": set(),
+    "layouts": {"core"},
+    "transports": {"core"},
+    "stages": {"core", "layouts", "transports", "metrics"},
+    "pipeline": {"core", "layouts", "transports", "metrics", "stages"},
+    "registry": {"core"},
+    "api": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry"},
+    "engine": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry", "api"},
+    "integrations": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry", "api", "engine"},
+}
+ALLOWED["cli"] = set(ALLOWED) - {"cli"}
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The refitflow modules a file imports (``from a import b`` may name a module ``a.b``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = _module(path) if path.name == "__init__.py" else _module(path).rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("refitflow")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.startswith("refitflow"):
+                out.add(base)
+                out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in SRC.rglob("*.py")}
+    return {mod: {m for m in _imports(p) if m in files and m != mod} for mod, p in files.items()}
+
+
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (SRC / parts[1]).is_dir()) else None
+
+
+def test_every_folder_is_known_and_has_a_docstring() -> None:
+    folders = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(ALLOWED), "a new folder needs its place in ALLOWED and in docs/architecture.md"
+    for name in folders:
+        doc = ast.get_docstring(ast.parse((SRC / name / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 15, f"refitflow/{name}/__init__.py needs a one-paragraph docstring"
+
+
+def test_folders_import_only_what_the_layering_allows() -> None:
+    wrong = []
+    for mod, deps in _graph().items():
+        src = _folder(mod)
+        if src is None:
+            continue  # the package root (public API, __main__) may import anything
+        for dep in deps:
+            dst = _folder(dep)
+            if dst is not None and dst != src and dst not in ALLOWED[src]:
+                wrong.append(f"{mod} -> {dep}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_circles_between_files() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(mod: str) -> None:
+        state[mod] = 1
+        path.append(mod)
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycle = [*path[path.index(dep) :], dep]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod)
+
+
+def test_only_the_cli_reads_the_environment() -> None:
+    readers = []
+    for path in SRC.rglob("*.py"):
+        if _folder(_module(path)) == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                readers.append(_module(path))
+    assert not readers, f"only refitflow.cli may read environment variables: {sorted(set(readers))}"
