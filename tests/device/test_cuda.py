@@ -125,3 +125,22 @@ async def test_a_captured_cuda_graph_sees_the_new_weights_unless_shadow_swaps(
         torch.testing.assert_close(out, new_out)
     else:  # the graph still reads the storage the swap retired: why shadow_commit="copy" exists
         torch.testing.assert_close(out, old_out)
+
+
+@pytest.mark.asyncio
+async def test_publish_waits_for_the_step_queued_on_the_trainers_stream(ident, registry) -> None:
+    dev = _cuda()
+    w = torch.zeros(1024, 256, device=dev)
+    server = {"w": torch.zeros(1024, 256, device=dev)}
+    trainer_stream = torch.cuda.Stream(device=dev)  # non-blocking: the default stream does not wait for it
+    with anyio.fail_after(60):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(server, registry, identity=ident) as recv,
+        ):
+            with torch.cuda.stream(trainer_stream):
+                torch.cuda._sleep(LONG_SLEEP)
+                w.fill_(3.0)  # the optimizer step, still queued when publish is called
+                await pub.publish(1, {"w": w})
+            await recv.refit(1)  # digests of the finished step: verified
+    assert bool((server["w"] == 3.0).all())

@@ -17,6 +17,10 @@ Ordering (what each wait protects):
   bucket's transfer never lands in staging bytes a copy still reads.
 - commit ``drain()``s every stream before ``prepare``: a prepared version has no byte in flight.
 
+A publisher marks its caller's current streams (``mark_current``) and waits for them before it digests
+and announces a version: the trainer's step, as queued on the stream that called ``publish``, is
+finished before a digest or a peer reads the bytes.
+
 Transfers (NIXL, loopback) complete on the host: their bytes are in place when ``read`` returns,
 so device work issued afterwards on any stream sees them.
 """
@@ -32,7 +36,7 @@ import torch
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["SUPPORTED_DEVICES", "DeviceLane", "Marks", "check_device", "devices_of"]
+__all__ = ["SUPPORTED_DEVICES", "DeviceLane", "Marks", "check_device", "devices_of", "mark_current", "wait_marks"]
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 Marks = tuple[Any, ...]  # torch.cuda.Event per CUDA device; empty on CPU
@@ -47,6 +51,23 @@ def check_device(device: torch.device, what: str) -> None:
 def devices_of(tensors: Iterable[torch.Tensor]) -> tuple[torch.device, ...]:
     """The distinct devices of ``tensors``, in a stable order (CPU first, then CUDA by index)."""
     return tuple(sorted({t.device for t in tensors}, key=lambda d: (d.type != "cpu", d.type, d.index or 0)))
+
+
+def mark_current(devices: Iterable[torch.device | str]) -> Marks:
+    """Marks after the work queued so far on this thread's *current* stream of each CUDA device (the caller's)."""
+    marks = []
+    for d in devices:
+        if torch.device(d).type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(d))
+            marks.append(event)
+    return tuple(marks)
+
+
+async def wait_marks(marks: Marks) -> None:
+    """Return when the marked work is done (waited in a worker thread; at once when there is none)."""
+    if marks:
+        await anyio.to_thread.run_sync(_synchronize, marks)
 
 
 class DeviceLane:
@@ -93,8 +114,7 @@ class DeviceLane:
 
     async def wait(self, marks: Marks) -> None:
         """Return when the marked work is done (waited in a worker thread; at once when there is none)."""
-        if marks:
-            await anyio.to_thread.run_sync(_synchronize, marks)
+        await wait_marks(marks)
 
     async def drain(self) -> None:
         """Return when everything issued on every refit stream is done."""
