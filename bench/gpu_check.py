@@ -89,7 +89,7 @@ def local_rows(device: torch.device, nbytes: int, size_bytes: int, versions: int
     return rows
 
 
-def process_rows(cfg: RoleConfig) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def process_rows(cfg: RoleConfig, deadline: float) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Two processes each: the raw NIXL READ, then refitflow in every mode (a failed row is reported, not fatal)."""
     dev, host = cfg.device, "cpu"
     runs: list[tuple[str, RoleConfig, Any, str]] = [
@@ -104,6 +104,9 @@ def process_rows(cfg: RoleConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
     errors: list[str] = []
     for name, row_cfg, role, mode in runs:
         t0 = time.perf_counter()
+        if deadline - t0 < cfg.timeout_s:
+            errors.append(f"{name}: skipped, fewer than {cfg.timeout_s:.0f} s left of --budget-s")
+            continue
         try:
             rows[name] = anyio.run(refitflow_row, row_cfg, role, mode)
         except Exception as exc:
@@ -120,7 +123,8 @@ def _with(cfg: RoleConfig, **changes: Any) -> RoleConfig:
 
 def run_tests(device: str, targets: list[str], timeout_s: float) -> dict[str, Any]:
     """``pytest --device <device> <targets>`` in a child process; its last lines and exit status."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", device, *targets]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd = [*pytest, "--device", device, "--ignore=tests/device/test_gpu_check.py", *targets]  # not its own smoke test
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -178,10 +182,12 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--budget-mb", type=float, default=1024.0, help="receiver staging budget, MiB")
     ap.add_argument("--tests", nargs="*", default=["tests/device"], help="pytest targets (none: skip the tests)")
-    ap.add_argument("--tests-timeout", type=float, default=300.0)
-    ap.add_argument("--row-timeout", type=float, default=180.0, help="seconds for each two-process row")
+    ap.add_argument("--tests-timeout", type=float, default=240.0)
+    ap.add_argument("--row-timeout", type=float, default=120.0, help="seconds for each two-process row")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="skip rows that could end later than this")
     ap.add_argument("--json", default=None, help="where to write the JSON (default: $OUT/gpu_check.json)")
     args = ap.parse_args()
+    deadline = time.perf_counter() + args.budget_s
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -212,7 +218,7 @@ def main() -> int:
     print("3/3 two processes over NIXL", flush=True)
     cfg = RoleConfig(size_bytes=size, versions=args.versions, budget_bytes=int(args.budget_mb * 2**20),
                      transport="nixl", timeout_s=args.row_timeout, device=str(device))  # fmt: skip
-    rows, errors = process_rows(cfg)
+    rows, errors = process_rows(cfg, deadline)
     result["rows"] |= rows
     result["errors"] += errors
     result["targets"] = targets(result["rows"], str(device))
