@@ -55,13 +55,7 @@ def devices_of(tensors: Iterable[torch.Tensor]) -> tuple[torch.device, ...]:
 
 def mark_current(devices: Iterable[torch.device | str]) -> Marks:
     """Marks after the work queued so far on this thread's *current* stream of each CUDA device (the caller's)."""
-    marks = []
-    for d in devices:
-        if torch.device(d).type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(d))
-            marks.append(event)
-    return tuple(marks)
+    return _marks(torch.cuda.current_stream(d) for d in devices if torch.device(d).type == "cuda")
 
 
 async def wait_marks(marks: Marks) -> None:
@@ -103,14 +97,7 @@ class DeviceLane:
 
     def record(self, devices: Iterable[torch.device | str]) -> Marks:
         """Marks after the work issued so far on the refit streams of ``devices``."""
-        marks = []
-        for d in devices:
-            s = self.stream(d)
-            if s is not None:
-                event = torch.cuda.Event()
-                event.record(s)
-                marks.append(event)
-        return tuple(marks)
+        return _marks(s for s in (self.stream(d) for d in devices) if s is not None)
 
     async def wait(self, marks: Marks) -> None:
         """Return when the marked work is done (waited in a worker thread; at once when there is none)."""
@@ -124,6 +111,16 @@ class DeviceLane:
         """Return when every kernel queued so far on the destination's CUDA devices is done (any stream)."""
         if self.cuda:
             await anyio.to_thread.run_sync(_synchronize_devices, self.cuda)
+
+
+def _marks(streams: Iterable[Any]) -> Marks:
+    """One event recorded on each stream, after the work queued on it so far."""
+    marks = []
+    for stream in streams:
+        event = torch.cuda.Event()
+        event.record(stream)
+        marks.append(event)
+    return tuple(marks)
 
 
 def _synchronize(marks: Marks) -> None:

@@ -87,7 +87,7 @@ class Piece:
     direct: bool  # lands straight in the destination: no staging, no copy
     landing_offset: int  # direct: byte offset in the parameter; staged: byte offset in the bucket
     scatters: tuple[Scatter, ...]
-    device: str = "cpu"  # where it lands: its parameter's device (direct), the staging ring's (staged)
+    device: str  # where it lands: its parameter's device (direct), the staging ring's (staged)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -113,8 +113,8 @@ class Bucket:
     reads: tuple[PlannedRead, ...]
     staging_bytes: int
     direct_bytes: int
-    device: str = "cpu"  # the device of its staging (all its staged pieces land on one device)
-    devices: tuple[str, ...] = ("cpu",)  # every device its work touches: staging and destinations
+    device: str  # the device of its staging (all its staged pieces land on one device)
+    devices: tuple[str, ...]  # every device its work touches: staging and destinations
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +221,7 @@ def _bucket(index: int, pieces: list[Piece], landing: Landing) -> Bucket:
     device = next((p.device for p in laid if not p.direct), laid[0].device)
     touched = {p.device for p in laid} | {str(landing.params[s.param].device) for p in laid for s in p.scatters}
     devices = tuple(sorted(touched, key=lambda d: (d != "cpu", d)))
-    return Bucket(index, tuple(laid), tuple(reads), staged, direct, device=device, devices=devices)
+    return Bucket(index, tuple(laid), tuple(reads), staged, direct, device, devices)
 
 
 def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable = None) -> Plan:
