@@ -39,7 +39,10 @@ async def test_copy_commit_keeps_every_pointer_and_serves_the_old_version_until_
 
 
 @pytest.mark.asyncio
-async def test_abort_before_the_copy_keeps_the_old_version_serving(ident, registry, device) -> None:
+@pytest.mark.parametrize("ending", ["abort-before-copy", "copy-fails-midway"])
+async def test_a_prepared_version_that_does_not_commit(ident, registry, device, ending: str) -> None:
+    """Aborted before the copy: the old version serves. A copy failing midway: fenced. Either way the
+    next good version commits (and clears the fence)."""
     trainer, server = mlp(1).to(device), mlp(2).to(device)
     old = params(server)
     with anyio.fail_after(30):
@@ -49,36 +52,24 @@ async def test_abort_before_the_copy_keeps_the_old_version_serving(ident, regist
         ):
             await pub.publish(1, dict(trainer.named_parameters()))
             txn, _ = await recv.prepare(1)
-            await recv.abort(txn, "a peer of the engine was not ready")
-            assert same(server, old) and recv.fence.state == "ready"
-            await pub.publish(2, dict(trainer.named_parameters()))
-            await recv.refit(2)  # the next good version commits
-            assert same(server, params(trainer))
+            if ending == "abort-before-copy":
+                await recv.abort(txn, "a peer of the engine was not ready")
+                assert same(server, old) and recv.fence.state == "ready"
+            else:
+                real_copy = recv.destination.copy_in
 
+                def copy_half_then_fail() -> None:  # an injected device failure halfway through the copy
+                    first = next(iter(recv.destination.params))
+                    recv.destination.params[first].detach().copy_(recv.destination.shadows[first])
+                    raise RuntimeError("injected: device copy failed")
 
-@pytest.mark.asyncio
-async def test_a_copy_that_fails_midway_leaves_the_rank_fenced(ident, registry, device) -> None:
-    trainer, server = mlp(1).to(device), mlp(2).to(device)
-    with anyio.fail_after(30):
-        async with (
-            rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(server, registry, identity=ident, mode="shadow", shadow_commit="copy") as recv,
-        ):
-            await pub.publish(1, dict(trainer.named_parameters()))
-            txn, _ = await recv.prepare(1)
-            real_copy = recv.destination.copy_in
-
-            def copy_half_then_fail() -> None:  # an injected device failure halfway through the copy
-                first = next(iter(recv.destination.params))
-                recv.destination.params[first].detach().copy_(recv.destination.shadows[first])
-                raise RuntimeError("injected: device copy failed")
-
-            recv.destination.copy_in = copy_half_then_fail  # type: ignore[method-assign]
-            with pytest.raises(RuntimeError, match="injected"):
-                await recv.finish(txn)
-            assert recv.fence.state == "fenced" and "copy into the live parameters failed" in (recv.fence.reason or "")
+                recv.destination.copy_in = copy_half_then_fail  # type: ignore[method-assign]
+                with pytest.raises(RuntimeError, match="injected"):
+                    await recv.finish(txn)
+                assert recv.fence.state == "fenced"
+                assert "copy into the live parameters failed" in (recv.fence.reason or "")
+                recv.destination.copy_in = real_copy  # type: ignore[method-assign]
             assert recv.status.committed_version is None and not recv.status.in_progress
-            recv.destination.copy_in = real_copy  # type: ignore[method-assign]
             await pub.publish(2, dict(trainer.named_parameters()))
-            await recv.refit(2)  # the next version that commits clears the fence
+            await recv.refit(2)
             assert recv.fence.state == "ready" and same(server, params(trainer))
