@@ -124,6 +124,9 @@ class Receiver:
         self._arena: StagingArenas | None = None
         # staging: one ring per device, each an equal share of the budget; a bucket fits one share
         share = self.config.budget_bytes // len(self.devices.devices)
+        if share < 64:
+            raise ConfigError(f"budget_bytes {self.config.budget_bytes} leaves {share} bytes per device's staging ring "
+                              f"over {len(self.devices.devices)} devices; give at least 64 per device")  # fmt: skip
         self.limits = replace(self.config.limits, bucket_bytes=min(self.config.limits.bucket_bytes, share))
         # tree fan-out: offer each committed version to other receivers until the next begins
         self.serve_replicas = serve_replicas
