@@ -56,6 +56,7 @@ async def refitflow_row(cfg: RoleConfig, role: Any, mode: str) -> dict[str, Any]
         "rss": max(e["rss"] for e in refits),
         "peak_staging": max(e["peak_staging"] for e in refits),
         "stages_ms": {k: v * 1e3 for k, v in warm[-1]["stages"].items()},
+        "finish_ms": min(e["finish_seconds"] for e in warm) * 1e3,  # the commit, after prepare
     }
 
 

@@ -23,13 +23,13 @@ async def raw_reader_role(name: str, mode: str, address: str, cfg: RoleConfig, r
         for m in pub.manifests:
             transport.connect(m.source)
             for s in m.shards:
-                dst = torch.empty(s.nbytes, dtype=torch.uint8)
+                dst = torch.empty(s.nbytes, dtype=torch.uint8, device=cfg.receiver_device or cfg.device)
                 transport.register(dst)
                 reads.append(Read(m.source.agent, s.region, s.offset, s.nbytes, as_bytes(dst)))
         nbytes, times = sum(r.nbytes for r in reads), []
         for _ in range(6):
             t0 = time.perf_counter()
-            await transport.read(reads, key="all")
+            await transport.read(reads, key="all")  # returns when every byte has landed (also in VRAM)
             times.append(time.perf_counter() - t0)
         report({"kind": "raw", "name": name, "first_gbps": nbytes / times[0] / 1e9,
                 "gbps": nbytes / min(times[1:]) / 1e9, "nbytes": nbytes})  # fmt: skip

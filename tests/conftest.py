@@ -1,7 +1,14 @@
-"""Shared fixtures: a tiny trainer/server pair, an embedded registry, and failure-injecting observers."""
+"""Shared fixtures: a tiny trainer/server pair, an embedded registry, and failure-injecting observers.
+
+The device path: ``--device`` (or ``REFITFLOW_TEST_DEVICE``; default ``cpu``) chooses the device of the
+tests that take the ``device`` fixture, so the same tests run on CPU here and on CUDA where one is
+visible (``--device cuda``). Tests marked ``cuda`` need a GPU: where none is visible they are
+deselected, and the header and the summary say which and why (never a silent skip).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -9,6 +16,60 @@ import torch
 
 import refitflow as rf
 from refitflow.metrics import NullObserver
+
+NO_GPU = "no CUDA device is visible"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=os.environ.get("REFITFLOW_TEST_DEVICE", "cpu"),
+        help="device of the device-path tests: cpu (default) or cuda / cuda:N",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = torch.device(config.getoption("--device"))
+    if device.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device must be cpu or cuda[:N], got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device} asked for, but {NO_GPU}")
+    config.stash[_DESELECTED] = []
+
+
+_DESELECTED = pytest.StashKey[list[str]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    gone = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if gone:
+        items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+        config.hook.pytest_deselected(items=gone)
+        config.stash[_DESELECTED].extend(item.nodeid for item in gone)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"none ({NO_GPU})"
+    return f"refitflow device path: {config.getoption('--device')}; GPU: {gpu}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    gone = config.stash.get(_DESELECTED, [])
+    if gone:
+        terminalreporter.write_line(
+            f"{len(gone)} CUDA-only test(s) deselected because {NO_GPU} (run them with --device cuda on a GPU):"
+        )
+        for nodeid in gone:
+            terminalreporter.write_line(f"  deselected (needs CUDA): {nodeid}")
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device of the device-path tests (``--device``), with its index (``cuda`` is ``cuda:<current>``)."""
+    device = torch.device(request.config.getoption("--device"))
+    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
 
 
 class InjectedFailure(RuntimeError):

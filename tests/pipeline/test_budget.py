@@ -118,4 +118,4 @@ async def test_direct_landing_uses_no_staging(ident, registry) -> None:
         assert same(server, expected)
         assert result.direct_bytes == result.nbytes > 0
         assert recv.budget.statistics().peak_bytes == 0
-        assert recv._arena is not None and recv._arena._buffer is None  # the arena was never even allocated
+        assert recv._arena is not None and recv._arena.allocated_bytes == 0  # the arena was never even allocated

@@ -23,6 +23,7 @@ from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
+from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
 from refitflow.transports import Transport, as_bytes, make_transport
@@ -62,8 +63,13 @@ def block_rows(shape: tuple[int, ...], item: int) -> int:
 
 
 def digest(tensor: torch.Tensor) -> tuple[str, int, str]:
-    """(digest, block rows, base64 block digests) of a contiguous CPU tensor's bytes."""
+    """(digest, block rows, base64 block digests) of a contiguous tensor's bytes.
+
+    Device bytes are copied to the host to be hashed — the seam the on-device digests of issue 11
+    replace (``publish`` has waited for the trainer's streams already).
+    """
     data = as_bytes(tensor)
+    data = data if data.device.type == "cpu" else data.cpu()
     rows = block_rows(tuple(tensor.shape), tensor.element_size())
     step = rows * (data.numel() // max(tensor.shape[0], 1) if tensor.dim() else data.numel())
     raw = b"".join(
@@ -144,8 +150,7 @@ class Publisher:
             raise ConfigError(f"{name!r}: expected a tensor or rf.Sharded, got {type(value).__name__}")
         if not tensor.is_contiguous():
             raise ConfigError(f"{name!r} is not contiguous; refitflow never copies the trainer's tensors")
-        if tensor.device.type != "cpu" and self.transport.name != "nixl":
-            raise ConfigError(f"{name!r} is on {tensor.device}; the {self.transport.name} transport needs CPU")
+        check_device(tensor.device, repr(name))  # before anything is registered
         fields = dict(
             dtype=dtype_name(tensor.dtype, tensor=name),
             global_shape=shape,
@@ -160,8 +165,10 @@ class Publisher:
         """Register, digest and announce this rank's tensors as ``version``."""
         if self.published and version <= self.published[-1]:
             raise ConfigError(f"version {version} does not increase past {self.published[-1]}")
-        prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]
+        prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]  # every check first
+        step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
+        await wait_marks(step)  # off the loop: digests and peers read the finished step
 
         def digest_all() -> list[tuple[str, int, str]]:
             return [digest(t) for _, t, _ in prepared]

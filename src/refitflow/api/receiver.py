@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -19,10 +19,11 @@ from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, Ve
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
-from refitflow.pipeline.arena import StagingArena
+from refitflow.pipeline.arena import StagingArenas
 from refitflow.pipeline.budget import ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import Destination
+from refitflow.pipeline.device import DeviceLane, Marks
 from refitflow.pipeline.fence import Fence
 from refitflow.pipeline.graph import run_pipeline
 from refitflow.pipeline.transaction import Ledger, Transaction
@@ -109,7 +110,8 @@ class Receiver:
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
-        self.destination = Destination(model, self.config.mode, layout)
+        self.destination = Destination(model, self.config.mode, layout, shadow_commit=self.config.shadow_commit)
+        self.devices = DeviceLane(self.destination.devices)  # refit streams and events (pipeline/device.py)
         self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
         self.budget = ByteBudget(
             self.config.budget_bytes,
@@ -119,7 +121,13 @@ class Receiver:
         self._plans = PlanCache()
         self._transport_spec = transport
         self._transport: Transport | None = None
-        self._arena: StagingArena | None = None
+        self._arena: StagingArenas | None = None
+        # staging: one ring per device, each an equal share of the budget; a bucket fits one share
+        share = self.config.budget_bytes // len(self.devices.devices)
+        if share < 64:
+            raise ConfigError(f"budget_bytes {self.config.budget_bytes} leaves {share} bytes per device's staging ring "
+                              f"over {len(self.devices.devices)} devices; give at least 64 per device")  # fmt: skip
+        self.limits = replace(self.config.limits, bucket_bytes=min(self.config.limits.bucket_bytes, share))
         # tree fan-out: offer each committed version to other receivers until the next begins
         self.serve_replicas = serve_replicas
         if serve_replicas and not all(hasattr(self.registry, n) for n in ("publish_replica", "withdraw_replica")):
@@ -130,10 +138,9 @@ class Receiver:
     async def __aenter__(self) -> Receiver:
         # off the loop: a real transport imports its library and creates its agent (seconds)
         self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
-        for tensor in self.destination.landing_tensors():
+        for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
             self._transport.register(tensor)
-        device = next(iter(self.destination.params.values())).device
-        self._arena = StagingArena(self.budget, device=device, register=self._transport.register)
+        self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)
         await self.registry.register_receiver(self.identity, self.receiver_id)
         return self
 
@@ -186,7 +193,7 @@ class Receiver:
             min_version = (self.ledger.last_begun or 0) + 1
         ctx = StageContext(
             transport=self._transport, staging=self._arena, landing=self.destination,
-            limits=self.config.limits, observer=self.observer,
+            limits=self.limits, devices=self.devices, observer=self.observer,
         )  # fmt: skip
         misses = self._plans.misses
         self.budget.reset_peak()
@@ -222,12 +229,36 @@ class Receiver:
 
     async def finish(self, txn: Transaction) -> None:
         """Make a prepared version visible."""
+        if self.destination.copies_at_commit:
+            await self._copy_in(txn)
         self.ledger.finish(txn)
         self.observer.refit_outcome("committed", txn.version)
         await self._report(txn.version)
         pub = self._prepared.pop(txn.version, None)
         if self.serve_replicas and pub is not None:
             await self._offer(pub)
+
+    async def _copy_in(self, txn: Transaction) -> None:
+        """``shadow_commit="copy"``: copy the shadows into the live storage on the refit streams, fence closed.
+
+        The stall is the device copy (waited for off the event loop); a failure or cancellation while
+        it runs leaves the rank fenced.
+        """
+        self.ledger.copying(txn)
+        devices = self.devices
+
+        def copy() -> Marks:
+            with devices.use(devices.devices):
+                self.destination.copy_in()
+                return devices.record(devices.devices)
+
+        try:
+            await devices.quiesce()  # kernels the server queued before the fence closed read the live storage
+            await devices.wait(await anyio.to_thread.run_sync(copy))
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self.abort(txn, f"copy into the live parameters failed: {type(exc).__name__}: {exc}")
+            raise
 
     async def _offer(self, pub: Publication) -> None:
         """Offer the committed copy of ``pub`` as a replica source (bounded; a refusal is only logged)."""

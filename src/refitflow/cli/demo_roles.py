@@ -35,6 +35,9 @@ class RoleConfig:
     budget_bytes: int
     transport: str
     timeout_s: float = 120.0
+    device: str = "cpu"  # where the trainer's and the receivers' tensors live ("cuda:0": VRAM on both sides)
+    receiver_device: str | None = None  # the receivers' device, when not ``device``
+    shadow_commit: str = "swap"  # the shadow receiver's commit ("copy": CUDA-graph safe)
 
 
 def _shards(model: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor | Sharded]:
@@ -52,7 +55,7 @@ def _shards(model: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor
 
 
 async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report: Report) -> None:
-    model = synthetic_model(cfg.size_bytes)
+    model = synthetic_model(cfg.size_bytes, device=cfg.device)
     nbytes = sum(t.nbytes for t in model.values())
     async with (
         Publisher(registry, identity=IDENTITY, rank=0, world_size=2, transport=cfg.transport) as p0,
@@ -99,21 +102,28 @@ class ProgressMetrics(PrometheusMetrics):
 
 
 async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, report: Report) -> None:
-    model = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in synthetic_shapes(cfg.size_bytes).items()}
+    device = cfg.receiver_device or cfg.device
+    model = {
+        n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in synthetic_shapes(cfg.size_bytes).items()
+    }
     metrics = ProgressMetrics(name, report)
     port = metrics.serve()
+    commit = cfg.shadow_commit if mode == "shadow" else "swap"
     try:
         async with Receiver(
             model, registry, identity=IDENTITY, transport=cfg.transport, mode=mode,
-            budget_bytes=cfg.budget_bytes, observer=metrics,
+            budget_bytes=cfg.budget_bytes, observer=metrics, shadow_commit=commit,
         ) as recv:  # fmt: skip
             report({"kind": "receiver_ready", "name": name, "metrics_port": port})
             for version in range(1, cfg.versions + 1):
                 metrics.done = 0
-                result = await recv.refit(version, timeout=cfg.timeout_s)
+                txn, result = await recv.prepare(version, timeout=cfg.timeout_s)  # refit = prepare + finish
+                t0 = time.perf_counter()
+                await recv.finish(txn)  # the commit: a swap, or the device copy of shadow_commit="copy"
                 report({
                     "kind": "refit", "name": name, "version": result.version, "revision": result.revision,
                     "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes,
+                    "finish_seconds": time.perf_counter() - t0,
                     "committed": recv.status.committed_version == version and recv.fence.state == "ready",
                     "peak_staging": result.peak_staging_bytes,
                     "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

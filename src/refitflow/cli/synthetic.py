@@ -40,12 +40,12 @@ def synthetic_nbytes(total_bytes: int, *, itemsize: int = 2) -> int:
 
 
 def synthetic_model(
-    total_bytes: int, *, dtype: torch.dtype = torch.bfloat16, hidden: int = 1024, seed: int = 0
+    total_bytes: int, *, dtype: torch.dtype = torch.bfloat16, hidden: int = 1024, seed: int = 0, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """A synthetic model of ``synthetic_shapes`` with pseudo-random values (deterministic per seed)."""
+    """A synthetic model of ``synthetic_shapes`` with pseudo-random values (deterministic per seed), on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     shapes = synthetic_shapes(total_bytes, itemsize=torch.empty((), dtype=dtype).element_size(), hidden=hidden)
-    base = (torch.rand(1 << 20, generator=gen) - 0.5).to(dtype)  # tiled: fast to build at GB sizes
+    base = (torch.rand(1 << 20, generator=gen) - 0.5).to(dtype).to(device)  # tiled: fast to build at GB sizes
     out = {}
     for k, (name, shape) in enumerate(shapes.items()):
         numel = math.prod(shape)

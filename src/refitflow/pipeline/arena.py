@@ -1,32 +1,46 @@
-"""The staging arena: one buffer of exactly ``budget`` bytes, handed out as a ring.
+"""The staging arena: per device, one buffer handed out as a ring; every device's ring counted in one budget.
 
 Buckets are allocated and freed in order, so a ring never fragments; placement depends only on
 the sequence of sizes, so a replayed plan lands at the same offsets every time (a transport can
 prepare its descriptors once). Every byte handed out is counted against the ``ByteBudget``.
+
+Staging lives on the device of the parameters it feeds (VRAM for CUDA parameters: a transfer lands
+there, and the copies and casts out of it stay on the device). A destination spread over ``n``
+devices gives each device's ring ``budget // n`` bytes, so the memory allocated for staging never
+exceeds the budget (buckets are cut to fit one share); a ring is allocated on first use only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from refitflow.core.errors import ConfigError
 from refitflow.pipeline.budget import ByteBudget
 from refitflow.stages._context import Lease
 
-__all__ = ["StagingArena"]
+__all__ = ["StagingArena", "StagingArenas"]
+
+Register = Callable[[torch.Tensor], object]
 
 
 class StagingArena:
+    """One ring of ``capacity`` bytes (default: the whole budget) on one device."""
+
     def __init__(
         self,
         budget: ByteBudget,
         *,
         device: torch.device | str = "cpu",
-        register: Callable[[torch.Tensor], object] | None = None,
+        capacity: int | None = None,
+        register: Register | None = None,
     ) -> None:
         self.budget = budget
-        self._device = torch.device(device)
+        self.capacity = budget.capacity_bytes if capacity is None else capacity
+        if not 0 < self.capacity <= budget.capacity_bytes:
+            raise ConfigError(f"an arena of {self.capacity} bytes does not fit a budget of {budget.capacity_bytes}")
+        self.device = torch.device(device)
         self._register = register
         self._buffer: torch.Tensor | None = None
         self._live: list[Lease] = []
@@ -35,13 +49,17 @@ class StagingArena:
     def buffer(self) -> torch.Tensor:
         """The arena's memory, allocated (and registered) on first use."""
         if self._buffer is None:
-            self._buffer = torch.empty(self.budget.capacity_bytes, dtype=torch.uint8, device=self._device)
+            self._buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
             if self._register is not None:
                 self._register(self._buffer)
         return self._buffer
 
+    @property
+    def allocated(self) -> bool:
+        return self._buffer is not None
+
     def _place(self, nbytes: int) -> int | None:
-        cap = self.budget.capacity_bytes
+        cap = self.capacity
         if not self._live:
             return 0
         tail = self._live[0].offset
@@ -56,9 +74,11 @@ class StagingArena:
         """Lease ``nbytes`` of staging, waiting until the ring has room."""
         if nbytes == 0:
             return Lease(0, 0, self.buffer[:0])
+        if nbytes > self.capacity:
+            raise ConfigError(f"{nbytes} bytes can never fit the {self.capacity}-byte staging ring on {self.device}")
         while (offset := self._place(nbytes)) is None:
             await self.budget.wait_for_release()
-        self.budget.acquire_nowait(nbytes)  # leases are disjoint inside the arena: this always fits
+        self.budget.acquire_nowait(nbytes)  # leases are disjoint inside the arenas: this always fits
         lease = Lease(offset, nbytes, self.buffer[offset : offset + nbytes])
         self._live.append(lease)
         return lease
@@ -72,3 +92,39 @@ class StagingArena:
     def free_all(self) -> None:
         for lease in list(self._live):
             self.free(lease)
+
+
+class StagingArenas:
+    """The receiver's staging (``stages._context.Staging``): one ring per device, shares of one budget."""
+
+    def __init__(
+        self, budget: ByteBudget, devices: Iterable[torch.device | str], *, register: Register | None = None
+    ) -> None:
+        names = list(dict.fromkeys(str(torch.device(d)) for d in devices))
+        if not names:
+            raise ConfigError("staging needs at least one device")
+        share = budget.capacity_bytes // len(names)
+        self.share = share
+        self._rings = {name: StagingArena(budget, device=name, capacity=share, register=register) for name in names}
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Staging memory allocated so far, on every device (a ring is allocated on first use)."""
+        return sum(r.capacity for r in self._rings.values() if r.allocated)
+
+    def ring(self, device: str) -> StagingArena:
+        ring = self._rings.get(str(torch.device(device)))
+        if ring is None:
+            raise ConfigError(f"no staging on {device}: the destination has no parameter there")
+        return ring
+
+    async def allocate(self, nbytes: int, device: str) -> Lease:
+        return await self.ring(device).allocate(nbytes)
+
+    def free(self, lease: Lease) -> None:
+        if lease.nbytes:
+            self.ring(str(lease.view.device)).free(lease)
+
+    def free_all(self) -> None:
+        for ring in self._rings.values():
+            ring.free_all()

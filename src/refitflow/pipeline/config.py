@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refitflow.core.errors import ConfigError
-from refitflow.pipeline.destination import ApplyMode
+from refitflow.pipeline.destination import ApplyMode, ShadowCommit
 from refitflow.stages._context import Limits
 
 __all__ = ["ReceiverConfig"]
@@ -20,6 +20,7 @@ class ReceiverConfig:
     direct_bucket_bytes: int = 64 * MiB  # direct reads use no staging; this only sizes their batches
     max_reads_per_bucket: int = 4096
     mode: ApplyMode = ApplyMode.IN_PLACE
+    shadow_commit: ShadowCommit = ShadowCommit.SWAP  # "copy": CUDA-graph safe shadow (see docs/device.md)
     lossy_casts: bool = False
     stream_depth: int = 2
     read_timeout_s: float = 60.0
@@ -32,6 +33,7 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode))
+        object.__setattr__(self, "shadow_commit", _shadow_commit(self.shadow_commit, self.mode))
         if not isinstance(self.budget_bytes, int) or self.budget_bytes < 64:
             raise ConfigError(f"budget_bytes must be an integer of at least 64 bytes, got {self.budget_bytes!r}")
         if self.bucket_bytes is None:
@@ -78,3 +80,13 @@ def _mode(value: object) -> ApplyMode:
         return ApplyMode(str(value))
     except ValueError:
         raise ConfigError(f"mode must be 'in_place' or 'shadow', got {value!r}") from None
+
+
+def _shadow_commit(value: object, mode: ApplyMode) -> ShadowCommit:
+    try:
+        commit = ShadowCommit(str(value))
+    except ValueError:
+        raise ConfigError(f"shadow_commit must be 'swap' or 'copy', got {value!r}") from None
+    if commit is ShadowCommit.COPY and mode is not ApplyMode.SHADOW:
+        raise ConfigError("shadow_commit='copy' applies to mode='shadow' only (in_place keeps every pointer already)")
+    return commit

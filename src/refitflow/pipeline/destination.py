@@ -1,8 +1,11 @@
 """The parameters a receiver writes, and where the next version's bytes go in each apply mode.
 
-``in_place`` writes the live tensors. ``shadow`` writes a second copy of every parameter and swaps
-storages at commit (``param.data``), keeping the old storage as the next shadow: the Parameter
-objects the server holds stay the same, the version they serve changes at once.
+``in_place`` writes the live tensors. ``shadow`` writes a second copy of every parameter (on the
+parameter's own device) and at commit either swaps storages (``shadow_commit="swap"``, the default:
+``param.data``, keeping the old storage as the next shadow; the Parameter objects the server holds
+stay the same, the version they serve changes at once) or copies the shadow into the live storage
+(``shadow_commit="copy"``: every pointer stays where it was, so a captured CUDA graph sees the new
+version; the receiver does the copy on the device while the fence is ``updating``).
 """
 
 from __future__ import annotations
@@ -14,13 +17,19 @@ import torch
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.canonical import LocalTensor
+from refitflow.pipeline.device import check_device, devices_of
 
-__all__ = ["ApplyMode", "Destination"]
+__all__ = ["ApplyMode", "Destination", "ShadowCommit"]
 
 
 class ApplyMode(enum.StrEnum):
     IN_PLACE = "in_place"
     SHADOW = "shadow"
+
+
+class ShadowCommit(enum.StrEnum):
+    SWAP = "swap"  # param.data = shadow (one pointer swap; a captured CUDA graph keeps the old storage)
+    COPY = "copy"  # live.copy_(shadow) on the device at commit (pointers kept: CUDA-graph safe)
 
 
 def _scale(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor]) -> str:
@@ -38,8 +47,11 @@ class Destination:
         model: torch.nn.Module | Mapping[str, torch.Tensor],
         mode: ApplyMode,
         layout: Mapping[str, LocalTensor] | None = None,
+        *,
+        shadow_commit: ShadowCommit = ShadowCommit.SWAP,
     ) -> None:
         self.mode = mode
+        self.shadow_commit = shadow_commit
         named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model.items()
         self.params: dict[str, torch.Tensor] = {}  # canonical name -> live tensor
         self.canonical: dict[str, str] = {}  # every name (tied aliases too) -> canonical name
@@ -47,6 +59,7 @@ class Destination:
         for name, tensor in named:
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(f"destination {name!r} is not a tensor")
+            check_device(tensor.device, f"destination parameter {name!r}")
             first = by_id.setdefault(id(tensor), name)
             self.canonical[name] = first
             if first == name:
@@ -87,7 +100,8 @@ class Destination:
     def assembly(self, name: str) -> torch.Tensor:
         """An fp32 buffer a float8 parameter is assembled in before it is quantised (made on first use)."""
         if name not in self._assemblies:
-            self._assemblies[name] = torch.empty(self.params[name].shape, dtype=torch.float32)
+            p = self.params[name]
+            self._assemblies[name] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         return self._assemblies[name]
 
     def release_assembly(self, name: str) -> torch.Tensor:
@@ -99,6 +113,21 @@ class Destination:
             yield p.detach()
             if name in self.shadows:
                 yield self.shadows[name]
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The devices the parameters sit on (each parameter is written on its own device)."""
+        return devices_of(self.params.values())
+
+    @property
+    def copies_at_commit(self) -> bool:
+        """Shadow mode committing by a device copy into the live storage (``shadow_commit="copy"``)."""
+        return self.mode is ApplyMode.SHADOW and self.shadow_commit is ShadowCommit.COPY
+
+    def copy_in(self) -> None:
+        """Copy every shadow into its live parameter (``shadow_commit="copy"``; device work, caller orders it)."""
+        for name, p in self.params.items():
+            p.detach().copy_(self.shadows[name])
 
     def swap(self) -> None:
         """Make the shadow copies live (shadow mode); synchronous, so no coroutine sees a mix."""

@@ -32,6 +32,7 @@ class Transaction:
     coverage: CoverageTracker
     state: TxnState = TxnState.OPEN
     wrote: bool = False  # set before the first byte lands in a destination
+    copying: bool = False  # shadow_commit="copy": the live storage is being overwritten (set before it is)
     reason: str | None = None
     fence_before: FenceState = field(default=FenceState.READY)
     fence_reason_before: str | None = None
@@ -74,11 +75,17 @@ class Ledger:
         txn.coverage.check(version=txn.version)
         txn.state = TxnState.PREPARED
 
+    def copying(self, txn: Transaction) -> None:
+        """``shadow_commit="copy"``: close the fence before the shadows are copied into the live storage."""
+        self._expect(txn, TxnState.PREPARED)
+        txn.copying = True
+        self.fence.set(FenceState.UPDATING, f"copying version {txn.version} into the live parameters")
+
     def finish(self, txn: Transaction) -> None:
         """Make the prepared version visible."""
         self._expect(txn, TxnState.PREPARED)
-        if self.destination.mode is ApplyMode.SHADOW:
-            self.destination.swap()
+        if self.destination.mode is ApplyMode.SHADOW and not self.destination.copies_at_commit:
+            self.destination.swap()  # copy mode: the receiver copied the shadows into the live storage already
         txn.state = TxnState.COMMITTED
         self.committed_version = txn.version
         self.committed_revision = txn.revision
@@ -95,7 +102,10 @@ class Ledger:
         self.first_failure = self.first_failure or reason
         if self.open is txn:
             self.open = None
-        if self.destination.mode is ApplyMode.IN_PLACE:
+        if txn.copying:
+            reason = f"version {txn.version} aborted while copied into the live storage: {reason}"
+            self.fence.set(FenceState.FENCED, reason)
+        elif self.destination.mode is ApplyMode.IN_PLACE:
             if txn.wrote:
                 self.fence.set(FenceState.FENCED, f"version {txn.version} aborted after a partial write: {reason}")
             else:

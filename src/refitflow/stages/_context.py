@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+import contextlib
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -13,7 +14,7 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.transports.base import Transport
 
-__all__ = ["Attempt", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work"]
+__all__ = ["Attempt", "Devices", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,7 @@ class Lease:
 
 
 class Staging(Protocol):
-    async def allocate(self, nbytes: int) -> Lease: ...
+    async def allocate(self, nbytes: int, device: str) -> Lease: ...
     def free(self, lease: Lease) -> None: ...
     def free_all(self) -> None: ...
 
@@ -51,6 +52,16 @@ class Landing(Protocol):
     def target(self, name: str) -> torch.Tensor: ...
     def assembly(self, name: str) -> torch.Tensor: ...
     def release_assembly(self, name: str) -> torch.Tensor: ...
+
+
+class Devices(Protocol):
+    """Where device work runs (``pipeline.device.DeviceLane``): refit streams and marks to wait for."""
+
+    def use(self, devices: Iterable[torch.device | str]) -> contextlib.AbstractContextManager[None]: ...
+    def record(self, devices: Iterable[torch.device | str]) -> tuple[Any, ...]: ...
+    async def wait(self, marks: tuple[Any, ...]) -> None: ...
+    async def drain(self) -> None: ...
+    async def quiesce(self) -> None: ...
 
 
 class Attempt(Protocol):
@@ -87,6 +98,7 @@ class StageContext:
     staging: Staging
     landing: Landing
     limits: Limits
+    devices: Devices
     observer: Observer = NULL_OBSERVER
     publication: Publication | None = None
     attempt: Attempt | None = None
@@ -121,3 +133,4 @@ class Work:
     bucket: Any  # stages.plan.Bucket
     lease: Lease | None = None
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src) views
+    marks: tuple[Any, ...] = ()  # the bucket's device work so far (Devices.record); empty on CPU

@@ -1,4 +1,4 @@
-"""Allocate: lease staging bytes for a bucket from the budgeted arena (waits when it is full)."""
+"""Allocate: lease staging bytes for a bucket from its device's ring of the budgeted arena (waits when full)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,6 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream, send: ObjectSendS
             t0 = time.perf_counter()
             work = Work(bucket)
             if bucket.staging_bytes:
-                work.lease = await ctx.staging.allocate(bucket.staging_bytes)
+                work.lease = await ctx.staging.allocate(bucket.staging_bytes, bucket.device)
             ctx.note("allocate", 1, bucket.staging_bytes, time.perf_counter() - t0)
             await send.send(work)

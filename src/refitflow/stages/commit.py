@@ -3,7 +3,8 @@
 Preparing checks that every destination parameter was written exactly once (a fused parameter
 counts only when every box of it arrived, whichever buckets they came in; a float8 parameter is
 quantised here, once its fp32 assembly is complete, and its scale tensor credited as derived) and makes nothing
-visible; the pipeline's owner finishes (or, after an engine vote, aborts) it.
+visible; the pipeline's owner finishes (or, after an engine vote, aborts) it. Before preparing, every
+refit stream is drained (``Devices.drain``, off the event loop): a prepared version has no byte in flight.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ __all__ = ["run"]
 
 
 def _quantize(ctx: StageContext, param: str) -> None:
+    """Quantise a complete fp32 assembly into its float8 parameter and scale, on their refit streams."""
     scale = ctx.landing.derived[param]
-    quantize_into(ctx.landing.release_assembly(param), ctx.landing.target(param), ctx.landing.target(scale))
+    q, s = ctx.landing.target(param), ctx.landing.target(scale)
+    with ctx.devices.use((q.device, s.device)):
+        quantize_into(ctx.landing.release_assembly(param), q, s)  # the assembly was made on this stream
 
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
@@ -47,5 +51,6 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
     if ctx.attempt is None:
         return  # discovery failed or refused: its error propagates from its own task
     t0 = time.perf_counter()
+    await ctx.devices.drain()  # nothing still in flight on a device when the version is prepared
     ctx.attempt.prepare()
     ctx.note("commit", 0, 0, time.perf_counter() - t0, item=False)

@@ -34,6 +34,8 @@ async def run(
         ctx.waited_s = t0 - t_wait
         ctx.connect_sources(pub)
         begin(pub)
+        # before the first byte is written: kernels the server queued earlier (on any stream) finish
+        await ctx.devices.quiesce()
         ctx.publication = pub
         ctx.note("discover", 1, 0, time.perf_counter() - t0)
         await send.send(pub)

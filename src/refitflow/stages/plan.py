@@ -87,6 +87,7 @@ class Piece:
     direct: bool  # lands straight in the destination: no staging, no copy
     landing_offset: int  # direct: byte offset in the parameter; staged: byte offset in the bucket
     scatters: tuple[Scatter, ...]
+    device: str  # where it lands: its parameter's device (direct), the staging ring's (staged)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -112,6 +113,8 @@ class Bucket:
     reads: tuple[PlannedRead, ...]
     staging_bytes: int
     direct_bytes: int
+    device: str  # the device of its staging (all its staged pieces land on one device)
+    devices: tuple[str, ...]  # every device its work touches: staging and destinations
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +179,7 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
                         scatters.append(Scatter(m.param, sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
                 spans = tuple(row_runs(chunk, shape)) if shape else ((0, 1),)
                 landing_offset = 0
+                device = str(landing.params[scatters[0].param].device if scatters else dst.device)
                 if direct:
                     span = contiguous_span(scatters[0].dbox, tuple(dst.shape))
                     assert span is not None
@@ -183,11 +187,11 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
                 yield Piece(
                     source=source, tensor=spec.name, src_dtype=spec.dtype, box=chunk, spans=spans,
                     src_region=spec.region, src_offset=spec.offset, nbytes=volume(chunk) * item, direct=direct,
-                    landing_offset=landing_offset, scatters=tuple(scatters),
+                    landing_offset=landing_offset, scatters=tuple(scatters), device=device,
                 )  # fmt: skip
 
 
-def _bucket(index: int, pieces: list[Piece]) -> Bucket:
+def _bucket(index: int, pieces: list[Piece], landing: Landing) -> Bucket:
     """Lay staged pieces out one after another and coalesce adjacent reads."""
     laid: list[Piece] = []
     reads: list[PlannedRead] = []
@@ -214,7 +218,10 @@ def _bucket(index: int, pieces: list[Piece]) -> Bucket:
                 reads.append(PlannedRead(p.source, p.src_region, src, n, param, at))
             at += n
     direct = sum(p.nbytes for p in laid if p.direct)
-    return Bucket(index, tuple(laid), tuple(reads), staging_bytes=staged, direct_bytes=direct)
+    device = next((p.device for p in laid if not p.direct), laid[0].device)
+    touched = {p.device for p in laid} | {str(landing.params[s.param].device) for p in laid for s in p.scatters}
+    devices = tuple(sorted(touched, key=lambda d: (d != "cpu", d)))
+    return Bucket(index, tuple(laid), tuple(reads), staged, direct, device, devices)
 
 
 def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable = None) -> Plan:
@@ -223,22 +230,26 @@ def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable
     buckets: list[Bucket] = []
     current: list[Piece] = []
     staged = direct = runs = ideal = 0
+    staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
     for p in _pieces(pub, landing, limits):
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
         full_ = (
             (not p.direct and staged + p.nbytes > limits.bucket_bytes)
             or (p.direct and direct + p.nbytes > limits.direct_bucket_bytes)
             or runs + len(p.spans) > limits.max_reads_per_bucket
+            or (not p.direct and staging_device not in (None, p.device))
         )
         if current and full_:
-            buckets.append(_bucket(len(buckets), current))
-            current, staged, direct, runs = [], 0, 0, 0
+            buckets.append(_bucket(len(buckets), current, landing))
+            current, staged, direct, runs, staging_device = [], 0, 0, 0, None
+        if not p.direct:
+            staging_device = p.device
         current.append(p)
         staged += 0 if p.direct else p.nbytes
         direct += p.nbytes if p.direct else 0
         runs += len(p.spans)
     if current:
-        buckets.append(_bucket(len(buckets), current))
+        buckets.append(_bucket(len(buckets), current, landing))
     total = sum(b.nbytes for b in buckets)
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0)
 
@@ -256,7 +267,7 @@ class PlanCache:
     def key(self, pub: Publication, landing: Landing, limits: Limits) -> Hashable:
         if self._landing is None or self._landing[0] is not landing:  # the target layout: once per landing
             target = (
-                tuple((n, tuple(t.shape), t.dtype) for n, t in landing.params.items()),
+                tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in landing.params.items()),
                 tuple(sorted(landing.canonical.items())),
                 landing.layout_key,
             )

@@ -3,6 +3,7 @@
 A staged piece holds its source box row-major; each of its scatters is a sub-box of it that lands
 in a box of a destination parameter (a slice of a fused parameter, another TP slice, another rank
 of leading dimensions). Layout knowledge is already in the plan's boxes: nothing here is per model.
+Only views are made here; the device work (copies, casts) is apply's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def copies_of(ctx: StageContext, work: Work) -> list:
             whole = ctx.landing.assembly(s.param) if s.param in ctx.landing.derived else ctx.landing.target(s.param)
             dst = whole[box_index(s.dbox)]
             src = staged[box_index(rel)]
-            out.append((dst, src if src.shape == dst.shape else src.reshape(dst.shape)))
+            out.append((dst, src))  # apply reshapes (a device op) on the refit stream
     return out
 
 
@@ -40,6 +41,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         async for work in receive:
             ctx.enter("translate")
             t0 = time.perf_counter()
-            work.copies = copies_of(ctx, work)
+            with ctx.devices.use(work.bucket.devices):  # FP8 assembly buffers belong to the refit streams
+                work.copies = copies_of(ctx, work)
             ctx.note("translate", 1, work.bucket.staging_bytes, time.perf_counter() - t0)
             await send.send(work)

@@ -6,6 +6,11 @@ order, so a block's bytes may stream across pieces and buckets. A block is check
 arrived whole and in order; a block only partly pulled (a column slice, an unaligned cut — possible
 only under ``verify="pulled"``) counts as unverified bytes. Staged pieces are hashed in staging,
 direct pieces where they landed.
+
+Device work: the hashing runs on the bucket's refit streams (``Devices.use``, in the worker thread),
+and the staging lease is freed only after the bucket's marks (apply's copies out of it) are waited
+for. Until digests are computed on the device (issue 11, the digest scheme), device bytes are
+copied to the host to be hashed (``_host``): correct, not yet fast.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import anyio.to_thread
+import torch
 import xxhash
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
@@ -61,7 +67,17 @@ def _feed(st: _State, key: tuple[int, str], a: int, data: memoryview, bad: list[
         pos = stop
 
 
+def _host(buf: torch.Tensor) -> torch.Tensor:
+    """The bytes on the host, to hash them (a copy for device memory; the seam device digests replace)."""
+    return buf if buf.device.type == "cpu" else buf.cpu()
+
+
 def _hash_bucket(ctx: StageContext, work: Work, st: _State) -> list[str]:
+    with ctx.devices.use(work.bucket.devices):
+        return _hash_pieces(ctx, work, st)
+
+
+def _hash_pieces(ctx: StageContext, work: Work, st: _State) -> list[str]:
     bad: list[str] = []
     for p in work.bucket.pieces:
         key = (p.source, p.tensor)
@@ -70,7 +86,7 @@ def _hash_bucket(ctx: StageContext, work: Work, st: _State) -> list[str]:
         else:
             assert work.lease is not None
             buf = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
-        mv = memoryview(buf.numpy().data).cast("B")
+        mv = memoryview(_host(buf).numpy().data).cast("B")
         item = p.nbytes // max(sum(n for _, n in p.spans), 1)
         at = 0
         for first, count in p.spans:
@@ -99,6 +115,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
                     tensor=bad[0],
                     version=ctx.attempt.version,
                 )
+            await ctx.devices.wait(work.marks)  # apply's copies out of staging are done: it may be reused
             if work.lease is not None:
                 ctx.staging.free(work.lease)
                 work.lease = None

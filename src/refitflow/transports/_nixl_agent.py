@@ -7,6 +7,10 @@ milliseconds, which is what a data owner must do for connection wire-up (NIXL's 
 thread would spin a core instead), and counts the bytes peers read from it: a reader posts every
 READ with the notification ``SERVED_PREFIX + str(nbytes)``, which the owner receives once the
 transfer is done.
+
+Once the agent holds device memory (VRAM), every call first binds that device's primary CUDA context
+to the calling thread (``bind_cuda``): UCX's CUDA transports call the driver from whichever thread
+drives the agent, and a thread with no current context crashes it (nixl issue #2102).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError, TransportError
 
-__all__ = ["SERVED_PREFIX", "LockedAgent", "load_nixl"]
+__all__ = ["SERVED_PREFIX", "LockedAgent", "bind_cuda", "load_nixl"]
 
 SERVED_PREFIX = b"rf-served:"
 
@@ -32,6 +36,14 @@ def load_nixl() -> Any:
         raise ConfigError("the nixl transport needs the nixl package: pip install 'refitflow[nixl]'") from exc
     logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl
+
+
+def bind_cuda(device: int) -> None:
+    """Make ``device``'s primary CUDA context current in this thread (cheap once it is; the current
+    device is left as it was)."""
+    import torch
+
+    torch.cuda.current_stream(device).query()  # a runtime call under a device guard binds the context
 
 
 class LockedAgent:
@@ -50,6 +62,7 @@ class LockedAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.served = 0  # bytes peers reported reading from this agent
+        self.cuda: int | None = None  # the device of its first VRAM registration (see bind_cuda)
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         with self.translated("agent creation"):
             self.agent = nixl_agent(name, config)
@@ -65,6 +78,8 @@ class LockedAgent:
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the agent, under the lock, errors translated."""
         with self.lock, self.translated(what):
+            if self.cuda is not None:
+                bind_cuda(self.cuda)
             return fn(*args)
 
     def try_state(self, handle: Any) -> str | None:
@@ -73,6 +88,8 @@ class LockedAgent:
             return None
         try:
             with self.translated("check_xfer_state"):
+                if self.cuda is not None:
+                    bind_cuda(self.cuda)
                 return str(self.agent.check_xfer_state(handle))
         finally:
             self.lock.release()
@@ -94,6 +111,8 @@ class LockedAgent:
     def _take_notifs(self) -> None:
         """Under the lock: progress the agent (wire-up) and count served-bytes notifications."""
         try:
+            if self.cuda is not None:
+                bind_cuda(self.cuda)
             notifs = self.agent.get_new_notifs()
         except self.errors:
             return  # a dead peer's failed wire-up: readers see it on their own transfers

@@ -1,7 +1,9 @@
 """In-process transport: peers are other ``LoopbackTransport`` agents in this process.
 
 It is the stand-in every pipeline test can use (as httpx tests use ``MockTransport``): reads copy
-bytes from the peer's registered memory, off the event loop when they are large.
+bytes from the peer's registered memory, off the event loop when they are large or touch a device.
+Either side may be CPU or CUDA memory: like a real transport, ``read`` returns only when every byte
+has landed (a device copy is waited for in the worker thread).
 """
 
 from __future__ import annotations
@@ -81,12 +83,15 @@ class LoopbackTransport(Transport):
         if self._closed:
             raise TransportError("transport is closed")
         pairs = [(r.dst, self._source_bytes(r)) for r in reads]
+        cuda = {t.device for pair in pairs for t in pair if t.device.type == "cuda"}
 
         def copy() -> None:
             for dst, src in pairs:
                 dst.copy_(src)
+            for device in cuda:  # device-to-device copies are asynchronous: land them before returning
+                torch.cuda.current_stream(device).synchronize()
 
-        if sum(r.nbytes for r in reads) >= _OFFLOAD_BYTES:
+        if cuda or sum(r.nbytes for r in reads) >= _OFFLOAD_BYTES:
             await anyio.to_thread.run_sync(copy)
         else:
             copy()

@@ -93,6 +93,8 @@ class NixlTransport(Transport):
             mem, devid = "DRAM", 0
         elif tensor.device.type == "cuda":
             mem, devid = "VRAM", tensor.get_device()
+            for nx in self._agents:
+                nx.cuda = devid if nx.cuda is None else nx.cuda  # its threads need a CUDA context from now on
         else:
             raise TransportError(f"nixl cannot register memory on {tensor.device}")
         local = _Local(tensor.detach(), RegionInfo(tensor.data_ptr(), nbytes, devid, mem), [])
