@@ -83,6 +83,17 @@ class ReceiverStatus:
     fence: str
     first_failure: str | None  # the first failure since the last commit
 
+    @classmethod
+    def of(cls, ledger: Ledger) -> ReceiverStatus:
+        """The status of the rank whose transactions ``ledger`` keeps."""
+        return cls(
+            healthy=ledger.fence.state.value != "fenced",
+            in_progress=ledger.open is not None,
+            committed_version=ledger.committed_version,
+            fence=ledger.fence.state.value,
+            first_failure=ledger.first_failure,
+        )
+
 
 class Receiver:
     def __init__(
@@ -155,13 +166,7 @@ class Receiver:
 
     @property
     def status(self) -> ReceiverStatus:
-        return ReceiverStatus(
-            healthy=self.fence.state.value != "fenced",
-            in_progress=self.ledger.open is not None,
-            committed_version=self.ledger.committed_version,
-            fence=self.fence.state.value,
-            first_failure=self.ledger.first_failure,
-        )
+        return ReceiverStatus.of(self.ledger)
 
     async def refit(self, min_version: int | None = None, *, timeout: float = 60.0) -> RefitResult:
         """Refit to the newest complete version ≥ ``min_version`` (default: newer than the last begun).
