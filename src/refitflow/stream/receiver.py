@@ -173,7 +173,8 @@ class _Stream:
             self._refuse(exc, "version")
 
     def _refuse(self, exc: RefitError, kind: str | None = None) -> None:
-        """Record a failure (a refused frame when ``kind``); the stream is still received to its end."""
+        """Record a failure (a refused frame: a ``FrameError`` or a ``kind``); the stream is still received."""
+        kind = exc.kind if isinstance(exc, FrameError) else kind
         if kind is not None:
             self.recv.observer.frame_refused(kind)
         if self.failure is None:
@@ -251,7 +252,7 @@ class _Stream:
             entries = decode_metadata(metadata, n, version=self.version)
             bucket = self.recv.entries.bucket(self.buckets, entries, n, self.version, self.tied)
         except FrameError as exc:
-            self._refuse(exc, exc.kind)
+            self._refuse(exc)
             return None
         except PlanError as exc:
             self._refuse(exc, "mapping")
