@@ -20,11 +20,9 @@ from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArena
-from refitflow.pipeline.budget import ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import Destination
-from refitflow.pipeline.fence import Fence
 from refitflow.pipeline.graph import run_pipeline
+from refitflow.pipeline.rank import RankState
 from refitflow.pipeline.transaction import Ledger, Transaction
 from refitflow.registry.connect import connect_registry
 from refitflow.stages._context import StageContext
@@ -120,13 +118,8 @@ class Receiver:
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
-        self.destination = Destination(model, self.config.mode, layout)
-        self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
-        self.budget = ByteBudget(
-            self.config.budget_bytes,
-            on_change=lambda s: observer.budget(s.used_bytes, s.peak_bytes, s.capacity_bytes),
-        )
-        self.ledger = Ledger(self.destination, self.fence)
+        rank = RankState.build(model, self.config.mode, layout, self.config.budget_bytes, observer)
+        self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
         self._plans = PlanCache()
         self._transport_spec = transport
         self._transport: Transport | None = None

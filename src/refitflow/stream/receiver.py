@@ -31,11 +31,9 @@ from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArena
-from refitflow.pipeline.budget import ByteBudget
-from refitflow.pipeline.destination import Destination
-from refitflow.pipeline.fence import Fence
 from refitflow.pipeline.graph import Attempt
-from refitflow.pipeline.transaction import Ledger, Transaction
+from refitflow.pipeline.rank import RankState
+from refitflow.pipeline.transaction import Transaction
 from refitflow.stages import apply, commit
 from refitflow.stages._context import Lease, Limits, StageContext, Work
 from refitflow.stages.translate import copies_of
@@ -66,13 +64,8 @@ class StreamReceiver:
             raise ConfigError(f"group rank {src} is the sender; a receiver must be another rank")
         self.group = group
         self.observer = observer
-        self.destination = Destination(model, self.config.mode, layout)
-        self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
-        self.budget = ByteBudget(
-            self.config.budget_bytes,
-            on_change=lambda s: observer.budget(s.used_bytes, s.peak_bytes, s.capacity_bytes),
-        )
-        self.ledger = Ledger(self.destination, self.fence)
+        rank = RankState.build(model, self.config.mode, layout, self.config.budget_bytes, observer)
+        self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
         self.arena = StagingArena(self.budget, device=group.device)
         self.entries = EntryMap(self.destination, source_layout, self.config.lossy_casts)
 
