@@ -54,16 +54,21 @@ class StreamSender:
         self._check(version, items)
         t0 = time.perf_counter()
         ranges = bucket_ranges([t.numel() * t.element_size() for _, t in items], self.config.bucket_bytes)
-        done = False
+        begun = done = False
         try:
             for r in ranges:
-                await self._bucket(version, items[r.start : r.stop])
+                chunk = items[r.start : r.stop]
+                entries = pack_offsets(chunk)
+                payload = await anyio.to_thread.run_sync(self._pack, chunk, entries)
+                begun = True
+                await self._broadcast(version, encode_metadata(entries), payload)
             await self.group.broadcast(Header.end(version).tensor(self.group.device), self.config.src)
             done = True
         finally:
-            if not done:  # the receivers are mid-stream: they must not wait for the rest
+            if begun:  # the receivers began this version: it is spent, sent whole or not
+                self.last_version = version
+            if begun and not done:  # the receivers are mid-stream: they must not wait for the rest
                 self.group.close()
-        self.last_version = version
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
         return SendResult(version=version, buckets=len(ranges), nbytes=nbytes, seconds=time.perf_counter() - t0)
 
@@ -82,10 +87,8 @@ class StreamSender:
                 raise ConfigError("a name may be sent once per version", tensor=name)
             names.add(name)
 
-    async def _bucket(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None:
-        entries = pack_offsets(items)
-        metadata = encode_metadata(entries)
-        payload = await anyio.to_thread.run_sync(self._pack, items, entries)
+    async def _broadcast(self, version: int, metadata: bytes, payload: torch.Tensor) -> None:
+        """One bucket's three broadcasts: header, metadata, payload."""
         header = Header(CMD_BUCKET, len(metadata), payload.numel(), version)
         device, src = self.group.device, self.config.src
         await self.group.broadcast(header.tensor(device), src)
