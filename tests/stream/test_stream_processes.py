@@ -115,7 +115,8 @@ def test_an_oversize_header_puts_every_rank_out_of_step_and_nobody_hangs() -> No
         assert good["committed"] and over["error"] == "OutOfStepError" and over["left_group"], over
         assert "9223372036854775807 payload bytes" in over["message"] and over["refused"]["ceiling"] == 1
         assert over["serves"] == 1 and over["fence"] == "ready"  # refused at the header: nothing begun
-    assert reports[0][0]["ok"]  # the sender reports whatever its broadcasts met; it did not hang
+    sent = reports[0]
+    assert sent[0]["ok"] and sent[1]["error"] == "OutOfStepError", sent  # its next broadcast found nobody
 
 
 def test_a_payload_buffer_that_cannot_be_allocated_puts_the_rank_out_of_step() -> None:
@@ -124,6 +125,7 @@ def test_a_payload_buffer_that_cannot_be_allocated_puts_the_rank_out_of_step() -
     assert r2["error"] == "OutOfStepError" and "could not allocate" in r2["message"] and r2["left_group"], r2
     (r1,) = reports[1]
     assert not r1["committed"] and r1["decision"] == "abort", r1  # its peer never got ready: nobody commits
+    assert reports[0][0]["error"] == "OutOfStepError" and r1["error"] == "OutOfStepError"  # the others left too
 
 
 def test_hf_names_of_a_llama_land_in_fused_tensor_parallel_shards_across_buckets() -> None:
