@@ -6,8 +6,7 @@ Stream rows: a trainer process (``rf.StreamSender``, group rank 0) and one infer
 (``rf.StreamReceiver``, rank 1, in place) in a gloo group built by ``rf.stream_group`` on loopback;
 per version the receiver's seconds from the first header to prepared, GB/s, and its peak resident
 bucket bytes against the budget (one bucket at a time; the sender's packing buffer is
-``--bucket-mb``; an oversize tensor travels alone). Baseline: a bare gloo broadcast of packed 64 MiB
-buckets (``bench.baselines``, no receiver logic). Pull row: ``python -m bench``'s refitflow over
+``--bucket-mb``; an oversize tensor travels alone). Pull row: ``python -m bench``'s refitflow over
 NIXL, in place (trainer process publishing two ranks, receiver process, registry service), on the
 same synthetic bf16 model. Best warm version; GB/s = 10^9 bytes per second.
 """
@@ -30,7 +29,7 @@ import torch
 
 import refitflow as rf
 from bench.__main__ import refitflow_row
-from bench.baselines import _free_port, gloo_broadcast
+from bench.baselines import _free_port
 from refitflow.cli.demo_roles import RoleConfig, receiver_role
 from refitflow.cli.synthetic import synthetic_model, synthetic_nbytes
 
@@ -115,10 +114,8 @@ def main() -> None:
               f"peak resident bucket {p / 2**20:6.1f} MiB of a {args.budget_mb:.0f} MiB budget")  # fmt: skip
     cfg = RoleConfig(size_bytes=size, versions=args.versions, budget_bytes=budget, transport="nixl", timeout_s=600)
     pull = anyio.run(refitflow_row, cfg, receiver_role, "in_place")
-    raw = gloo_broadcast(size, args.versions)
     print(f"{'path':<44} {'GB/s':>7} {'peak staging MiB':>17}")
     print(f"{'refitflow stream over gloo (push, in place)':<44} {best:7.2f} {peak / 2**20:17.1f}")
-    print(f"{'bare gloo broadcast of 64 MiB buckets':<44} {nbytes / raw['seconds'] / 1e9:7.2f} {64:17.1f}")
     print(f"{'refitflow NIXL pull (in place)':<44} {pull['gbps']:7.2f} {pull['peak_staging'] / 2**20:17.1f}")
     print(f"pull / stream: {pull['gbps'] / best:.2f}x")
 

@@ -51,7 +51,7 @@ class EntryMap:
         tied = {a: first for first, aliases in names.items() if len(aliases) > 1 for a in aliases}
         self.tied = tied if source_layout is None else {}
         self._cache: dict[tuple[str, tuple[int, ...], str], tuple[Scatter, ...]] = {}
-        self.hits = self.misses = 0
+        self.misses = 0  # entries mapped anew (none: the stream's layout was seen before)
 
     def scatters(self, e: Entry, version: int) -> tuple[Scatter, ...]:
         key = (e.name, e.shape, e.dtype)
@@ -59,8 +59,6 @@ class EntryMap:
         if found is None:
             self.misses += 1
             found = self._cache[key] = self._scatters(e, version)
-        else:
-            self.hits += 1
         return found
 
     def _scatters(self, e: Entry, version: int) -> tuple[Scatter, ...]:
