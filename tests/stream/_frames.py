@@ -3,6 +3,7 @@ case of issue 14 made from it (a sender that gets the format wrong, not a mock o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -49,14 +50,14 @@ def good(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = BUC
     return [*out, Frame(Header.end(version))]
 
 
-def _edit(frame: Frame, edit) -> Frame:  # type: ignore[no-untyped-def]
+def _edit(frame: Frame, edit: Callable[[list[dict]], object]) -> Frame:
     entries = orjson.loads(frame.metadata)
     edit(entries)
     meta = orjson.dumps(entries)
     return Frame(frame.header._replace(metadata_bytes=len(meta)), meta, frame.payload)
 
 
-def _set(i: int, key: str, value: object):  # type: ignore[no-untyped-def]
+def _set(i: int, key: str, value: object) -> Callable[[list[dict]], None]:
     def edit(entries: list[dict]) -> None:
         entries[i][key] = value
 
