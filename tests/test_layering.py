@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"core", "layouts", "transports", "metrics", "stages"},
     "registry": {"core"},
     "api": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry"},
+    "stream": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "api"},
     "engine": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry", "api"},
-    "integrations": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry", "api", "engine"},
 }
+ALLOWED["integrations"] = set(ALLOWED["engine"]) | {"engine", "stream"}
 ALLOWED["cli"] = set(ALLOWED) - {"cli"}
 
 

@@ -10,8 +10,10 @@ from refitflow.core.errors import (
     ConfigError,
     CoverageError,
     FencedError,
+    FrameError,
     IntegrityError,
     ManifestError,
+    OutOfStepError,
     PlanError,
     RefitError,
     RefitTimeoutError,
@@ -32,6 +34,9 @@ from refitflow.registry.client import RegistryClient
 from refitflow.registry.embedded import Registry
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity, ServerSecurity
+from refitflow.stream.group import StreamGroup, stream_group
+from refitflow.stream.receiver import StreamReceiver
+from refitflow.stream.sender import StreamSender
 from refitflow.transports import LoopbackTransport, Transport
 
 __version__ = "0.1.0"
@@ -53,12 +58,14 @@ __all__ = [
     "Fence",
     "FenceState",
     "FencedError",
+    "FrameError",
     "GlooVote",
     "Identity",
     "IntegrityError",
     "LoopbackTransport",
     "Manifest",
     "ManifestError",
+    "OutOfStepError",
     "PlanError",
     "Publication",
     "Publisher",
@@ -77,10 +84,14 @@ __all__ = [
     "Sharded",
     "SourceAddress",
     "StageStats",
+    "StreamGroup",
+    "StreamReceiver",
+    "StreamSender",
     "Transport",
     "TransportError",
     "VersionError",
     "VoteChannel",
     "ZmqVote",
     "__version__",
+    "stream_group",
 ]

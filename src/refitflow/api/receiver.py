@@ -20,12 +20,10 @@ from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArenas
-from refitflow.pipeline.budget import ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import Destination
 from refitflow.pipeline.device import DeviceLane, Marks
-from refitflow.pipeline.fence import Fence
 from refitflow.pipeline.graph import run_pipeline
+from refitflow.pipeline.rank import RankState
 from refitflow.pipeline.transaction import Ledger, Transaction
 from refitflow.registry.connect import connect_registry
 from refitflow.stages._context import StageContext
@@ -84,6 +82,17 @@ class ReceiverStatus:
     fence: str
     first_failure: str | None  # the first failure since the last commit
 
+    @classmethod
+    def of(cls, ledger: Ledger) -> ReceiverStatus:
+        """The status of the rank whose transactions ``ledger`` keeps."""
+        return cls(
+            healthy=ledger.fence.state.value != "fenced",
+            in_progress=ledger.open is not None,
+            committed_version=ledger.committed_version,
+            fence=ledger.fence.state.value,
+            first_failure=ledger.first_failure,
+        )
+
 
 class Receiver:
     def __init__(
@@ -110,14 +119,10 @@ class Receiver:
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
-        self.destination = Destination(model, self.config.mode, layout, shadow_commit=self.config.shadow_commit)
-        self.devices = DeviceLane(self.destination.devices)  # refit streams and events (pipeline/device.py)
-        self.fence = Fence(on_change=lambda state: observer.fence_state(state.value))
-        self.budget = ByteBudget(
-            self.config.budget_bytes,
-            on_change=lambda s: observer.budget(s.used_bytes, s.peak_bytes, s.capacity_bytes),
-        )
-        self.ledger = Ledger(self.destination, self.fence)
+        rank = RankState.build(model, self.config.mode, layout, self.config.budget_bytes, observer,
+                               shadow_commit=self.config.shadow_commit)  # fmt: skip
+        self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
+        self.devices: DeviceLane = rank.devices  # refit streams and events (pipeline/device.py)
         self._plans = PlanCache()
         self._transport_spec = transport
         self._transport: Transport | None = None
@@ -162,13 +167,7 @@ class Receiver:
 
     @property
     def status(self) -> ReceiverStatus:
-        return ReceiverStatus(
-            healthy=self.fence.state.value != "fenced",
-            in_progress=self.ledger.open is not None,
-            committed_version=self.ledger.committed_version,
-            fence=self.fence.state.value,
-            first_failure=self.ledger.first_failure,
-        )
+        return ReceiverStatus.of(self.ledger)
 
     async def refit(self, min_version: int | None = None, *, timeout: float = 60.0) -> RefitResult:
         """Refit to the newest complete version ≥ ``min_version`` (default: newer than the last begun).

@@ -13,10 +13,13 @@ Errors carry ``version`` and ``tensor`` where they apply::
     │                           .duplicated list the names)
     ├── IntegrityError          pulled bytes do not match the publisher's digest
     ├── TransportError          a read, registration or peer failed (dead peer, bad region)
+    │   └── OutOfStepError      this rank can no longer follow a push stream: it tore down its
+    │                           end of the stream's process group (rebuild the group)
     ├── VersionError            version did not increase, a transaction is already open, or a
     │                           republish with other content
     ├── FencedError             the rank is not serving a complete version (fence not ready)
     ├── ManifestError           a malformed manifest or message (ValueError too)
+    │   └── FrameError          a push-stream frame refused (.kind: header, metadata, entry, ...)
     └── RefitTimeoutError       a deadline passed (TimeoutError too)
 """
 
@@ -26,8 +29,10 @@ __all__ = [
     "ConfigError",
     "CoverageError",
     "FencedError",
+    "FrameError",
     "IntegrityError",
     "ManifestError",
+    "OutOfStepError",
     "PlanError",
     "RefitError",
     "RefitTimeoutError",
@@ -88,6 +93,10 @@ class TransportError(RefitError):
     """A transport operation failed: dead peer, unknown region, registration failure."""
 
 
+class OutOfStepError(TransportError):
+    """This rank cannot follow a push stream any more and has left the stream's process group."""
+
+
 class VersionError(RefitError):
     """Version ordering or transaction state was violated."""
 
@@ -98,6 +107,14 @@ class FencedError(RefitError):
 
 class ManifestError(RefitError, ValueError):
     """A manifest or control message is malformed."""
+
+
+class FrameError(ManifestError):
+    """A push-stream frame was refused; ``kind`` says which check (a small fixed set, for metrics)."""
+
+    def __init__(self, message: str, *, kind: str, version: int | None = None, tensor: str | None = None) -> None:
+        super().__init__(message, version=version, tensor=tensor)
+        self.kind = kind
 
 
 class RefitTimeoutError(RefitError, TimeoutError):

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 
-from refitflow.api.receiver import Receiver, RefitResult
+from refitflow.api.receiver import ReceiverStatus, RefitResult
 from refitflow.core.errors import RefitError
 from refitflow.engine.vote import Ballot, Decision, VoteChannel, decide
-from refitflow.pipeline.transaction import Transaction
+from refitflow.pipeline.transaction import Ledger, Transaction
 
-__all__ = ["EngineMember", "EngineOutcome"]
+__all__ = ["EngineMember", "EngineOutcome", "Preparing"]
+
+
+class Preparing(Protocol):
+    """What a member drives: ``rf.Receiver`` (pull) or ``rf.StreamReceiver`` (push stream)."""
+
+    ledger: Ledger
+
+    @property
+    def status(self) -> ReceiverStatus: ...
+    async def prepare(
+        self, min_version: int | None = None, *, timeout: float = 60.0
+    ) -> tuple[Transaction, RefitResult]: ...
+    async def finish(self, txn: Transaction) -> None: ...
+    async def abort(self, txn: Transaction, reason: str) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,9 +40,9 @@ class EngineOutcome:
 
 
 class EngineMember:
-    """Wraps a ``Receiver``: prepare, vote with the engine's peers, then finish or abort together."""
+    """Wraps a receiver: prepare, vote with the engine's peers, then finish or abort together."""
 
-    def __init__(self, receiver: Receiver, channel: VoteChannel, *, vote_timeout: float = 30.0) -> None:
+    def __init__(self, receiver: Preparing, channel: VoteChannel, *, vote_timeout: float = 30.0) -> None:
         self.receiver = receiver
         self.channel = channel
         self.vote_timeout = vote_timeout

@@ -9,10 +9,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-__all__ = ["NULL_OBSERVER", "OUTCOMES", "STAGES", "NullObserver", "Observer", "PublishObserver", "QueueStats"]
+__all__ = [
+    "FRAME_KINDS",
+    "NULL_OBSERVER",
+    "OUTCOMES",
+    "STAGES",
+    "NullObserver",
+    "Observer",
+    "PublishObserver",
+    "QueueStats",
+]
 
 STAGES = ("discover", "plan", "allocate", "pull", "translate", "apply", "verify", "commit")
 OUTCOMES = ("committed", "aborted", "refused")
+# why a push-stream frame was refused (``FrameError.kind``; ``ceiling``: sizes or allocation, out of step)
+FRAME_KINDS = ("header", "command", "metadata", "entry", "mapping", "version", "ceiling")
 QueueStats = Callable[[], tuple[int, int]]  # -> (items buffered, capacity)
 
 
@@ -37,6 +48,9 @@ class Observer(Protocol):
 
     def budget(self, used_bytes: int, peak_bytes: int, capacity_bytes: int) -> None:
         """Staging bytes held now, at peak, and the capacity."""
+
+    def frame_refused(self, kind: str) -> None:
+        """A push-stream frame was refused, for a reason in ``FRAME_KINDS``."""
 
 
 class PublishObserver(Protocol):
@@ -70,6 +84,9 @@ class NullObserver:
         pass
 
     def budget(self, used_bytes: int, peak_bytes: int, capacity_bytes: int) -> None:
+        pass
+
+    def frame_refused(self, kind: str) -> None:
         pass
 
     def version_published(self, version: int, nbytes: int) -> None:

@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from refitflow.metrics import OUTCOMES, STAGES, NullObserver, QueueStats
+from refitflow.metrics import FRAME_KINDS, OUTCOMES, STAGES, NullObserver, QueueStats
 
 __all__ = ["PrometheusMetrics"]
 
 _SECONDS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
-TRANSPORTS = ("loopback", "nixl")
+TRANSPORTS = ("loopback", "nixl", "stream")
 
 
 class _QueueCollector(Collector):
@@ -79,6 +79,9 @@ class PrometheusMetrics(NullObserver):
         self.committed_version = Gauge("refitflow_committed_version", "Version being served", registry=r)
         self.last_commit = Gauge("refitflow_last_commit_timestamp_seconds", "Unix time of the last commit", registry=r)
         self.refits = Counter("refitflow_refits", "Refits by outcome", ["outcome"], registry=r)
+        self.frames_refused = Counter(
+            "refitflow_stream_frames_refused", "Push-stream frames refused, by reason", ["kind"], registry=r
+        )
         self.published = Counter("refitflow_published_versions", "Versions published", registry=r)
         self.published_bytes = Counter("refitflow_published_bytes", "Bytes of the versions published", registry=r)
         self.acked = Gauge("refitflow_publisher_receivers_acked", "Receivers done with the last version", registry=r)
@@ -92,6 +95,8 @@ class PrometheusMetrics(NullObserver):
                 metric.labels(stage=stage)
         for outcome in OUTCOMES:
             self.refits.labels(outcome=outcome)
+        for kind in FRAME_KINDS:
+            self.frames_refused.labels(kind=kind)
         for transport in TRANSPORTS:
             self.transport_bytes.labels(transport=transport)
             self.read_latency.labels(transport=transport)
@@ -131,6 +136,9 @@ class PrometheusMetrics(NullObserver):
         self.budget_used.set(used_bytes)
         self.budget_peak.set(peak_bytes)
         self.budget_capacity.set(capacity_bytes)
+
+    def frame_refused(self, kind: str) -> None:
+        self.frames_refused.labels(kind=kind).inc()
 
     # publisher side
     def version_published(self, version: int, nbytes: int) -> None:

@@ -72,14 +72,15 @@ class StagingArena:
 
     async def allocate(self, nbytes: int) -> Lease:
         """Lease ``nbytes`` of staging, waiting until the ring has room."""
+        buffer = self.buffer  # allocated on first use: if that fails, nothing is held
         if nbytes == 0:
-            return Lease(0, 0, self.buffer[:0])
+            return Lease(0, 0, buffer[:0])
         if nbytes > self.capacity:
             raise ConfigError(f"{nbytes} bytes can never fit the {self.capacity}-byte staging ring on {self.device}")
         while (offset := self._place(nbytes)) is None:
             await self.budget.wait_for_release()
         self.budget.acquire_nowait(nbytes)  # leases are disjoint inside the arenas: this always fits
-        lease = Lease(offset, nbytes, self.buffer[offset : offset + nbytes])
+        lease = Lease(offset, nbytes, buffer[offset : offset + nbytes])
         self._live.append(lease)
         return lease
 

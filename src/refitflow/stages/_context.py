@@ -94,7 +94,7 @@ class Limits:
 
 @dataclass(kw_only=True)
 class StageContext:
-    transport: Transport
+    transport: Transport | None  # None: bytes arrive another way (a push stream), not by reads
     staging: Staging
     landing: Landing
     limits: Limits
@@ -110,6 +110,7 @@ class StageContext:
     unverified_bytes: int = 0  # pulled bytes no whole digest block covered
 
     def connect_sources(self, pub: Publication) -> None:
+        assert self.transport is not None
         for m in pub.sources:
             self.transport.connect(m.source)
 

@@ -15,7 +15,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.stages._context import Devices, StageContext, Work
 
-__all__ = ["run"]
+__all__ = ["run", "write"]
 
 
 def _copy_all(devices: Devices, work: Work) -> tuple[Any, ...]:
@@ -26,14 +26,19 @@ def _copy_all(devices: Devices, work: Work) -> tuple[Any, ...]:
         return devices.record(work.bucket.devices)
 
 
+async def write(ctx: StageContext, work: Work) -> None:
+    """Write one bucket's copies into their destinations (marking the attempt written first)."""
+    if work.copies:
+        assert ctx.attempt is not None
+        ctx.attempt.mark_written()
+        work.marks = await anyio.to_thread.run_sync(_copy_all, ctx.devices, work)
+
+
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     async with receive, send:
         async for work in receive:
             ctx.enter("apply")
             t0 = time.perf_counter()
-            if work.copies:
-                assert ctx.attempt is not None
-                ctx.attempt.mark_written()
-                work.marks = await anyio.to_thread.run_sync(_copy_all, ctx.devices, work)
+            await write(ctx, work)
             ctx.note("apply", 1, work.bucket.staging_bytes, time.perf_counter() - t0)
             await send.send(work)

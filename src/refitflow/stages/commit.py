@@ -18,7 +18,7 @@ from refitflow.layouts.boxes import volume
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._fp8 import quantize_into
 
-__all__ = ["run"]
+__all__ = ["credit", "run"]
 
 
 def _quantize(ctx: StageContext, param: str) -> None:
@@ -29,24 +29,32 @@ def _quantize(ctx: StageContext, param: str) -> None:
         quantize_into(ctx.landing.release_assembly(param), q, s)  # the assembly was made on this stream
 
 
+async def credit(ctx: StageContext, work: Work, assembled: dict[str, int]) -> None:
+    """Credit one bucket's destination boxes; quantise each float8 parameter its boxes complete.
+
+    ``assembled``: float8 parameter -> elements assembled so far (one dict per attempt).
+    """
+    assert ctx.attempt is not None  # begun before the first bucket was planned
+    for p in work.bucket.pieces:
+        for s in p.scatters:
+            ctx.attempt.record(s.param, s.dbox, volume(s.dbox))
+            if s.param not in ctx.landing.derived:
+                continue
+            assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
+            if assembled[s.param] == ctx.landing.params[s.param].numel():  # complete: quantise
+                ctx.attempt.mark_written()
+                await anyio.to_thread.run_sync(_quantize, ctx, s.param)
+                scale = ctx.landing.derived[s.param]
+                ctx.attempt.record(scale, "derived", ctx.landing.params[scale].numel())
+
+
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
-    assembled: dict[str, int] = {}  # float8 parameter -> elements assembled so far
+    assembled: dict[str, int] = {}
     async with receive:
         async for work in receive:
             ctx.enter("commit")
             t0 = time.perf_counter()
-            assert ctx.attempt is not None  # begun before the first bucket was planned
-            for p in work.bucket.pieces:
-                for s in p.scatters:
-                    ctx.attempt.record(s.param, s.dbox, volume(s.dbox))
-                    if s.param not in ctx.landing.derived:
-                        continue
-                    assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
-                    if assembled[s.param] == ctx.landing.params[s.param].numel():  # complete: quantise
-                        ctx.attempt.mark_written()
-                        await anyio.to_thread.run_sync(_quantize, ctx, s.param)
-                        scale = ctx.landing.derived[s.param]
-                        ctx.attempt.record(scale, "derived", ctx.landing.params[scale].numel())
+            await credit(ctx, work, assembled)
             ctx.note("commit", 1, work.bucket.nbytes, time.perf_counter() - t0)
     if ctx.attempt is None:
         return  # discovery failed or refused: its error propagates from its own task

@@ -55,6 +55,7 @@ __all__ = [
     "Scatter",
     "box_index",
     "build_plan",
+    "check_cast",
     "check_compile",
     "run",
 ]
@@ -136,8 +137,9 @@ def box_index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(s, e) for s, e in box)
 
 
-def _check_cast(src: torch.dtype, dst: torch.dtype, limits: Limits, tensor: str) -> None:
-    if src == dst or limits.lossy_casts:
+def check_cast(src: torch.dtype, dst: torch.dtype, lossy: bool, tensor: str) -> None:
+    """Refuse (``PlanError``) a cast that loses information unless ``lossy`` casts were asked for."""
+    if src == dst or lossy:
         return
     if src.is_floating_point and dst.is_floating_point and torch.promote_types(src, dst) == dst:
         if torch.finfo(dst).bits > torch.finfo(src).bits:
@@ -155,9 +157,9 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
         dtype_name(dst.dtype, tensor=c.param)
         src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
         if c.param in landing.derived:  # quantised: assembled in fp32 first
-            _check_cast(src, torch.float32, limits, c.spec.name)
+            check_cast(src, torch.float32, limits.lossy_casts, c.spec.name)
         else:
-            _check_cast(src, dst.dtype, limits, c.spec.name)
+            check_cast(src, dst.dtype, limits.lossy_casts, c.spec.name)
         groups.setdefault((c.source, c.spec.name), []).append(c)
     for (source, _), cs in groups.items():
         spec: ShardSpec = cs[0].spec

@@ -48,7 +48,7 @@ def _build_reads(ctx: StageContext, work: Work) -> list[Read]:
 
 
 async def _read(ctx: StageContext, work: Work, reads: list[Read], key: Hashable | None) -> None:
-    assert ctx.attempt is not None
+    assert ctx.attempt is not None and ctx.transport is not None
     with anyio.move_on_after(ctx.limits.read_timeout_s) as scope:
         try:
             await ctx.transport.read(reads, key=key)
@@ -96,7 +96,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         async for work in receive:
             ctx.enter("pull")
             t0 = time.perf_counter()
-            assert ctx.attempt is not None
+            assert ctx.attempt is not None and ctx.transport is not None
             if work.bucket.direct_bytes:
                 ctx.attempt.mark_written()
             # the same plan's bucket replays the same ranges (staging placement is deterministic);

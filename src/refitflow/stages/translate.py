@@ -26,7 +26,10 @@ def copies_of(ctx: StageContext, work: Work) -> list:
             continue
         assert work.lease is not None
         raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
-        staged = raw.view(dtype_from_name(p.src_dtype)).view(p.shape)
+        dtype = dtype_from_name(p.src_dtype)
+        if raw.storage_offset() % dtype.itemsize:  # packed after an odd-sized piece: realign this piece alone
+            raw = raw.clone()
+        staged = raw.view(dtype).view(p.shape)
         for s in p.scatters:
             rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(s.sub, p.box, strict=True))
             whole = ctx.landing.assembly(s.param) if s.param in ctx.landing.derived else ctx.landing.target(s.param)
