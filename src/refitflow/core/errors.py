@@ -17,12 +17,14 @@ Errors carry ``version`` and ``tensor`` where they apply::
     │                           republish with other content
     ├── FencedError             the rank is not serving a complete version (fence not ready)
     ├── ManifestError           a malformed manifest or message (ValueError too)
+    ├── AuthenticationError     a peer refused our CURVE keys (or we its): the key files do not match
     └── RefitTimeoutError       a deadline passed (TimeoutError too)
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "ConfigError",
     "CoverageError",
     "FencedError",
@@ -98,6 +100,10 @@ class FencedError(RefitError):
 
 class ManifestError(RefitError, ValueError):
     """A manifest or control message is malformed."""
+
+
+class AuthenticationError(RefitError):
+    """A CURVE handshake failed: a missing, unknown or mismatched key (the message names the key files)."""
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
