@@ -92,8 +92,9 @@ def test_malformed_message_gets_a_named_error(dealer: zmq.Socket[bytes], frame: 
     assert request(dealer, "hello")["ok"]
 
 
-def test_extra_frames_are_dropped_and_the_registry_keeps_serving(dealer: zmq.Socket[bytes]) -> None:
-    dealer.send_multipart([b"a", b"b", b"c"])
+def test_extra_frames_get_a_typed_answer_and_the_registry_keeps_serving(dealer: zmq.Socket[bytes]) -> None:
+    reply = ask(dealer, b"a", b"b", b"c")
+    assert reply["ok"] is False and reply["error"] == "ManifestError" and "one frame" in reply["message"]
     assert request(dealer, "hello")["ok"]
 
 
