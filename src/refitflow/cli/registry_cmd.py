@@ -71,7 +71,11 @@ async def _serve_until_signalled(bind: str, lease_s: float, security: ServerSecu
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:
-    """``refitflow keys DIR [--clients NAME ...]``: CURVE key pairs for the registry and its clients."""
+    """``refitflow keys DIR [--clients NAME ...]``: CURVE key pairs for the registry and its clients.
+
+    Secret keys are written 0600 in a folder this command creates 0700 (nobody else can list it); the
+    public keys (``.key``, ``authorized/``) are 0644, they are meant to be handed out.
+    """
     parser = argparse.ArgumentParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
     parser.add_argument("dir", type=Path)
     parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
@@ -79,11 +83,20 @@ def keys_main(argv: Sequence[str] | None = None) -> int:
     from zmq.auth import create_certificates
 
     authorized = args.dir / "authorized"
-    authorized.mkdir(parents=True, exist_ok=True)
-    create_certificates(str(args.dir), "server")
-    for name in args.clients:
-        public, _ = create_certificates(str(args.dir), name)
-        shutil.copy(public, authorized / Path(public).name)
+    old_umask = os.umask(0o077)  # every file and folder private from its first byte; public keys opened below
+    try:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        authorized.mkdir(exist_ok=True)
+        public_keys = [Path(create_certificates(str(args.dir), "server")[0])]
+        for name in args.clients:
+            public, _ = create_certificates(str(args.dir), name)
+            shutil.copy(public, authorized / Path(public).name)
+            public_keys += [Path(public), authorized / Path(public).name]
+    finally:
+        os.umask(old_umask)
+    for path in public_keys:
+        path.chmod(0o644)
+    authorized.chmod(0o755)
     print(f"server: {args.dir / 'server.key_secret'} (keep) and {args.dir / 'server.key'} (give to clients)")
     print(f"clients: {', '.join(f'{n}.key_secret' for n in args.clients)}; allow-list: {authorized}")
     return 0
