@@ -38,7 +38,7 @@ def identity_to_dict(identity: Identity) -> dict[str, str]:
 
 
 def identity_from_dict(d: Any) -> Identity:
-    if not isinstance(d, dict) or not set(d) <= set(_IDENTITY_FIELDS):
+    if not isinstance(d, dict) or not set(d) <= set(_IDENTITY_FIELDS) or "model" not in d:
         raise ManifestError(f"malformed identity {d!r:.80}")
     return Identity(**d)
 
