@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from refitflow.core import errors
 from refitflow.core.wire import PROTOCOL_VERSION
 from refitflow.registry.ops import Handler
-from tests.registry._procs import spawn_registry, stop
-from tests.registry.test_registry_hostile import hostile, junk
+from tests.registry._procs import spawn_registry, stop, sync_dealer
+from tests.registry.test_registry_hostile import ask, hostile, junk
 
 OPS = sorted(name[3:] for name in dir(Handler) if name.startswith("op_"))
 LIMIT = 1 << 16  # the registry's max_message_bytes here: frames around it are cheap to send
@@ -33,26 +33,15 @@ def registry_address() -> Iterator[str]:
         asyncio.wait_for(spawn_registry("--lease-s", "30", "--max-message-bytes", str(LIMIT)), 30)
     )
     yield address
-    alive = proc.returncode is None
     loop.run_until_complete(stop(proc))
     loop.close()
-    assert alive, "the registry process died during the fuzzing"
+    assert proc.returncode == -9, f"the registry process ended by itself (rc {proc.returncode}) during the fuzzing"
 
 
 @pytest.fixture(scope="module")
 def dealer(registry_address: str) -> Iterator[zmq.Socket[bytes]]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(registry_address)
-    yield sock
-    ctx.destroy(linger=0)
-
-
-def ask(sock: zmq.Socket[bytes], *frames: bytes) -> dict[str, Any]:
-    sock.send_multipart(list(frames))
-    return dict(orjson.loads(sock.recv()))  # zmq.Again (a failure) if the registry does not answer in 10 s
+    with sync_dealer(registry_address, timeout_ms=10_000) as sock:
+        yield sock
 
 
 def request(sock: zmq.Socket[bytes], msg: dict[str, Any]) -> dict[str, Any]:
@@ -126,15 +115,7 @@ def test_frames_of_the_wrong_count_or_size_get_typed_answers(
 
 
 def test_a_frame_far_over_the_limit_drops_only_its_connection(registry_address: str) -> None:
-    ctx = zmq.Context()
-    try:
-        huge, fine = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-        for sock in (huge, fine):
-            sock.setsockopt(zmq.RCVTIMEO, 10_000)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(registry_address)
+    with sync_dealer(registry_address) as huge, sync_dealer(registry_address) as fine:
         huge.send(b"x" * (3 * LIMIT))  # over twice the limit: ZMQ drops the connection unread
         assert request(fine, {"op": "hello"})["ok"]
         assert request(huge, {"op": "hello"})["ok"]  # it reconnected
-    finally:
-        ctx.destroy(linger=0)

@@ -94,7 +94,7 @@ class Channel:
     def spawn(self, coro: Any) -> asyncio.Task[None]:
         """Run a background task until the channel closes."""
         task = asyncio.create_task(coro)
-        self._tasks.append(task)
+        self._tasks = [t for t in self._tasks if not t.done()] + [task]
         return task
 
     def _dealer_socket(self) -> zmq.asyncio.Socket:
