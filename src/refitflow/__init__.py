@@ -7,6 +7,7 @@ transactionally (nothing half-updated is ever served). See README.md and docs/ar
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
 from refitflow.core.errors import (
+    AuthenticationError,
     ConfigError,
     CoverageError,
     FencedError,
@@ -32,6 +33,7 @@ from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
 from refitflow.registry.client import RegistryClient
 from refitflow.registry.embedded import Registry
+from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity, ServerSecurity
 from refitflow.stream.group import StreamGroup, stream_group
@@ -43,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyMode",
+    "AuthenticationError",
     "Ballot",
     "BudgetStatistics",
     "ByteBudget",
@@ -78,6 +81,7 @@ __all__ = [
     "RefitTimeoutError",
     "Registry",
     "RegistryClient",
+    "RegistryLimits",
     "ReleasePolicy",
     "ServerSecurity",
     "ShardSpec",

@@ -6,8 +6,12 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import zmq
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 CHILDREN = str(Path(__file__).resolve().parent / "_children.py")
@@ -46,3 +50,17 @@ async def stop(*procs: asyncio.subprocess.Process) -> None:
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
+
+
+@contextmanager
+def sync_dealer(address: str, timeout_ms: int = 5000) -> Iterator[zmq.Socket[bytes]]:
+    """A blocking DEALER on ``address`` whose receive fails (``zmq.Again``) after ``timeout_ms``."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        yield sock
+    finally:
+        ctx.destroy(linger=0)

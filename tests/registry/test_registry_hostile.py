@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refitflow.core.wire import PROTOCOL_VERSION
-from tests.registry._procs import spawn_registry, stop
+from tests.registry._procs import spawn_registry, stop, sync_dealer
 
 VALID_SHARD = ["w", "float32", [8, 3], 0, 0, 4, "0123456789abcdef", 0, 0]
 
@@ -43,13 +43,8 @@ def registry_address() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def dealer(registry_address: str) -> Iterator[zmq.Socket[bytes]]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(registry_address)
-    yield sock
-    ctx.destroy(linger=0)
+    with sync_dealer(registry_address) as sock:
+        yield sock
 
 
 def ask(sock: zmq.Socket[bytes], *frames: bytes) -> dict[str, Any]:
@@ -92,8 +87,9 @@ def test_malformed_message_gets_a_named_error(dealer: zmq.Socket[bytes], frame: 
     assert request(dealer, "hello")["ok"]
 
 
-def test_extra_frames_are_dropped_and_the_registry_keeps_serving(dealer: zmq.Socket[bytes]) -> None:
-    dealer.send_multipart([b"a", b"b", b"c"])
+def test_extra_frames_get_a_typed_answer_and_the_registry_keeps_serving(dealer: zmq.Socket[bytes]) -> None:
+    reply = ask(dealer, b"a", b"b", b"c")
+    assert reply["ok"] is False and reply["error"] == "ManifestError" and "one frame" in reply["message"]
     assert request(dealer, "hello")["ok"]
 
 

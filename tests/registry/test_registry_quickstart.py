@@ -89,7 +89,9 @@ async def test_a_flood_of_requests_is_answered_busy_not_piled_up() -> None:
 
     ident = {"model": "flood", "layout": "hf", "dtype": "any", "parallelism": "any", "compile_target": "hf_raw"}
     with anyio.fail_after(20):
-        async with rf.Registry.serve("tcp://127.0.0.1:*", max_in_flight=3) as server:
+        async with rf.Registry.serve(
+            "tcp://127.0.0.1:*", limits=rf.RegistryLimits(max_in_flight=3, max_in_flight_per_client=3)
+        ) as server:
             ctx = zmq.asyncio.Context()
             dealer = ctx.socket(zmq.DEALER)
             dealer.connect(server.address)

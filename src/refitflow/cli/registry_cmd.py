@@ -18,13 +18,15 @@ from pathlib import Path
 
 from refitflow.core.errors import RefitError
 from refitflow.registry.embedded import Registry
+from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 
 __all__ = ["keys_main", "registry_main"]
 
 
 def registry_main(argv: Sequence[str] | None = None) -> int:
-    """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--curve-secret F --curve-authorized D]``."""
+    """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--curve-secret F --curve-authorized D]
+    [--max-message-bytes N]``."""
     env = os.environ
     parser = argparse.ArgumentParser(prog="refitflow registry", description="Serve a refitflow registry over ZMQ.")
     parser.add_argument(
@@ -45,6 +47,8 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--curve-authorized", default=env.get("REFITFLOW_CURVE_AUTHORIZED"),
                         help="folder of the allowed clients' public .key files")  # fmt: skip
+    parser.add_argument("--max-message-bytes", type=int, default=RegistryLimits.max_message_bytes,
+                        help="the largest request (a manifest) the registry takes")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.curve_secret is None) != (args.curve_authorized is None):
         parser.error("--curve-secret and --curve-authorized go together")
@@ -53,25 +57,32 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         if args.curve_secret is not None:
             security = ServerSecurity(secret_key_file=Path(args.curve_secret),
                                       authorized_dir=Path(args.curve_authorized))  # fmt: skip
-        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security))
+        limits = RegistryLimits(max_message_bytes=args.max_message_bytes)
+        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security, limits))
     except RefitError as exc:
         print(f"refitflow registry: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-async def _serve_until_signalled(bind: str, lease_s: float, security: ServerSecurity | None) -> None:
+async def _serve_until_signalled(
+    bind: str, lease_s: float, security: ServerSecurity | None, limits: RegistryLimits
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Registry.serve(bind, lease_s=lease_s, security=security) as server:
+    async with Registry.serve(bind, lease_s=lease_s, security=security, limits=limits) as server:
         print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address})", flush=True)
         await stop.wait()
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:
-    """``refitflow keys DIR [--clients NAME ...]``: CURVE key pairs for the registry and its clients."""
+    """``refitflow keys DIR [--clients NAME ...]``: CURVE key pairs for the registry and its clients.
+
+    Secret keys are written 0600 in a folder this command creates 0700 (nobody else can list it); the
+    public keys (``.key``, ``authorized/``) are 0644, they are meant to be handed out.
+    """
     parser = argparse.ArgumentParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
     parser.add_argument("dir", type=Path)
     parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
@@ -79,11 +90,20 @@ def keys_main(argv: Sequence[str] | None = None) -> int:
     from zmq.auth import create_certificates
 
     authorized = args.dir / "authorized"
-    authorized.mkdir(parents=True, exist_ok=True)
-    create_certificates(str(args.dir), "server")
-    for name in args.clients:
-        public, _ = create_certificates(str(args.dir), name)
-        shutil.copy(public, authorized / Path(public).name)
+    old_umask = os.umask(0o077)  # every file and folder private from its first byte; public keys opened below
+    try:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        authorized.mkdir(exist_ok=True)
+        public_keys = [Path(create_certificates(str(args.dir), "server")[0])]
+        for name in args.clients:
+            public, _ = create_certificates(str(args.dir), name)
+            shutil.copy(public, authorized / Path(public).name)
+            public_keys += [Path(public), authorized / Path(public).name]
+    finally:
+        os.umask(old_umask)
+    for path in public_keys:
+        path.chmod(0o644)
+    authorized.chmod(0o755)
     print(f"server: {args.dir / 'server.key_secret'} (keep) and {args.dir / 'server.key'} (give to clients)")
     print(f"clients: {', '.join(f'{n}.key_secret' for n in args.clients)}; allow-list: {authorized}")
     return 0

@@ -20,12 +20,14 @@ Errors carry ``version`` and ``tensor`` where they apply::
     ├── FencedError             the rank is not serving a complete version (fence not ready)
     ├── ManifestError           a malformed manifest or message (ValueError too)
     │   └── FrameError          a push-stream frame refused (.kind: header, metadata, entry, ...)
+    ├── AuthenticationError     a peer refused our CURVE keys (or we its): the key files do not match
     └── RefitTimeoutError       a deadline passed (TimeoutError too)
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "ConfigError",
     "CoverageError",
     "FencedError",
@@ -115,6 +117,10 @@ class FrameError(ManifestError):
     def __init__(self, message: str, *, kind: str, version: int | None = None, tensor: str | None = None) -> None:
         super().__init__(message, version=version, tensor=tensor)
         self.kind = kind
+
+
+class AuthenticationError(RefitError):
+    """A CURVE handshake failed: a missing, unknown or mismatched key (the message names the key files)."""
 
 
 class RefitTimeoutError(RefitError, TimeoutError):

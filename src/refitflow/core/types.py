@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,34 @@ from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 
 __all__ = ["Identity", "Manifest", "Publication", "ShardSpec", "SourceAddress", "revision_of"]
+
+# What a manifest may hold at all, whoever sends it: beyond these it is a mistake or an attack, never a
+# model. A tensor name is 1-1024 characters: letters, digits and ``_ . - :``, not starting with ``.``,
+# ``-`` or ``:`` (so no NUL, no path separator, no ``..``).
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,1023}")
+MAX_DIMS = 8
+MAX_ELEMENTS = 1 << 48  # per tensor (2.8e14; a 1e18-element tensor is refused)
+MAX_WORLD_SIZE = 1 << 20
+MAX_INT = (1 << 63) - 1  # versions, regions and offsets fit a signed 64-bit integer
+
+
+def _check_shard_limits(s: ShardSpec) -> None:
+    if not TENSOR_NAME.fullmatch(s.name):
+        raise ManifestError(
+            f"tensor name {s.name!r:.80} not allowed: 1-1024 letters, digits and '_.-:', starting with a letter, "
+            "digit or '_'"
+        )
+    if not isinstance(s.global_shape, tuple) or len(s.global_shape) > MAX_DIMS:
+        raise ManifestError(f"a shape has at most {MAX_DIMS} dimensions, got {s.global_shape!r:.80}", tensor=s.name)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in s.global_shape) or (
+        math.prod(s.global_shape) > MAX_ELEMENTS
+    ):
+        raise ManifestError(f"bad global shape {s.global_shape!r:.80} (at most {MAX_ELEMENTS} elements)",
+                            tensor=s.name)  # fmt: skip
+    for field_name in ("start", "stop", "region", "offset", "block_rows"):
+        value = getattr(s, field_name)
+        if not isinstance(value, int) or isinstance(value, bool) or value > MAX_INT:
+            raise ManifestError(f"{field_name} must be an integer below 2**63, got {value!r:.40}", tensor=s.name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,13 +105,12 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ManifestError(f"shard name must be a non-empty string, got {self.name!r}")
+            raise ManifestError(f"shard name must be a non-empty string, got {self.name!r:.80}")
+        _check_shard_limits(self)
         try:
             itemsize(self.dtype)
         except PlanError as exc:
             raise ManifestError(exc.reason, tensor=self.name) from None
-        if not all(isinstance(d, int) and d >= 0 for d in self.global_shape):
-            raise ManifestError(f"bad global shape {self.global_shape!r}", tensor=self.name)
         if self.axis is None:
             if (self.start, self.stop) != (0, self.global_shape[0] if self.global_shape else 1):
                 raise ManifestError("an unsharded spec must cover [0, dim0)", tensor=self.name)
@@ -170,8 +198,7 @@ class Manifest:
     layout_digest: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.version, int) or self.version < 0:
-            raise ManifestError(f"version must be a non-negative integer, got {self.version!r}")
+        _check_manifest_limits(self)
         if not 0 <= self.rank < self.world_size:
             raise ManifestError(f"rank {self.rank} outside world size {self.world_size}", version=self.version)
         names = [s.name for s in self.shards]
@@ -188,6 +215,16 @@ class Manifest:
             for s in self.shards:
                 h.update(repr(s.layout_key()).encode())
             object.__setattr__(self, "layout_digest", h.hexdigest())
+
+
+def _check_manifest_limits(m: Manifest) -> None:
+    if not isinstance(m.version, int) or isinstance(m.version, bool) or not 0 <= m.version <= MAX_INT:
+        raise ManifestError(f"version must be an integer in [0, 2**63), got {m.version!r:.40}")
+    if not isinstance(m.world_size, int) or not 1 <= m.world_size <= MAX_WORLD_SIZE:
+        raise ManifestError(f"world size must be in [1, {MAX_WORLD_SIZE}], got {m.world_size!r:.40}",
+                            version=m.version)  # fmt: skip
+    if not m.shards:
+        raise ManifestError("a manifest announces at least one shard", version=m.version)
 
 
 def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:

@@ -1,10 +1,23 @@
-"""One DEALER socket for all of a client's requests: request ids, per-request deadlines, lost replies.
+"""One DEALER socket for all of a client's requests: request ids, deadlines, lost replies, restarts, keys.
 
 Each request gets an id and a future; a reader task hands each reply to its future. A request
-that passes its deadline (the send included: it blocks while no connection is up) raises
-``RefitTimeoutError`` and forgets its id, so a reply that comes later, or never, changes nothing.
-Requests are idempotent on the registry (publishing the same manifest, registering, reporting a
-version), so a caller may simply ask again.
+that passes its deadline (the send included) raises ``RefitTimeoutError`` and forgets its id, so a
+reply that comes later, or never, changes nothing. Requests are idempotent on the registry
+(publishing the same manifest, registering, reporting a version), so a caller may simply ask again.
+
+An abandoned request never takes effect later:
+
+- the DEALER queues a request only to a live connection (``IMMEDIATE``): while the registry is away
+  a send waits, and a request given up then is never sent; what was queued to a connection that
+  broke is dropped with it, so a restarted registry never receives requests meant for the old one;
+- every request carries the registry's incarnation and a deadline on the registry's clock (both
+  learnt from its answers), and the registry refuses one that arrives past its deadline (a stalled
+  registry catching up on its backlog).
+
+Every answer names the registry's incarnation: when it changes, ``on_restart`` is called (the client
+re-announces what it holds). A CURVE handshake the registry refuses (no key, unknown key, wrong
+server key: seen by a socket monitor) fails the waiting requests with ``AuthenticationError`` naming
+the key files, instead of a bare timeout.
 """
 
 from __future__ import annotations
@@ -12,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from refitflow.core.errors import ConfigError, RefitTimeoutError
+from refitflow.core.errors import AuthenticationError, ConfigError, ManifestError, RefitTimeoutError, TransportError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
 from refitflow.registry.messages import decode_message, error_from_reply
 from refitflow.registry.security import ClientSecurity
@@ -26,20 +41,41 @@ __all__ = ["Channel"]
 
 log = logging.getLogger(__name__)
 
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
 
 class Channel:
-    def __init__(self, address: str, *, request_timeout_s: float, security: ClientSecurity | None,
-                 context: zmq.asyncio.Context | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout_s: float,
+        security: ClientSecurity | None,
+        context: zmq.asyncio.Context | None,
+        on_restart: Callable[[], None] | None = None,
+    ) -> None:
         self.address = address
         self.request_timeout_s = request_timeout_s
         self._security = security
+        self._on_restart = on_restart
         self._own_context = context is None
         self._context = context
         self._dealer: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # the DEALER's handshake events
+        self._dealer_tasks: list[asyncio.Task[None]] = []
         self._sockets: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._no_detail = 0
+        self.incarnation: str | None = None  # the registry's, from its latest answer
+        self._offset: float | None = None  # registry clock minus ours (a lower bound), this incarnation
+        self.answering = True  # False from a request that went unanswered until the next answer
         self.closed = False
 
     def socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -55,16 +91,32 @@ class Channel:
         self._sockets.append(sock)
         return sock
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[None]:
         """Run a background task until the channel closes."""
-        self._tasks.append(asyncio.create_task(coro))
+        task = asyncio.create_task(coro)
+        self._tasks = [t for t in self._tasks if not t.done()] + [task]
+        return task
 
     def _dealer_socket(self) -> zmq.asyncio.Socket:
         if self._dealer is None:
-            self._dealer = self.socket(zmq.DEALER)
-            self._dealer.connect(self.address)
-            self.spawn(self._read_replies(self._dealer))
+            dealer = self.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection (see the module docstring)
+            monitor = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)  # before connecting: see the first handshake
+            dealer.connect(self.address)
+            self._dealer, self._monitor = dealer, monitor
+            self._dealer_tasks = [self.spawn(self._read_replies(dealer)), self.spawn(self._watch_handshakes(monitor))]
         return self._dealer
+
+    def _drop_dealer(self) -> None:
+        """Close the DEALER and its monitor (after a refused handshake): the next request connects afresh."""
+        for task in self._dealer_tasks:
+            task.cancel()
+        if self._dealer is not None and self._monitor is not None:
+            self._dealer.disable_monitor()
+            self._monitor.close(linger=0)
+            self._dealer.close(linger=0)
+            self._sockets.remove(self._dealer)
+        self._dealer, self._monitor, self._dealer_tasks = None, None, []
 
     async def _read_replies(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -74,23 +126,101 @@ class Channel:
             except Exception as exc:
                 log.warning("registry client: dropped a malformed reply: %s", exc)
                 continue
+            self.answering = True
+            self._learn(reply)
             future = self._pending.pop(reply.get("id"), None)  # type: ignore[arg-type]
             if future is not None and not future.done():
                 future.set_result(reply)  # a reply whose request gave up has no future: dropped
 
-    async def request(self, op: str, timeout: float | None = None, **args: Any) -> Any:
+    def _learn(self, reply: dict[str, Any]) -> None:
+        """The registry's incarnation and clock from any answer, a late one included."""
+        inc, now = reply.get("inc"), reply.get("now")
+        if not isinstance(inc, str):
+            return
+        if inc != self.incarnation:
+            restarted = self.incarnation is not None
+            self.incarnation, self._offset = inc, None
+            if restarted:
+                log.info("registry client: the registry at %s restarted (incarnation %s)", self.address, inc)
+                if self._on_restart is not None:
+                    self._on_restart()
+        if isinstance(now, int | float) and not isinstance(now, bool):
+            offset = now - asyncio.get_running_loop().time()  # less than the truth by the reply's delay
+            self._offset = offset if self._offset is None else max(self._offset, offset)
+
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._no_detail = 0
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._no_detail += 1  # also a registry killed mid-handshake: only a repeat counts
+                if self._security is None or self._no_detail < 2:
+                    continue
+            self._refuse(self._why(kind, value))
+            self._drop_dealer()
+            return
+
+    def _why(self, kind: int, value: int) -> str:
+        where, sec = f"the registry at {self.address}", self._security
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            mine = "this client's key" if sec is None else f"the key of {sec.secret_key_file}"
+            return (f"{where} refused {mine} (ZAP status {value}): its public key (the .key beside the "
+                    "secret) must be in the registry's authorized folder")  # fmt: skip
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if sec is None:
+                return (f"{where} requires CURVE and this client has no keys: give it rf.ClientSecurity("
+                        "secret_key_file=<name>.key_secret, server_public_file=<registry's server.key>)")  # fmt: skip
+            return f"{where} does not use CURVE but this client does: drop its security, or give the registry keys"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return f"the handshake with {where} failed (ZMTP protocol error {value:#x}): are both sides refitflow?"
+        assert sec is not None
+        return (f"the CURVE handshake with {where} failed: most likely {sec.server_public_file} is not the "
+                "registry's server.key (or the registry's secret key changed)")  # fmt: skip
+
+    def _refuse(self, why: str) -> None:
+        log.warning("registry client: %s", why)
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(AuthenticationError(why))
+
+    async def request(self, op: str, timeout: float | None = None, max_bytes: int | None = None, **args: Any) -> Any:
+        """Send ``op`` with ``args``, return its result or raise its typed error; ``max_bytes``: the
+        registry's size limit, checked here first (a typed error, not a dropped connection)."""
         request_id = next(self._ids)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+        loop = asyncio.get_running_loop()
         deadline = self.request_timeout_s if timeout is None else timeout
+        stamp: dict[str, Any] = {}
+        if self.incarnation is not None:
+            stamp["inc"] = self.incarnation
+            if self._offset is not None:
+                stamp["deadline"] = loop.time() + deadline + self._offset
+        frame = encode({"v": PROTOCOL_VERSION, "id": request_id, **stamp, "op": op, **args})
+        if isinstance(max_bytes, int) and len(frame) > max_bytes:
+            raise ManifestError(f"the {op!r} request is {len(frame)} bytes, over the registry's limit of {max_bytes}")
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._pending[request_id] = future
         try:
-            async with asyncio.timeout(deadline):  # the send too: it blocks while no connection is up
-                await self._dealer_socket().send(encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, **args}))
+            async with asyncio.timeout(deadline):  # the send too: it waits while no connection is up
+                sending: asyncio.Future[Any] = asyncio.ensure_future(self._dealer_socket().send(frame))
+                try:
+                    await asyncio.wait([sending, future], return_when=asyncio.FIRST_COMPLETED)
+                    if not future.done() and sending.done() and not sending.cancelled():
+                        sending.result()  # a send that failed raises here
+                finally:
+                    sending.cancel()  # not sent yet (a refused handshake, or the deadline): never sent
                 reply = await future
         except TimeoutError:
+            self.answering = False
             raise RefitTimeoutError(f"registry at {self.address} did not answer {op!r} within {deadline} s") from None
+        except zmq.ZMQError as exc:
+            raise TransportError(f"registry at {self.address}: sending {op!r} failed: {exc}") from exc
         finally:
             self._pending.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved, even when the deadline came first
         if not reply.get("ok"):
             raise error_from_reply(reply)
         return reply.get("result")
@@ -102,9 +232,12 @@ class Channel:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for waiting in self._pending.values():
             waiting.cancel()
+        if self._dealer is not None and self._monitor is not None:
+            self._dealer.disable_monitor()
+            self._monitor.close(linger=0)
         for sock in self._sockets:
             sock.close(linger=0)
-        self._tasks, self._sockets, self._dealer = [], [], None
+        self._tasks, self._sockets, self._dealer, self._monitor, self._dealer_tasks = [], [], None, None, []
         if self._own_context and self._context is not None:
             self._context.term()
         self._context = None

@@ -1,57 +1,85 @@
-"""Cross-rank checks of a manifest against the other ranks of its version, on arrival."""
+"""Cross-rank checks of a manifest against the other ranks of its version, on arrival.
+
+Each version keeps an index of its tensors (shape, dtype, axis, the sharded ranges held so far in
+order), so checking a manifest costs O(tensors · log ranks), whatever the number of ranks or of
+versions held.
+"""
 
 from __future__ import annotations
 
+import bisect
 import string
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import Manifest, ShardSpec
 
-__all__ = ["check_against"]
+__all__ = ["VersionIndex"]
 
 _HEX = frozenset(string.hexdigits)
 
 
-def check_against(manifest: Manifest, others: Iterable[Manifest]) -> None:
-    """Refuse ``manifest`` when it disagrees with the other ranks of its version.
+@dataclass
+class _Tensor:
+    first: ShardSpec  # as the first rank that published it said
+    rank: int
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # sharded (start, stop, rank), sorted
 
-    Shards of one tensor across ranks must agree on global shape, dtype and axis, and sharded ones
-    must not overlap; every digest must be hex. ``ShardSpec`` already checked each shard alone.
-    """
-    version = manifest.version
-    for s in manifest.shards:
-        if not _HEX.issuperset(s.digest):
-            raise ManifestError("digest is not hexadecimal", version=version, tensor=s.name)
-    mine = {s.name: s for s in manifest.shards}
-    for other in others:
-        if other.rank == manifest.rank:
-            continue
-        if other.world_size != manifest.world_size:
+
+class VersionIndex:
+    """The tensors of one version so far; ``check`` a new rank's manifest, then ``add`` it."""
+
+    def __init__(self, manifests: list[Manifest] | tuple[Manifest, ...] = ()) -> None:
+        self.world_size: int | None = None
+        self.first_rank = -1
+        self.tensors: dict[str, _Tensor] = {}
+        for m in manifests:
+            self.add(m)
+
+    def check(self, manifest: Manifest) -> None:
+        """Refuse ``manifest`` when it disagrees with the ranks indexed so far.
+
+        Shards of one tensor across ranks must agree on global shape, dtype and axis, and sharded ones
+        must not overlap; every digest must be hex. ``ShardSpec`` already checked each shard alone.
+        """
+        version = manifest.version
+        if self.world_size is not None and manifest.world_size != self.world_size:
             raise ManifestError(
-                f"world size {manifest.world_size} disagrees with {other.world_size} of rank {other.rank}",
+                f"world size {manifest.world_size} disagrees with {self.world_size} of rank {self.first_rank}",
                 version=version,
             )
-        for theirs in other.shards:
-            ours = mine.get(theirs.name)
-            if ours is not None:
-                _agree(ours, theirs, other.rank, version)
+        for s in manifest.shards:
+            if not _HEX.issuperset(s.digest):
+                raise ManifestError("digest is not hexadecimal", version=version, tensor=s.name)
+            known = self.tensors.get(s.name)
+            if known is not None:
+                _agree(s, known, version)
+
+    def add(self, manifest: Manifest) -> None:
+        if self.world_size is None:
+            self.world_size, self.first_rank = manifest.world_size, manifest.rank
+        for s in manifest.shards:
+            known = self.tensors.setdefault(s.name, _Tensor(first=s, rank=manifest.rank))
+            if s.axis is not None:
+                bisect.insort(known.spans, (s.start, s.stop, manifest.rank))
 
 
-def _agree(s: ShardSpec, theirs: ShardSpec, rank: int, version: int) -> None:
-    for field in ("global_shape", "dtype"):
-        if getattr(s, field) != getattr(theirs, field):
+def _agree(s: ShardSpec, known: _Tensor, version: int) -> None:
+    theirs, rank = known.first, known.rank
+    for name in ("global_shape", "dtype"):
+        if getattr(s, name) != getattr(theirs, name):
             raise ManifestError(
-                f"{field} {getattr(s, field)!r} disagrees with {getattr(theirs, field)!r} of rank {rank}",
+                f"{name} {getattr(s, name)!r} disagrees with {getattr(theirs, name)!r} of rank {rank}",
                 version=version,
                 tensor=s.name,
             )
     if s.axis != theirs.axis:
         raise ManifestError(f"shard axis {s.axis} disagrees with {theirs.axis} of rank {rank}", version=version,
                             tensor=s.name)  # fmt: skip
-    if s.axis is not None and s.start < theirs.stop and theirs.start < s.stop:
-        raise ManifestError(
-            f"shard [{s.start}, {s.stop}) overlaps [{theirs.start}, {theirs.stop}) of rank {rank}",
-            version=version,
-            tensor=s.name,
-        )
+    if s.axis is None:
+        return
+    at = bisect.bisect_left(known.spans, (s.start, s.stop, -1))
+    for start, stop, other in known.spans[max(0, at - 1) : at + 1]:  # spans never overlap: neighbours suffice
+        if s.start < stop and start < s.stop:
+            raise ManifestError(f"shard [{s.start}, {s.stop}) overlaps [{start}, {stop}) of rank {other}",
+                                version=version, tensor=s.name)  # fmt: skip

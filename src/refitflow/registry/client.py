@@ -3,10 +3,15 @@
 Requests go over one ``Channel`` (a DEALER socket with request ids: concurrent requests share it;
 every request has a deadline, and a registry that doesn't answer raises ``RefitTimeoutError``).
 ``wait_complete`` wakes on the registry's PUB announcement (SUB socket) and re-asks every
-``requery_s`` in case one was missed. Manifests are fetched once per version and cached. While
-the client holds publications or receivers it heartbeats its lease in a background task; when
-the registry did not know it (restarted, or the lease ran out) it re-announces them. The task
-stops on ``aclose()``.
+``requery_s`` in case one was missed. Manifests are fetched once per version and cached.
+
+While the client holds publications, receivers or undelivered reports, a background task heartbeats
+its lease. When the registry restarted (its incarnation changed in any answer) or did not know the
+client (the lease ran out), the task re-announces everything held: every version published here that
+is not known to be released (the newest of each rank always), then every receiver with its latest
+report. ``report`` never holds a refit up for long: it waits at most ``report_wait_s`` (not at all
+while the registry is not answering), and a report not delivered then is delivered by the task. The
+task stops on ``aclose()``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
+from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import manifest_from_dict, manifest_to_dict
 from refitflow.registry.channel import Channel
@@ -48,27 +53,39 @@ class RegistryClient:
         context: zmq.asyncio.Context | None = None,
         cache_size: int = 16,
         client_id: str | None = None,
+        report_wait_s: float = 1.0,
+        max_held_versions: int = 1024,
     ) -> None:
-        if not request_timeout_s > 0 or not requery_s > 0 or (heartbeat_s is not None and not heartbeat_s > 0):
-            raise ConfigError("request_timeout_s, requery_s and heartbeat_s must be positive seconds")
+        seconds = (request_timeout_s, requery_s, report_wait_s, 1.0 if heartbeat_s is None else heartbeat_s)
+        if not all(s > 0 for s in seconds):
+            raise ConfigError("request_timeout_s, requery_s, report_wait_s and heartbeat_s must be positive seconds")
+        if max_held_versions < 1:
+            raise ConfigError(f"max_held_versions must be at least 1, got {max_held_versions}")
         self.address = address
         self.request_timeout_s = request_timeout_s
         self.requery_s = requery_s
         self.heartbeat_s = heartbeat_s
+        self.report_wait_s = report_wait_s
+        self.max_held_versions = max_held_versions
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self._channel = Channel(address, request_timeout_s=request_timeout_s, security=security, context=context)
+        self._channel = Channel(address, request_timeout_s=request_timeout_s, security=security, context=context,
+                                on_restart=self._restarted)  # fmt: skip
         self._request = self._channel.request
         self._sub: zmq.asyncio.Socket | None = None
+        self._sub_at = ""
         self._subscribed: set[bytes] = set()
         self._heartbeat: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # the heartbeat task has work now (a restart, a report to deliver)
+        self._stale = False  # the registry may have forgotten what this client holds
         self._announced = asyncio.Event()
         self._hello: dict[str, Any] | None = None
         self._cache: OrderedDict[tuple[Any, ...], Publication] = OrderedDict()
         self._cache_size = cache_size
         self._fetching: dict[tuple[Any, ...], asyncio.Future[Publication]] = {}
         self._replica_cache: tuple[Any, tuple[Manifest, ...]] = (None, ())
-        self._held: dict[tuple[str, int], Manifest] = {}  # (identity key, rank) -> newest manifest published
+        self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
+        self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
         self.fetches = 0  # manifest fetches (for tests and benches: one per new version)
         self.announcements = 0  # announcements received on the SUB socket
 
@@ -82,18 +99,29 @@ class RegistryClient:
     # -- plumbing ---------------------------------------------------------------------------------
 
     async def hello(self) -> dict[str, Any]:
+        """The registry's ``hello`` (asked again after it restarted)."""
         if self._hello is None:
             self._hello = await self._request("hello")
         return self._hello
 
+    def _restarted(self) -> None:
+        """The registry restarted: re-announce what we hold, re-learn where it announces."""
+        self._stale = True
+        self._hello = None
+        self._wake.set()
+
     async def _subscribe(self, identities: list[Identity]) -> None:
+        pub = str((await self.hello())["pub"])
+        if self.address.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
+            pub = f"{self.address.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
         if self._sub is None:
-            pub = str((await self.hello())["pub"])
-            if self.address.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
-                pub = f"{self.address.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
             self._sub = self._channel.socket(zmq.SUB)
             self._sub.connect(pub)
             self._channel.spawn(self._read_announcements(self._sub))
+        elif pub != self._sub_at:  # a restarted registry announcing elsewhere (subscriptions carry over)
+            self._sub.disconnect(self._sub_at)
+            self._sub.connect(pub)
+        self._sub_at = pub
         for identity in identities:
             if topic(identity) not in self._subscribed:
                 self._sub.setsockopt(zmq.SUBSCRIBE, topic(identity))
@@ -116,39 +144,80 @@ class RegistryClient:
             fetching.cancel()
         await self._channel.aclose()
 
-    # -- leases -----------------------------------------------------------------------------------
+    # -- leases, re-announcement, reports ----------------------------------------------------------
 
     def _hold_lease(self) -> None:
         if self._heartbeat is None and not self._channel.closed:
-            self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+            self._heartbeat = asyncio.create_task(self._upkeep())
 
-    async def _heartbeat_loop(self) -> None:
+    async def _upkeep(self) -> None:
+        """Heartbeat; re-announce after a restart or a lost lease; deliver reports not yet delivered."""
         interval = self.heartbeat_s or self.request_timeout_s
         while True:
+            self._wake.clear()
             try:
+                if self._stale:
+                    await self._reannounce()
+                for (identity, receiver_id), version in list(self._unsent.items()):
+                    await self._send_report(identity, receiver_id, version, self.request_timeout_s)
                 answer = await self._request("heartbeat", owner=self.client_id)
                 if self.heartbeat_s is None:
                     interval = float(answer["lease_s"]) / 4
                 if not answer["known"]:
-                    await self._reannounce()
+                    self._stale = True
+                    continue
             except Exception as exc:  # a registry away for a while: keep trying, re-announce on return
                 log.info("registry client: heartbeat failed: %s", exc)
-            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
 
     async def _reannounce(self) -> None:
-        for manifest in list(self._held.values()):
-            await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id)
-        for (identity, receiver_id), version in list(self._receivers.items()):
-            await self._request("register_receiver", identity=identity_to_dict(identity),
-                                receiver_id=receiver_id, owner=self.client_id)  # fmt: skip
-            if version >= 0:
-                await self.report(identity, receiver_id, version)
+        """Publish again every version held (newest first), then register every receiver with its report."""
+        self._stale = False
+        try:
+            for manifest in sorted((m for held in self._held.values() for m in held.values()),
+                                   key=lambda m: -m.version):  # fmt: skip
+                try:
+                    await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id)
+                except (ManifestError, VersionError) as exc:  # this registry will never take it: stop offering it
+                    log.warning("registry client: version %d not re-announced: %s", manifest.version, exc)
+                    self._held.get((manifest.identity.key(), manifest.rank), {}).pop(manifest.version, None)
+            for (identity, receiver_id), version in list(self._receivers.items()):
+                await self._request("register_receiver", identity=identity_to_dict(identity),
+                                    receiver_id=receiver_id, owner=self.client_id)  # fmt: skip
+                if version >= 0:
+                    await self._send_report(identity, receiver_id, version, self.request_timeout_s)
+        except BaseException:
+            self._stale = True  # not all of it got through: again next time
+            raise
+
+    def _forget(self, identity: Identity, version: int) -> None:
+        """``version`` is released: it and older ones are never re-announced (the newest of a rank always is)."""
+        key = identity.key()
+        for (held_key, _), held in self._held.items():
+            if held_key == key:
+                newest = max(held)
+                for v in [v for v in held if v <= version and v != newest]:
+                    del held[v]
+
+    async def _send_report(self, identity: Identity, receiver_id: str, version: int, timeout: float) -> None:
+        await self._request("report", timeout=timeout, identity=identity_to_dict(identity),
+                            receiver_id=receiver_id, version=version)  # fmt: skip
+        key = (identity, receiver_id)
+        if self._unsent.get(key, version) <= version:
+            self._unsent.pop(key, None)
 
     # -- the Registry interface -------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest) -> None:
-        await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id)
-        self._held[(manifest.identity.key(), manifest.rank)] = manifest
+        await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
+                            max_bytes=(await self.hello()).get("max_message_bytes"))  # fmt: skip
+        held = self._held.setdefault((manifest.identity.key(), manifest.rank), {})
+        held[manifest.version] = manifest
+        while len(held) > self.max_held_versions:
+            del held[min(held)]
         self._hold_lease()
 
     async def latest(
@@ -191,7 +260,8 @@ class RegistryClient:
         return self._replica_cache[1]
 
     async def publish_replica(self, manifest: Manifest) -> None:
-        await self._request("publish_replica", manifest=manifest_to_dict(manifest))
+        await self._request("publish_replica", manifest=manifest_to_dict(manifest),
+                            max_bytes=(await self.hello()).get("max_message_bytes"))  # fmt: skip
 
     async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
         await self._request("withdraw_replica", identity=identity_to_dict(identity), receiver_id=receiver_id)
@@ -249,17 +319,30 @@ class RegistryClient:
 
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
         self._receivers.pop((identity, receiver_id), None)
+        self._unsent.pop((identity, receiver_id), None)
         await self._request("unregister_receiver", identity=identity_to_dict(identity), receiver_id=receiver_id)
 
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
+        """Tell the registry ``receiver_id`` is done with ``version``: delivered within ``report_wait_s`` or
+        later by the background task (kept for a restarted registry too); never a timeout here."""
         key = (identity, receiver_id)
         if key in self._receivers:
             self._receivers[key] = max(self._receivers[key], version)
-        await self._request("report", identity=identity_to_dict(identity), receiver_id=receiver_id, version=version)
+        self._unsent[key] = max(self._unsent.get(key, version), version)
+        self._hold_lease()
+        if not self._channel.answering:  # the registry is away: don't wait for it
+            return
+        try:
+            await self._send_report(identity, receiver_id, version, min(self.report_wait_s, self.request_timeout_s))
+        except RefitTimeoutError:
+            log.info("registry client: report of version %d delivered later", version)
 
     async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
-        return bool(await self._request("is_released", identity=identity_to_dict(identity), version=version,
-                                        policy=None if policy is None else policy.to_dict()))  # fmt: skip
+        released = bool(await self._request("is_released", identity=identity_to_dict(identity), version=version,
+                                            policy=None if policy is None else policy.to_dict()))  # fmt: skip
+        if released:
+            self._forget(identity, version)
+        return released
 
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
         done, registered = await self._request("acked", identity=identity_to_dict(identity), version=version)
@@ -268,15 +351,22 @@ class RegistryClient:
     async def wait_released(
         self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
     ) -> None:
+        """Return once ``version`` is released; a registry away for a while is asked again until ``timeout``."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             wait_s = 10.0 if deadline is None else min(10.0, max(0.0, deadline - loop.time()))
-            released = await self._request(
-                "wait_released", timeout=wait_s + self.request_timeout_s, identity=identity_to_dict(identity),
-                version=version, wait_s=wait_s, policy=None if policy is None else policy.to_dict(),
-            )  # fmt: skip
+            try:
+                released = await self._request(
+                    "wait_released", timeout=wait_s + self.request_timeout_s, identity=identity_to_dict(identity),
+                    version=version, wait_s=wait_s, policy=None if policy is None else policy.to_dict(),
+                )  # fmt: skip
+            except RefitTimeoutError as exc:  # no answer, or busy: ask again (not at once)
+                released = False
+                log.info("registry client: waiting for the release of version %d: %s", version, exc)
+                await asyncio.sleep(min(self.requery_s, wait_s))
             if released:
+                self._forget(identity, version)
                 return
             if deadline is not None and loop.time() >= deadline:
                 raise RefitTimeoutError(f"version not released within {timeout} s", version=version)

@@ -1,13 +1,15 @@
 """The registry protocol's messages: orjson dicts carrying ``PROTOCOL_VERSION``, and typed errors.
 
-Request (DEALER → ROUTER, one frame): ``{"v", "id", "op", ...arguments}``.
-Reply (one frame): ``{"v", "id", "ok": true, "result"}`` or ``{"v", "id", "ok": false, "error",
-"message", "version", "tensor"}`` where ``error`` names a class of the refitflow exception tree.
+Request (DEALER → ROUTER, one frame): ``{"v", "id", "op", "inc"?, "deadline"?, ...arguments}``.
+Reply (one frame): ``{"v", "id", "inc", "now", "ok": true, "result"}`` or ``{"v", "id", "inc", "now",
+"ok": false, "error", "message", "version", "tensor"}`` where ``error`` names a class of the refitflow
+exception tree, ``inc`` the registry's incarnation (new at every start) and ``now`` its clock.
 Announcement (PUB, two frames): topic ``b"complete|" + identity.key()``, then ``{"v", "identity", "version"}``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from refitflow.core import errors
@@ -36,7 +38,7 @@ def identity_to_dict(identity: Identity) -> dict[str, str]:
 
 
 def identity_from_dict(d: Any) -> Identity:
-    if not isinstance(d, dict) or not set(d) <= set(_IDENTITY_FIELDS):
+    if not isinstance(d, dict) or not set(d) <= set(_IDENTITY_FIELDS) or "model" not in d:
         raise ManifestError(f"malformed identity {d!r:.80}")
     return Identity(**d)
 
@@ -45,18 +47,19 @@ def topic(identity: Identity) -> bytes:
     return b"complete|" + identity.key().encode()
 
 
-def ok_reply(request_id: Any, result: Any) -> bytes:
-    return encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": result})
+def ok_reply(request_id: Any, result: Any, stamp: Mapping[str, Any]) -> bytes:
+    """``stamp``: what the service adds to every reply (its incarnation and clock)."""
+    return encode({"v": PROTOCOL_VERSION, "id": request_id, **stamp, "ok": True, "result": result})
 
 
-def error_reply(request_id: Any, exc: BaseException) -> bytes:
+def error_reply(request_id: Any, exc: BaseException, stamp: Mapping[str, Any]) -> bytes:
     if isinstance(exc, RefitError):
         name, message = type(exc).__name__, exc.reason
         version, tensor = exc.version, exc.tensor
     else:
         name, message, version, tensor = "RefitError", f"registry failed: {type(exc).__name__}: {exc}", None, None
     return encode({
-        "v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": name, "message": message,
+        "v": PROTOCOL_VERSION, "id": request_id, **stamp, "ok": False, "error": name, "message": message,
         "version": version, "tensor": tensor,
     })  # fmt: skip
 
@@ -76,6 +79,7 @@ def decode_message(frame: bytes) -> dict[str, Any]:
     msg = decode(frame)
     if not isinstance(msg, dict):
         raise ManifestError(f"a message must be a JSON object, got {type(msg).__name__}")
-    if msg.get("v") != PROTOCOL_VERSION:
+    v = msg.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:  # not `true`, not `1.0`: they equal 1 in Python
         raise ManifestError(f"protocol version {msg.get('v')!r:.20} not supported (we speak {PROTOCOL_VERSION})")
     return msg

@@ -5,15 +5,21 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+import anyio.to_thread
+
 from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
+from refitflow.core.types import Manifest
 from refitflow.core.wire import manifest_from_dict, manifest_to_dict
+from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.store import RegistryStore
 
-__all__ = ["MAX_WAIT_S", "Handler"]
+__all__ = ["MAX_WAIT_S", "OFF_LOOP_SHARDS", "Handler"]
 
 MAX_WAIT_S = 30.0  # the longest a server-side wait lasts before the client asks again
+OFF_LOOP_SHARDS = 256  # a manifest with more shard specs than this is checked in a worker thread
 
 
 def _arg(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -36,11 +42,25 @@ def _filters(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 class Handler:
-    def __init__(self, registry: RegistryStore, *, hello: dict[str, Any],
+    def __init__(self, registry: RegistryStore, *, hello: dict[str, Any], limits: RegistryLimits,
                  announce: Callable[[dict[str, str], int], Awaitable[None]]) -> None:  # fmt: skip
         self.registry = registry
         self._hello = hello
+        self._limits = limits
         self._announce = announce
+        self._checking = anyio.CapacityLimiter(2)  # large manifests checked at once (CPU and memory)
+
+    async def _manifest(self, msg: dict[str, Any]) -> Manifest:
+        """The request's manifest, checked; a large one off the event loop, so everyone else is served."""
+        d = _arg(msg, "manifest", dict)
+        shards = d.get("shards")
+        count = len(shards) if isinstance(shards, list) else 0
+        if count > self._limits.max_shards:
+            raise ManifestError(f"{count} shard specs in one manifest, over the registry's limit of "
+                                f"{self._limits.max_shards}")  # fmt: skip
+        if count <= OFF_LOOP_SHARDS:
+            return manifest_from_dict(d)
+        return await anyio.to_thread.run_sync(manifest_from_dict, d, limiter=self._checking)
 
     async def handle(self, msg: dict[str, Any]) -> Any:
         op = msg.get("op")
@@ -57,10 +77,9 @@ class Handler:
         return {"known": known, "lease_s": self.registry.lease_s}
 
     async def op_publish(self, msg: dict[str, Any]) -> Any:
-        manifest = manifest_from_dict(_arg(msg, "manifest", dict))
+        manifest = await self._manifest(msg)
         await self.registry.publish(manifest, owner=_arg(msg, "owner", str, None))
-        pub = await self.registry.latest(manifest.identity, manifest.version)
-        if pub is not None and pub.version == manifest.version:
+        if self.registry.newest_complete(manifest.identity) == manifest.version:
             await self._announce(identity_to_dict(manifest.identity), manifest.version)
         return None
 
@@ -82,7 +101,7 @@ class Handler:
         return [manifest_to_dict(m) for m in pub.replicas]
 
     async def op_publish_replica(self, msg: dict[str, Any]) -> Any:
-        await self.registry.publish_replica(manifest_from_dict(_arg(msg, "manifest", dict)))
+        await self.registry.publish_replica(await self._manifest(msg))
 
     async def op_withdraw_replica(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))

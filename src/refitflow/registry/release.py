@@ -29,13 +29,17 @@ class ReleasePolicy:
         if self.after_s is not None and not self.after_s >= 0:
             raise ConfigError(f"release_policy.after_s must be ≥ 0 seconds or None, got {self.after_s!r}")
 
-    def released(self, done: Collection[int], version: int, age_s: float | None) -> bool:
-        """``done``: each receiver's highest version done with; ``age_s``: seconds since complete."""
+    def released(self, done: Collection[int], version: int, age_s: float | None, *, all_known: bool = True) -> bool:
+        """``done``: each receiver's highest version done with; ``age_s``: seconds since complete.
+
+        ``all_known`` False: receivers may be missing from ``done`` (a restarted registry they have not
+        re-registered with yet), so "every receiver" cannot be judged; a count or a time still can.
+        """
         if self.after_s is not None and age_s is not None and age_s >= self.after_s:
             return True
         finished = sum(1 for d in done if d >= version)
         if self.receivers is None:
-            return finished == len(done)
+            return all_known and finished == len(done)
         return finished >= self.receivers
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +12,14 @@ import zmq
 from refitflow.core.errors import ConfigError
 
 __all__ = ["ClientSecurity", "ServerSecurity"]
+
+log = logging.getLogger(__name__)
+
+
+def _warn_if_readable_by_others(secret: Path) -> None:
+    mode = Path(secret).stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("CURVE secret key %s is readable by others (mode %o): chmod 600 it", secret, mode & 0o777)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +31,7 @@ class ClientSecurity:
         for path in (self.secret_key_file, self.server_public_file):
             if not Path(path).is_file():
                 raise ConfigError(f"CURVE key file {path} does not exist")
+        _warn_if_readable_by_others(self.secret_key_file)
 
     def apply(self, sock: zmq.Socket) -> None:
         from zmq.auth import load_certificate
@@ -44,3 +55,4 @@ class ServerSecurity:
             raise ConfigError(f"server secret key file {self.secret_key_file} does not exist")
         if not Path(self.authorized_dir).is_dir():
             raise ConfigError(f"authorized client keys folder {self.authorized_dir} does not exist")
+        _warn_if_readable_by_others(self.secret_key_file)

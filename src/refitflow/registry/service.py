@@ -1,25 +1,33 @@
 """The registry as a ZMQ service: a ROUTER answers requests, a PUB announces complete versions.
 
 State and rules live in the wrapped :class:`RegistryStore`; this module only speaks the
-protocol (``_messages``), runs one task per request (so long waits don't block others), expires
-stale leases, and never lets one bad message stop it serving everyone else.
+protocol (``messages``), admits requests (``admission``: size, requests in flight, staleness), runs
+one task per request (so long waits don't block others), expires stale leases, and never lets one
+bad message stop it serving everyone else. Every answer carries the service's *incarnation* (new at
+every start) and clock, so a client learns of a restart from any answer and can put deadlines on
+its requests in this registry's time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ConfigError, RefitTimeoutError
+from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
+from refitflow.registry.admission import Gate, check_fresh, request_id_of
+from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import decode_message, error_reply, identity_from_dict, ok_reply, topic
 from refitflow.registry.ops import Handler
 from refitflow.registry.security import ServerSecurity
@@ -29,19 +37,30 @@ __all__ = ["RegistryServer", "serve"]
 
 log = logging.getLogger(__name__)
 
+_DECODE_OFF_LOOP_BYTES = 1 << 20  # a request frame larger than this is decoded in a worker thread
+
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryServer:
     address: str  # the bound request endpoint (a ``*`` port resolved)
     pub_address: str  # where announcements are published
     registry: RegistryStore
+    incarnation: str  # new at every start: clients that see it change re-announce what they hold
 
 
-def _pub_endpoint(address: str) -> str:
+def _bind_pub(pub: zmq.asyncio.Socket, address: str) -> None:
+    """PUB at a place derived from the request endpoint, so a restart on the same address lands there
+    too (TCP: the next port, or a free one if that is taken; clients re-learn it from ``hello``)."""
     scheme, _, rest = address.partition("://")
-    if scheme == "tcp":
-        return f"tcp://{rest.rsplit(':', 1)[0]}:*"
-    return f"{address}.pub"
+    if scheme != "tcp":
+        pub.bind(f"{address}.pub")
+        return
+    host, port = rest.rsplit(":", 1)
+    try:
+        pub.bind(f"tcp://{host}:{int(port) + 1}")
+    except zmq.ZMQError as exc:
+        log.info("registry: announcements on a free port (%s:%d: %s)", host, int(port) + 1, exc)
+        pub.bind(f"tcp://{host}:*")
 
 
 @asynccontextmanager
@@ -52,17 +71,17 @@ async def serve(
     lease_s: float = 10.0,
     security: ServerSecurity | None = None,
     pub_address: str | None = None,
-    max_message_bytes: int = 1 << 28,
-    max_in_flight: int = 1024,
+    limits: RegistryLimits | None = None,
 ) -> AsyncIterator[RegistryServer]:
-    """Serve ``registry`` (a new one by default) at ``address`` until the context exits (asyncio only).
+    """Serve ``registry`` (a new one by default, with ``lease_s`` and ``limits``) at ``address`` until the
+    context exits (asyncio only).
 
-    At most ``max_in_flight`` requests are worked on at once (long waits included); a request beyond
-    that is answered at once with a ``RefitTimeoutError`` ("busy"), so a flood cannot pile up tasks.
+    ``limits`` (``RegistryLimits``) bound what one request and all requests in flight may hold; a
+    request beyond them is answered at once with a typed error (``RefitTimeoutError`` "busy" for a full
+    house), so a flood cannot pile up tasks or memory. A given ``registry`` keeps its own store limits.
     """
-    if max_in_flight < 1:
-        raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
-    registry = registry or RegistryStore(lease_s=lease_s)
+    registry = registry or RegistryStore(lease_s=lease_s, limits=limits)
+    limits = limits or registry.limits
     ctx = zmq.asyncio.Context()
     auth = None
     try:
@@ -79,23 +98,31 @@ async def serve(
             sock.setsockopt(zmq.LINGER, 0)
             if security is not None:
                 sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-        router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # over the limit but under twice it: a typed answer; beyond: ZMQ drops the connection unread
+        router.setsockopt(zmq.MAXMSGSIZE, min(2 * limits.max_message_bytes, (1 << 62)))
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
             router.bind(address)
-            pub.bind(pub_address or _pub_endpoint(address))
+            bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            if pub_address:
+                pub.bind(pub_address)
+            else:
+                _bind_pub(pub, bound)
         except zmq.ZMQError as exc:
             raise ConfigError(f"cannot bind the registry at {address}: {exc}") from exc
         server = RegistryServer(
-            address=router.getsockopt_string(zmq.LAST_ENDPOINT),
+            address=bound,
             pub_address=pub.getsockopt_string(zmq.LAST_ENDPOINT),
             registry=registry,
+            incarnation=uuid.uuid4().hex,
         )
-        handler = Handler(registry, hello={"lease_s": registry.lease_s, "pub": server.pub_address,
-                                           "protocol": PROTOCOL_VERSION}, announce=_announcer(pub))  # fmt: skip
+        hello = {"lease_s": registry.lease_s, "pub": server.pub_address, "protocol": PROTOCOL_VERSION,
+                 "incarnation": server.incarnation, "max_message_bytes": limits.max_message_bytes}  # fmt: skip
+        handler = Handler(registry, hello=hello, limits=limits, announce=_announcer(pub))
+        service = _Service(router, handler, Gate(limits), server.incarnation)
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
         tasks = [
-            asyncio.create_task(_serve_requests(router, handler, max_in_flight)),
+            asyncio.create_task(service.run()),
             asyncio.create_task(_expire_leases(registry)),
         ]
         for task in tasks:
@@ -121,37 +148,65 @@ def _announcer(pub: zmq.asyncio.Socket) -> Any:
     return announce
 
 
-async def _serve_requests(router: zmq.asyncio.Socket, handler: Handler, max_in_flight: int) -> None:
-    in_flight = [0]
-    async with anyio.create_task_group() as tg:
-        while True:
-            frames = await router.recv_multipart(copy=True)
-            if len(frames) != 2:  # a DEALER sends exactly one frame; anything else is not ours
-                log.warning("registry: dropped a message of %d frames", len(frames))
-                continue
-            busy = in_flight[0] >= max_in_flight
-            in_flight[0] += 1
-            tg.start_soon(_answer, router, handler, frames[0], frames[1], in_flight, busy)
+class _Service:
+    def __init__(self, router: zmq.asyncio.Socket, handler: Handler, gate: Gate, incarnation: str) -> None:
+        self.router, self.handler, self.gate, self.incarnation = router, handler, gate, incarnation
+        self._store = handler.registry
+
+    def _returning(self) -> None:
+        """A client of an earlier incarnation is back: its peers may not have re-registered yet."""
+        self._store.hold_releases(self._store.lease_s)
+
+    def _stamp(self) -> dict[str, Any]:
+        return {"inc": self.incarnation, "now": time.monotonic()}
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            while True:
+                frames = await self.router.recv_multipart(copy=False)
+                peer = frames[0].bytes
+                if len(frames) != 2:  # a DEALER sends exactly one frame
+                    why = ManifestError(f"a request is one frame, this message had {len(frames) - 1}")
+                    tg.start_soon(self._send, peer, error_reply(None, why, self._stamp()))
+                    continue
+                body = frames[1].bytes
+                client = _client_key(frames[1]) or peer
+                refused = self.gate.admit(client, len(body))
+                if refused is not None:
+                    tg.start_soon(self._send, peer, error_reply(request_id_of(body), refused, self._stamp()))
+                    continue
+                tg.start_soon(self._answer, peer, client, body)
+
+    async def _answer(self, peer: bytes, client: bytes, body: bytes) -> None:
+        request_id: Any = None
+        try:
+            if len(body) > _DECODE_OFF_LOOP_BYTES:
+                msg = await anyio.to_thread.run_sync(decode_message, body)
+            else:
+                msg = decode_message(body)
+            request_id = msg.get("id")
+            check_fresh(msg, self.incarnation, self._returning)
+            reply = ok_reply(request_id, await self.handler.handle(msg), self._stamp())
+        except Exception as exc:  # every failure becomes an error reply; the service keeps serving
+            reply = error_reply(request_id, exc, self._stamp())
+        finally:
+            self.gate.done(client, len(body))
+        await self._send(peer, reply)
+
+    async def _send(self, peer: bytes, reply: bytes) -> None:
+        try:
+            await self.router.send_multipart([peer, reply])
+        except zmq.ZMQError as exc:  # the peer went away: its reply is lost, as on any network
+            log.info("registry: reply to a departed peer dropped: %s", exc)
 
 
-async def _answer(
-    router: zmq.asyncio.Socket, handler: Handler, peer: bytes, frame: bytes, in_flight: list[int], busy: bool
-) -> None:
-    request_id: Any = None
+def _client_key(frame: zmq.Frame) -> bytes | None:
+    """Who sent a frame, for the per-client limit: its CURVE public key where CURVE is on."""
     try:
-        msg = decode_message(frame)
-        request_id = msg.get("id")
-        if busy:
-            raise RefitTimeoutError("registry busy: too many requests in flight, try again")
-        reply = ok_reply(request_id, await handler.handle(msg))
-    except Exception as exc:  # every failure becomes an error reply; the service keeps serving
-        reply = error_reply(request_id, exc)
-    finally:
-        in_flight[0] -= 1
-    try:
-        await router.send_multipart([peer, reply])
-    except zmq.ZMQError as exc:  # the peer went away: its reply is lost, as on any network
-        log.info("registry: reply to a departed peer dropped: %s", exc)
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return b"key:" + user.encode() if isinstance(user, str) and user else None
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

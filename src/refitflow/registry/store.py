@@ -7,11 +7,19 @@ dropped once released and superseded by a newer complete version.
 
 Leases: a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
 as that owner heartbeats; ``expire()`` drops what stale owners held, so their versions stop being
-offered. ``Registry`` (``embedded``) adds ``serve``, which runs a store as a ZMQ service (``service``).
+offered, and incomplete versions that no owner holds once ``limits.incomplete_ttl_s`` has passed.
+After a restart the store cannot know the receivers that have not re-registered yet:
+``hold_releases`` withholds "every receiver is done" for a while (the service calls it when a client
+of an earlier incarnation returns). ``Registry`` (``embedded``) adds ``serve``, which runs a store as
+a ZMQ service (``service``).
+
+Costs: a publish is O(tensors of the manifest) plus O(log versions held); old versions are dropped
+oldest first, each once.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -21,7 +29,8 @@ import anyio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.registry.checks import check_against
+from refitflow.registry.checks import VersionIndex
+from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.replicas import REPLICA_KEY, check_replica
 
@@ -33,23 +42,43 @@ _DEFAULT_POLICY = ReleasePolicy()
 @dataclass
 class _Model:
     versions: dict[int, dict[int, Manifest]] = field(default_factory=dict)  # version -> rank -> manifest
+    order: list[int] = field(default_factory=list)  # the versions held, ascending
+    complete: list[int] = field(default_factory=list)  # the complete ones, ascending
+    index: dict[int, VersionIndex] = field(default_factory=dict)  # version -> its tensors so far
+    owner: dict[tuple[int, int], str] = field(default_factory=dict)  # (version, rank) -> owner, if any
+    first_seen: dict[int, float] = field(default_factory=dict)  # version -> clock at its first manifest
     receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
     completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
     replicas: dict[int, dict[str, Manifest]] = field(default_factory=dict)  # version -> receiver id -> manifest
+
+    @property
+    def newest(self) -> int | None:
+        return self.complete[-1] if self.complete else None
+
+
+_EMPTY = _Model()  # what a query about an unknown identity sees (queries never create models)
 
 
 class RegistryStore:
     """In one process. All methods are coroutines, as they are on a remote registry client."""
 
-    def __init__(self, *, lease_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        lease_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        limits: RegistryLimits | None = None,
+    ) -> None:
         if not lease_s > 0:
             raise ConfigError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
         self.lease_s = lease_s
+        self.limits = limits or RegistryLimits()
         self._clock = clock
         self._models: dict[Identity, _Model] = {}
         self._changed = anyio.Event()
         self._leases: dict[str, float] = {}  # owner -> last heartbeat
         self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
+        self._hold_until = float("-inf")
 
     def _notify(self) -> None:
         self._changed.set()
@@ -58,30 +87,51 @@ class RegistryStore:
     def _model(self, identity: Identity) -> _Model:
         return self._models.setdefault(identity, _Model())
 
+    def _peek(self, identity: Identity) -> _Model:
+        return self._models.get(identity, _EMPTY)
+
     def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
         if owner is not None:
             self._leases[owner] = self._clock()
             owned = self._owned.setdefault(owner, set())
             if len(owned) >= 64:  # forget versions since dropped, so a long-lived owner's record stays small
-                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._model(k[0]).versions}
+                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._peek(k[0]).versions}
             owned.add(key)
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
         """Record one rank's manifest; republishing a version with other content is refused."""
         model = self._model(manifest.identity)
-        ranks = model.versions.get(manifest.version, {})
-        check_against(manifest, ranks.values())
-        old = ranks.get(manifest.rank)
+        version, rank = manifest.version, manifest.rank
+        known = model.versions.get(version, {})
+        old = known.get(rank)
         if old is not None and old.revision != manifest.revision:
-            raise VersionError(
-                f"rank {manifest.rank} already published this version with other content", version=manifest.version
-            )
-        model.versions.setdefault(manifest.version, ranks)[manifest.rank] = manifest
-        if len(ranks) == manifest.world_size:
-            model.completed_at.setdefault(manifest.version, self._clock())
-        self._own(owner, (manifest.identity, manifest.version, manifest.rank))
+            raise VersionError(f"rank {rank} already published this version with other content", version=version)
+        if old is None:
+            ahead, newest = self.limits.max_version_ahead, model.newest
+            if not known and ahead is not None and newest is not None and version > newest + ahead:
+                raise VersionError(f"more than {ahead} versions above the newest complete version {newest}",
+                                   version=version)  # fmt: skip
+            index = model.index.get(version) or VersionIndex()
+            index.check(manifest)
+            index.add(manifest)
+            if not known:
+                model.versions[version], model.index[version] = known, index
+                model.first_seen[version] = self._clock()
+                bisect.insort(model.order, version)
+        ranks = known
+        ranks[rank] = manifest  # the same content again: its newest source address wins
+        if owner is not None:
+            model.owner[(version, rank)] = owner
+        if len(ranks) == manifest.world_size and version not in model.completed_at:
+            model.completed_at[version] = self._clock()
+            bisect.insort(model.complete, version)
+        self._own(owner, (manifest.identity, version, rank))
         self._collect(model)
         self._notify()
+
+    def newest_complete(self, identity: Identity) -> int | None:
+        """The newest complete version held for exactly ``identity`` (no filters), or None."""
+        return self._peek(identity).newest
 
     def _complete(
         self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None
@@ -92,14 +142,11 @@ class RegistryStore:
             model = self._models.get(dataclasses.replace(identity, compile_target=target))
             if model is None:
                 continue
-            for version in sorted(model.versions, reverse=True):
+            for version in reversed(model.complete):
                 if version < min_version or (best is not None and version <= best.version):
                     break
                 ranks = model.versions[version]
-                world = next(iter(ranks.values())).world_size
-                if len(ranks) != world:
-                    continue
-                manifests = tuple(ranks[r] for r in range(world))
+                manifests = tuple(ranks[r] for r in range(len(ranks)))
                 if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
                     continue
                 replicas = tuple(model.replicas.get(version, {}).values())
@@ -160,7 +207,7 @@ class RegistryStore:
 
     async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
         """Stop offering every replica of ``receiver_id`` (it is about to change its copy, or leaving)."""
-        self._drop_replicas(self._model(identity), receiver_id)
+        self._drop_replicas(self._peek(identity), receiver_id)
         self._notify()
 
     def _drop_replicas(self, model: _Model, receiver_id: str) -> None:
@@ -168,7 +215,7 @@ class RegistryStore:
             held.pop(receiver_id, None)
 
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
-        model = self._model(identity)
+        model = self._peek(identity)
         model.receivers.pop(receiver_id, None)
         self._drop_replicas(model, receiver_id)
         self._collect(model)
@@ -176,23 +223,29 @@ class RegistryStore:
 
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
         """A receiver is done with ``version`` (and so with every older one)."""
-        model = self._model(identity)
+        model = self._peek(identity)
         if receiver_id in model.receivers:
             model.receivers[receiver_id] = max(model.receivers[receiver_id], version)
         self._collect(model)
         self._notify()
 
+    def hold_releases(self, seconds: float) -> None:
+        """For ``seconds``, "every registered receiver is done" releases nothing: receivers of an earlier
+        incarnation of this registry may not have re-registered yet (a count or a time still releases)."""
+        self._hold_until = max(self._hold_until, self._clock() + seconds)
+        self._notify()
+
     def _released(self, model: _Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
         done_at = model.completed_at.get(version)
         age = None if done_at is None else self._clock() - done_at
-        return policy.released(model.receivers.values(), version, age)
+        return policy.released(model.receivers.values(), version, age, all_known=self._clock() >= self._hold_until)
 
     async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
-        return self._released(self._model(identity), version, policy or _DEFAULT_POLICY)
+        return self._released(self._peek(identity), version, policy or _DEFAULT_POLICY)
 
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
         """(receivers done with ``version``, receivers registered)."""
-        receivers = self._model(identity).receivers
+        receivers = self._peek(identity).receivers
         return sum(done >= version for done in receivers.values()), len(receivers)
 
     async def wait_released(
@@ -203,29 +256,57 @@ class RegistryStore:
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                model = self._model(identity)
+                model = self._peek(identity)
                 if self._released(model, version, policy):
                     return
-                wake = None
+                now, wakes = self._clock(), []
                 if policy.after_s is not None and version in model.completed_at:
-                    wake = max(0.0, model.completed_at[version] + policy.after_s - self._clock()) + 1e-3
-                with anyio.move_on_after(wake):
+                    wakes.append(model.completed_at[version] + policy.after_s - now)
+                if self._hold_until > now:
+                    wakes.append(self._hold_until - now)
+                with anyio.move_on_after(max(0.0, min(wakes)) + 1e-3 if wakes else None):
                     await changed.wait()
         raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
 
-    def _collect(self, model: _Model) -> None:
-        """Drop versions that are released and superseded by a newer complete version."""
-        complete = [v for v, ranks in model.versions.items() if len(ranks) == next(iter(ranks.values())).world_size]
-        if not complete:
+    def _collect(self, model: _Model) -> int:
+        """Drop versions that are released and superseded by a newer complete version, oldest first
+        (under the default policy a version is released only if every older one is); how many."""
+        newest, dropped = model.newest, 0
+        while newest is not None and model.order and model.order[0] < newest and self._released(model, model.order[0]):
+            self._drop(model, model.order[0])
+            dropped += 1
+        return dropped
+
+    def _drop(self, model: _Model, version: int) -> None:
+        for rank in model.versions.pop(version, {}):
+            model.owner.pop((version, rank), None)
+        model.index.pop(version, None)
+        model.first_seen.pop(version, None)
+        model.completed_at.pop(version, None)
+        model.replicas.pop(version, None)
+        for ordered in (model.order, model.complete):
+            at = bisect.bisect_left(ordered, version)
+            if at < len(ordered) and ordered[at] == version:
+                del ordered[at]
+
+    def _drop_rank(self, model: _Model, version: int, rank: int) -> None:
+        """A rank's manifest goes (its owner's lease ran out): the version is incomplete again, or gone."""
+        ranks = model.versions[version]
+        del ranks[rank]
+        model.owner.pop((version, rank), None)
+        if not ranks:
+            self._drop(model, version)
             return
-        for version in [v for v in model.versions if v < max(complete) and self._released(model, v)]:
-            del model.versions[version]
-            model.completed_at.pop(version, None)
-            model.replicas.pop(version, None)
+        model.index[version] = VersionIndex(list(ranks.values()))
+        model.completed_at.pop(version, None)
+        model.replicas.pop(version, None)
+        at = bisect.bisect_left(model.complete, version)
+        if at < len(model.complete) and model.complete[at] == version:
+            del model.complete[at]
 
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
-        return sorted(self._model(identity).versions)
+        return list(self._peek(identity).order)
 
     async def heartbeat(self, owner: str) -> bool:
         """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""
@@ -234,22 +315,27 @@ class RegistryStore:
         return known
 
     def expire(self) -> list[str]:
-        """Drop every owner whose lease ran out, with the manifests and receivers it held."""
+        """Drop every owner whose lease ran out, with the manifests and receivers it held, and every
+        incomplete version no owner holds once ``limits.incomplete_ttl_s`` has passed since it appeared."""
         now = self._clock()
         stale = [o for o, t in self._leases.items() if now - t > self.lease_s]
         for owner in stale:
             del self._leases[owner]
             for identity, key, rank in self._owned.pop(owner, set()):
-                model = self._model(identity)
+                model = self._peek(identity)
                 if isinstance(key, str):
                     model.receivers.pop(key, None)
                     self._drop_replicas(model, key)
-                elif rank in model.versions.get(key, {}):
-                    del model.versions[key][rank]
-                    if not model.versions[key]:
-                        del model.versions[key]
-                        model.completed_at.pop(key, None)
-                        model.replicas.pop(key, None)
-        if stale:
+                elif model.owner.get((key, rank)) == owner:
+                    self._drop_rank(model, key, rank)
+        dropped = 0
+        for model in self._models.values():
+            for version in [v for v, t in model.first_seen.items() if now - t > self.limits.incomplete_ttl_s]:
+                ranks = model.versions[version]
+                if version not in model.completed_at and not any((version, r) in model.owner for r in ranks):
+                    self._drop(model, version)
+                    dropped += 1
+            dropped += self._collect(model)  # also what a hold on releases kept
+        if stale or dropped:
             self._notify()
         return stale
