@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
+from refitflow.registry.address import no_answer_hint
 from refitflow.registry.messages import decode_message, error_from_reply
 from refitflow.registry.security import ClientSecurity
 
@@ -88,7 +89,10 @@ class Channel:
                 await self._dealer_socket().send(encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, **args}))
                 reply = await future
         except TimeoutError:
-            raise RefitTimeoutError(f"registry at {self.address} did not answer {op!r} within {deadline} s") from None
+            hint = no_answer_hint(self.address, curve=self._security is not None)
+            raise RefitTimeoutError(
+                f"registry at {self.address} did not answer {op!r} within {deadline} s; {hint}"
+            ) from None
         finally:
             self._pending.pop(request_id, None)
         if not reply.get("ok"):

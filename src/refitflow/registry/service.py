@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
+from refitflow.registry.address import check_address
 from refitflow.registry.messages import decode_message, error_reply, identity_from_dict, ok_reply, topic
 from refitflow.registry.ops import Handler
 from refitflow.registry.security import ServerSecurity
@@ -60,6 +61,7 @@ async def serve(
     At most ``max_in_flight`` requests are worked on at once (long waits included); a request beyond
     that is answered at once with a ``RefitTimeoutError`` ("busy"), so a flood cannot pile up tasks.
     """
+    check_address(address)
     if max_in_flight < 1:
         raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
     registry = registry or RegistryStore(lease_s=lease_s)
