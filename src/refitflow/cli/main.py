@@ -12,17 +12,24 @@ from refitflow.cli.args import OneLineParser, positive
 __all__ = ["build_parser", "main"]
 
 
+class _Unset(float):
+    """A default the user did not give (argparse keeps a non-string default as it is)."""
+
+
 def _demo(args: argparse.Namespace) -> int:
     import logging
     import os
 
     from refitflow.cli.demo import DemoConfig, run_demo
+    from refitflow.core.errors import ConfigError
 
+    if not isinstance(args.size_mb, _Unset) and args.model != "synthetic":
+        raise ConfigError("--size-mb applies to --model synthetic only")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time warnings after a peer is gone
     logging.getLogger("nixl").setLevel(logging.WARNING)
     cfg = DemoConfig(
         model=args.model,
-        size_bytes=int((args.size_mb or 1000.0) * 10**6),
+        size_bytes=int(args.size_mb * 10**6),
         versions=args.versions,
         budget_bytes=int(args.budget_mb * 2**20),
         transport=args.transport,
@@ -45,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "synthetic"],
                       help="tiny-llama: a small random transformers Llama, trainer at TP 2, engines at TP 1 and "
                       "TP 2, logits checked; synthetic: a bf16 model of --size-mb, for throughput")  # fmt: skip
-    demo.add_argument("--size-mb", type=positive(float), default=None,
-                      help="the synthetic model's size in MB (10^6 bytes); 1000 when not given")  # fmt: skip
+    demo.add_argument("--size-mb", type=positive(float), default=_Unset(1000.0),
+                      help="the synthetic model's size in MB (10^6 bytes)")  # fmt: skip
     demo.add_argument("--versions", type=positive(int), default=3, help="versions published and refitted")
     demo.add_argument("--budget-mb", type=positive(float), default=256.0, help="staging budget per receiving rank, MiB")
     demo.add_argument(
@@ -67,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         from refitflow.cli.registry_cmd import keys_main, registry_main
 
         return (registry_main if argv[0] == "registry" else keys_main)(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "demo" and args.size_mb is not None and args.model != "synthetic":
-        parser.error("--size-mb applies to --model synthetic only")
+    args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
     except BaseException as exc:  # a refitflow error is a sentence for the user, not a traceback
