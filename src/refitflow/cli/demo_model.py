@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -83,12 +84,16 @@ def _probe_model() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(_config()).float().eval()
 
 
+_PROBE_LOCK = threading.Lock()  # one probe model per process; with --transport loopback, roles share it
+
+
 def probe_logits(canonical: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits on a fixed prompt of the model made of ``canonical`` weights (one fp32 forward, same on every side)."""
-    model = _probe_model()
-    model.load_state_dict({n: t.float() for n, t in from_canonical(hf.layout(_dims()), canonical).items()})
+    weights = {n: t.float() for n, t in from_canonical(hf.layout(_dims()), canonical).items()}
     ids = (torch.arange(32).reshape(2, 16) * 37) % CONFIG["vocab_size"]
-    with torch.no_grad():
+    with _PROBE_LOCK, torch.no_grad():
+        model = _probe_model()
+        model.load_state_dict(weights)
         return model(input_ids=ids).logits
 
 
