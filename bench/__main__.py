@@ -2,6 +2,9 @@
 
     python -m bench [--size-mb 512] [--versions 3] [--budget-mb 256] [--json bench/results/bench.json]
 
+Needs the ``nixl`` and ``bench`` extras (``pip install -e '.[nixl,bench]'``; without safetensors the
+/dev/shm row is skipped, saying so).
+
 Rows: one-thread memcpy (the limit); raw NIXL READ of every shard (no pipeline); refitflow over NIXL,
 in place and shadow (trainer process publishing two ranks, receiver process, registry service); torch
 gloo broadcast of packed buckets from rank 0; save to /dev/shm safetensors then load. Every row is
@@ -12,6 +15,7 @@ the warm versions; peak RSS is the receiving process's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -85,6 +89,9 @@ async def collect(cfg: RoleConfig, nbytes: int) -> dict[str, dict[str, Any]]:
     gloo = await anyio.to_thread.run_sync(gloo_broadcast, size, versions)
     rows["gloo broadcast, packed buckets"] = {"gbps": nbytes / gloo["seconds"] / 1e9, "rss": gloo["rss"],
                                               "peak_staging": 64 << 20}  # fmt: skip
+    if importlib.util.find_spec("safetensors") is None:
+        print("skipped the /dev/shm safetensors row: it needs safetensors (pip install -e '.[bench]')")
+        return rows
     shm = await anyio.to_thread.run_sync(shm_safetensors, size, versions)
     rows["/dev/shm safetensors save+load"] = {"gbps": nbytes / shm["seconds"] / 1e9, "rss": shm["rss"],
                                               "peak_staging": nbytes}  # fmt: skip

@@ -1,4 +1,4 @@
-"""The README quick start, through a registry service and string addresses (in one process)."""
+"""docs/registry.md's example (a registry service, string addresses, one process) and release policies."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ async def test_quickstart_through_registry_service_and_addresses() -> None:
         weights = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(3)}
         model = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
         async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
-            async with (
-                rf.Publisher(server.address, identity=identity, transport="loopback") as pub,
-                rf.Receiver(model, server.address, identity=identity, transport="loopback") as rcv,
+            async with (  # transport "auto": NIXL, as between processes
+                rf.Publisher(server.address, identity=identity) as pub,
+                rf.Receiver(model, server.address, identity=identity) as rcv,
             ):
+                assert pub.transport.name == "nixl"
                 await pub.publish(1, weights)
                 result = await rcv.refit(timeout=10)
                 assert result.version == 1

@@ -19,8 +19,9 @@ import anyio.to_thread
 import torch
 import xxhash
 
+from refitflow.api._transport import choose_transport
 from refitflow.core.dtypes import dtype_name
-from refitflow.core.errors import ConfigError
+from refitflow.core.errors import ConfigError, VersionError
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
@@ -79,6 +80,35 @@ def digest(tensor: torch.Tensor) -> tuple[str, int, str]:
 
 
 class Publisher:
+    """One trainer rank: announces each version of its tensors; receivers read them where they lie.
+
+    Use it inside ``async with``::
+
+        async with rf.Publisher("tcp://127.0.0.1:7100", identity=rf.Identity(model="m")) as pub:
+            await pub.publish(1, dict(model.named_parameters()))
+            await pub.released(1)          # every registered receiver is done: the step may change them
+
+    Arguments:
+
+    - ``registry``: an ``rf.Registry`` (in this process), an ``rf.RegistryClient``, or the address of a
+      registry service (``"tcp://host:port"``; a client is opened and closed with the publisher).
+    - ``identity``: what receivers look for (``rf.Identity``: model, layout, dtype, parallelism, compile
+      target); a receiver finds this publication only under the very same identity.
+    - ``rank``, ``world_size``: this trainer rank among the ranks that publish one version together; a
+      version is discoverable once all ``world_size`` ranks published it.
+    - ``transport``: ``"auto"`` (default: ``"loopback"`` with a registry object, ``"nixl"`` with an address
+      or client), ``"loopback"`` (this process only), ``"nixl"``, or a ``Transport`` instance.
+    - ``metadata``: announced with every manifest (``metadata["layout"]``: the layout the tensors are in,
+      from ``refitflow.layouts.wire.layout_metadata``); receivers may filter on it.
+    - ``compile_target``, ``compile_metadata``: what the bytes were compiled for (receivers may filter).
+    - ``observer``: metrics (``refitflow.metrics.prometheus.PrometheusMetrics``).
+    - ``release_policy``: when ``released(version)`` returns (``rf.ReleasePolicy``; default: every
+      registered receiver is done with the version).
+
+    Errors: ``ConfigError`` for arguments that make no sense (raised here, before anything starts);
+    ``VersionError`` for a version that does not increase or a republish with other content.
+    """
+
     def __init__(
         self,
         registry: PublishRegistry | str,
@@ -86,18 +116,18 @@ class Publisher:
         identity: Identity,
         rank: int = 0,
         world_size: int = 1,
-        transport: str | Transport = "loopback",
+        transport: str | Transport = "auto",
         metadata: Mapping[str, str] | None = None,
         compile_target: str = "",
         compile_metadata: Mapping[str, str] | None = None,
         observer: PublishObserver = NULL_OBSERVER,
         release_policy: ReleasePolicy | None = None,
     ) -> None:
-        """``registry``: a registry object, or the address of a registry service (a client is opened and
-        closed with the publisher). ``release_policy``: when ``released(version)`` returns (see ReleasePolicy).
-        """
+        if not isinstance(identity, Identity):
+            raise ConfigError(f"identity must be an rf.Identity, got {type(identity).__name__}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} must lie in [0, world_size={world_size})")
+        transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
         self.registry: PublishRegistry = connect_registry(registry)
         self.release_policy = release_policy
@@ -162,9 +192,18 @@ class Publisher:
         return tensor.detach(), fields
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded]) -> Manifest:
-        """Register, digest and announce this rank's tensors as ``version``."""
+        """Register, digest and announce this rank's tensors as ``version`` (greater than the last one).
+
+        ``tensors``: name -> tensor (the whole tensor) or ``rf.Sharded`` (this rank's part of it). The
+        tensors must stay unchanged until ``await released(version)`` returns.
+        """
         if self.published and version <= self.published[-1]:
-            raise ConfigError(f"version {version} does not increase past {self.published[-1]}")
+            raise VersionError(
+                f"this publisher already published version {self.published[-1]}; publish a greater version",
+                version=version,
+            )
+        if not isinstance(tensors, Mapping):
+            raise ConfigError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
         prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]  # every check first
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}

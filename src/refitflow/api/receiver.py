@@ -15,7 +15,15 @@ import anyio.to_thread
 import torch
 
 from refitflow.api._replica_source import replica_manifest
-from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError, VersionError
+from refitflow.api._transport import choose_transport
+from refitflow.core.errors import (
+    RELEASED_HINT,
+    ConfigError,
+    IntegrityError,
+    RefitError,
+    RefitTimeoutError,
+    VersionError,
+)
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
@@ -95,13 +103,46 @@ class ReceiverStatus:
 
 
 class Receiver:
+    """One inference rank: refits its model to each new version, transactionally.
+
+    Use it inside ``async with``::
+
+        async with rf.Receiver(model, "tcp://127.0.0.1:7100", identity=rf.Identity(model="m")) as recv:
+            result = await recv.refit()     # the newest complete version newer than the last one
+            recv.fence.check()              # rf.FencedError unless a complete version is serving
+
+    Arguments:
+
+    - ``model``: a ``torch.nn.Module`` or a mapping of names to tensors: the parameters to write. Without
+      ``layout`` the names are the publisher's tensor names.
+    - ``registry``: an ``rf.Registry`` (in this process), an ``rf.RegistryClient``, or the address of a
+      registry service (``"tcp://host:port"``; a client is opened and closed with the receiver).
+    - ``identity``: the ``rf.Identity`` to look for; it must equal the publisher's.
+    - ``transport``: ``"auto"`` (default: ``"loopback"`` with a registry object, ``"nixl"`` with an address
+      or client), ``"loopback"`` (this process only), ``"nixl"``, or a ``Transport`` instance.
+    - ``mode``: ``"in_place"`` (write the live parameters behind the fence; a failure leaves the rank
+      fenced) or ``"shadow"`` (write a copy and swap at commit; a failure leaves the old version serving,
+      at twice the parameter memory).
+    - ``budget_bytes``: the staging memory this rank may hold at once.
+    - ``observer``: metrics (``refitflow.metrics.prometheus.PrometheusMetrics``).
+    - ``receiver_id``: this rank's name at the registry (default: a random one).
+    - ``layout``: this rank's layout map (e.g. ``refitflow.layouts.fused.layout(dims, parallel)``): the
+      publisher's tensors are translated into it, and only this rank's slice is read.
+    - ``serve_replicas``: offer each committed version to other receivers (tree fan-out).
+    - ``**options``: the other ``rf.ReceiverConfig`` fields (``lossy_casts``, ``verify``,
+      ``read_timeout_s``, ...; each is documented there); an unknown one is a ``ConfigError``.
+
+    ``refit`` = ``prepare`` + ``finish``; an engine-wide vote goes between the two
+    (``rf.EngineMember``). ``status`` and ``fence`` say what the rank serves.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module | Mapping[str, torch.Tensor],
         registry: ReceiveRegistry | str,
         *,
         identity: Identity,
-        transport: str | Transport = "loopback",
+        transport: str | Transport = "auto",
         mode: str = "in_place",
         budget_bytes: int = ReceiverConfig.budget_bytes,
         observer: Observer = NULL_OBSERVER,
@@ -113,7 +154,15 @@ class Receiver:
         unknown = sorted(set(options) - set(ReceiverConfig.__dataclass_fields__))
         if unknown:
             raise ConfigError(f"unknown receiver options {unknown}; see rf.ReceiverConfig")
+        if not isinstance(model, torch.nn.Module | Mapping):
+            raise ConfigError(
+                f"model must be a torch.nn.Module or a mapping of names to tensors, got {type(model).__name__}"
+                + ("; name the tensors, e.g. dict(model.named_parameters())" if isinstance(model, list | tuple) else "")
+            )
+        if not isinstance(identity, Identity):
+            raise ConfigError(f"identity must be an rf.Identity, got {type(identity).__name__}")
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
+        transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)  # an address: a client opened and closed with us
         self.registry: ReceiveRegistry = connect_registry(registry)
         self.identity = identity
@@ -206,6 +255,8 @@ class Receiver:
                 )  # fmt: skip
         except BaseException as exc:
             await self._ended(ctx, exc)
+            if isinstance(exc, IntegrityError) and RELEASED_HINT not in str(exc):
+                raise IntegrityError(f"{exc.reason}; {RELEASED_HINT}", version=exc.version, tensor=exc.tensor) from exc
             if isinstance(exc, TimeoutError) and not isinstance(exc, RefitError):
                 raise RefitTimeoutError(
                     f"refit did not finish within {self.config.refit_timeout_s} s",

@@ -1,11 +1,18 @@
-"""``refitflow demo``: a registry, a trainer process publishing two ranks, and two receiver processes.
+"""``refitflow demo``: a registry, a trainer publishing as two ranks, and inference ranks refitting each version.
 
-The trainer publishes a synthetic transformer-shaped bf16 model as world size 2 (each rank holds half
-the rows of every matrix); one receiver refits in place, one through a shadow copy; several versions
-in a row. Every receiver serves Prometheus metrics while it runs. The demo exits 0 only if every
-receiver verified (every byte against the publisher's digests) and committed every version, with
-the publisher's revision. With ``--transport loopback`` (in-process only) the roles run as tasks of
-one process instead.
+``--model tiny-llama`` (default): a tiny, randomly initialised transformers Llama; the trainer holds
+it in Megatron's layout at TP 2 and takes a real optimiser step per version; two engines in vLLM's
+fused layout (TP 1 in place, TP 2 shadow) refit it, each rank reading only its slice, and their
+logits are checked against the trainer's after every version (``demo_model``).
+
+``--model synthetic``: a synthetic transformer-shaped bf16 model of ``--size-mb``, published as two
+row-sharded ranks into one in-place and one shadow receiver, for throughput (``demo_roles``).
+
+Every receiving rank serves Prometheus metrics while it runs. The demo exits 0 only if every rank
+verified (every byte against the publisher's digests) and committed every version, with the
+publisher's revision (and, for the model, matching logits). With ``--transport loopback`` the roles
+run as tasks of one process around an embedded registry; otherwise each runs in its own process
+around a registry service, over NIXL.
 """
 
 from __future__ import annotations
@@ -22,20 +29,35 @@ import anyio.to_thread
 from refitflow.cli.demo_roles import RoleConfig, publisher_role, receiver_role, run_role_process
 from refitflow.cli.demo_view import DemoView
 from refitflow.cli.synthetic import synthetic_nbytes
+from refitflow.core.errors import ConfigError
 from refitflow.registry.embedded import Registry
 
-__all__ = ["DemoConfig", "run_demo", "run_processes"]
+__all__ = ["MODELS", "TRANSPORTS", "DemoConfig", "run_demo", "run_processes"]
 
-RECEIVERS = (("in_place", "in_place"), ("shadow", "shadow"))
+MODELS = ("tiny-llama", "synthetic")
+TRANSPORTS = ("nixl", "loopback")
+RECEIVERS = (("in_place", "in_place"), ("shadow", "shadow"))  # the synthetic model's receivers
+Roles = list[tuple[Any, tuple[Any, ...], str]]  # (role, its arguments before ``report``, label)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    size_bytes: int = 10**9
+    model: str = "tiny-llama"
+    size_bytes: int = 10**9  # the synthetic model's size
     versions: int = 3
     budget_bytes: int = 256 << 20
     transport: str = "nixl"
     timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.versions < 1:
+            raise ConfigError(f"versions must be at least 1, got {self.versions}")
+        if self.size_bytes < 1 or self.budget_bytes < 64 or not self.timeout_s > 0:
+            raise ConfigError("the model size, a budget of at least 64 bytes and the timeout must be positive")
 
     @property
     def roles(self) -> RoleConfig:
@@ -43,63 +65,62 @@ class DemoConfig:
                           transport=self.transport, timeout_s=self.timeout_s)  # fmt: skip
 
 
-def _handle(view: DemoView, event: dict[str, Any], nbytes: list[int]) -> None:
-    kind = event["kind"]
-    if kind == "publisher_ready":
-        nbytes[0] = event["nbytes"]
-        view.say(f"trainer: {event['tensors']} tensors, {event['nbytes'] / 1e9:.3f} GB bf16, 2 ranks")
-    elif kind == "published":
-        view.revisions[event["version"]] = event["revision"]
-        view.say(f"v{event['version']} published (digests in {event['seconds'] * 1e3:.0f} ms)")
-    elif kind == "receiver_ready":
-        view.receiver_ready(event["name"], event["metrics_port"])
-    elif kind == "progress":
-        view.progress_event(event["name"], event["stage"], event["done"])
-    elif kind == "refit":
-        view.refit_event(event)
-    elif kind == "error":
-        view.say(f"[red]{event['role']} failed: {event['error']}[/red]")
+def _roles(cfg: DemoConfig, registry: Any) -> Roles:
+    if cfg.model == "synthetic":
+        roles: Roles = [(publisher_role, (registry, cfg.roles, len(RECEIVERS)), "publisher")]
+        return roles + [(receiver_role, (name, mode, registry, cfg.roles), name) for name, mode in RECEIVERS]
+    from refitflow.cli.demo_model import ENGINES, engine_role, trainer_role
+
+    ranks = sum(tp for _, tp, _ in ENGINES)
+    roles = [(trainer_role, (registry, cfg.roles, ranks), "trainer")]
+    return roles + [(engine_role, (name, tp, mode, registry, cfg.roles), name) for name, tp, mode in ENGINES]
+
+
+def _view(cfg: DemoConfig) -> DemoView:
+    if cfg.model == "synthetic":
+        total = synthetic_nbytes(cfg.size_bytes)
+        view = DemoView(cfg.versions, receivers=[name for name, _ in RECEIVERS])
+        view.say(f"refitflow demo: synthetic {total / 1e9:.3f} GB bf16 model as 2 row-sharded trainer ranks, "
+                 f"{cfg.versions} versions, receivers in_place and shadow, transport {cfg.transport}, "
+                 f"staging budget {cfg.budget_bytes / 2**20:g} MiB per receiver")  # fmt: skip
+        return view
+    from refitflow.cli.demo_model import CONFIG, ENGINES, TRAIN_TP, model_nbytes
+
+    ranks = [f"{name}/r{r}" if tp > 1 else name for name, tp, _ in ENGINES for r in range(tp)]
+    view = DemoView(cfg.versions, receivers=ranks, engines=[name for name, _, _ in ENGINES])
+    shape = ", ".join(f"{k.removeprefix('num_')}={v}" for k, v in CONFIG.items() if k != "tie_word_embeddings")
+    engines = "; ".join(f"engine {n}: vLLM fused layout, TP {tp}, {mode}" for n, tp, mode in ENGINES)
+    view.say(f"refitflow demo: tiny Llama ({shape}; {model_nbytes() / 1e6:.1f} MB bf16, random weights)\n"
+             f"  trainer: Megatron layout, TP {TRAIN_TP} (2 publisher ranks), one optimiser step per version\n"
+             f"  {engines}\n"
+             f"  {cfg.versions} versions, transport {cfg.transport}, "
+             f"staging budget {cfg.budget_bytes / 2**20:g} MiB per rank")  # fmt: skip
+    return view
 
 
 async def run_demo(cfg: DemoConfig) -> bool:
-    total = synthetic_nbytes(cfg.size_bytes)
-    view = DemoView(total, cfg.versions)
-    view.say(f"refitflow demo: {total / 1e9:.3f} GB model, {cfg.versions} versions, transport {cfg.transport}, "
-             f"staging budget {cfg.budget_bytes / 2**20:.0f} MiB per receiver")  # fmt: skip
+    """Run the demo; True when every rank verified and committed every version (and logits matched)."""
+    if cfg.model != "synthetic":
+        from refitflow.cli.demo_model import require_transformers
+
+        require_transformers()
+    view = _view(cfg)
     t0 = time.perf_counter()
     with view:
         if cfg.transport == "loopback":
-            await _in_process(cfg, view)
+            registry = Registry()
+            with anyio.fail_after(cfg.timeout_s):
+                async with anyio.create_task_group() as tg:
+                    for role, args, _ in _roles(cfg, registry):
+                        tg.start_soon(role, *args, view.handle)
         else:
-            await _processes(cfg, view)
+            async with Registry.serve("tcp://127.0.0.1:*", lease_s=30) as server:
+                await run_processes(_roles(cfg, server.address), cfg.timeout_s, view.handle)
     view.table()
-    ok = view.ok([name for name, _ in RECEIVERS])
+    ok = view.ok()
     view.say(f"{'all versions verified and committed on every receiver' if ok else 'FAILED'} "
              f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return ok
-
-
-async def _in_process(cfg: DemoConfig, view: DemoView) -> None:
-    registry, nbytes = Registry(), [0]
-
-    def report(event: dict[str, Any]) -> None:
-        _handle(view, event, nbytes)
-
-    with anyio.fail_after(cfg.timeout_s):
-        async with anyio.create_task_group() as tg:
-            for name, mode in RECEIVERS:
-                tg.start_soon(receiver_role, name, mode, registry, cfg.roles, report)
-            tg.start_soon(publisher_role, registry, cfg.roles, len(RECEIVERS), report)
-
-
-async def _processes(cfg: DemoConfig, view: DemoView) -> None:
-    async with Registry.serve("tcp://127.0.0.1:*", lease_s=30) as server:
-        roles: list[tuple[Any, tuple[Any, ...], str]] = [
-            (publisher_role, (server.address, cfg.roles, len(RECEIVERS)), "publisher")
-        ]
-        roles += [(receiver_role, (name, mode, server.address, cfg.roles), name) for name, mode in RECEIVERS]
-        nbytes = [0]
-        await run_processes(roles, cfg.timeout_s, lambda event: _handle(view, event, nbytes))
 
 
 async def run_processes(

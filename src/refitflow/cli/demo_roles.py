@@ -1,4 +1,5 @@
-"""The demo's roles: a trainer process publishing two ranks, receiver processes refitting.
+"""The synthetic demo's roles (a trainer process publishing two ranks, receiver processes refitting) and
+what every demo role shares: progress metrics, refit events, the child-process entry point.
 
 Roles are async functions that report events (plain dicts) through a callback, so the same code runs
 as child processes (events over a multiprocessing queue) or as tasks of one process (loopback).
@@ -17,12 +18,23 @@ import anyio
 import torch
 
 from refitflow.api.publisher import Publisher, Sharded
-from refitflow.api.receiver import Receiver
+from refitflow.api.receiver import Receiver, RefitResult
 from refitflow.cli.synthetic import synthetic_model, synthetic_shapes
 from refitflow.core.types import Identity, Publication
+from refitflow.engine.member import Preparing
 from refitflow.metrics.prometheus import PrometheusMetrics
 
-__all__ = ["IDENTITY", "RoleConfig", "publisher_role", "receiver_role", "run_role_process"]
+__all__ = [
+    "IDENTITY",
+    "ProgressMetrics",
+    "Report",
+    "RoleConfig",
+    "publisher_role",
+    "receiver_role",
+    "refit_event",
+    "run_role_process",
+    "wait_for_receivers",
+]
 
 IDENTITY = Identity(model="demo-llama", dtype="bfloat16", parallelism="tp2")
 Report = Callable[[dict[str, Any]], None]
@@ -61,9 +73,7 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
         Publisher(registry, identity=IDENTITY, rank=0, world_size=2, transport=cfg.transport) as p0,
         Publisher(registry, identity=IDENTITY, rank=1, world_size=2, transport=cfg.transport) as p1,
     ):
-        with anyio.fail_after(cfg.timeout_s):  # release waits for registered receivers: wait for them all
-            while (await p0.registry.acked(IDENTITY, 0))[1] < receivers:  # noqa: ASYNC110 (no event for it)
-                await anyio.sleep(0.05)
+        await wait_for_receivers(p0, receivers, cfg.timeout_s)
         report({"kind": "publisher_ready", "tensors": len(model), "nbytes": nbytes})
         for version in range(1, cfg.versions + 1):
             if version > 1:
@@ -77,6 +87,25 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
             report({"kind": "published", "version": version, "revision": revision,
                     "seconds": time.perf_counter() - t0})  # fmt: skip
         await p0.released(cfg.versions, timeout=cfg.timeout_s)
+
+
+async def wait_for_receivers(pub: Publisher, receivers: int, timeout_s: float) -> None:
+    """Until ``receivers`` receivers registered for the publisher's model (release waits only for those)."""
+    with anyio.fail_after(timeout_s):
+        while (await pub.registry.acked(pub.identity, 0))[1] < receivers:  # noqa: ASYNC110 (no event for it)
+            await anyio.sleep(0.05)
+
+
+def refit_event(name: str, result: RefitResult, recv: Preparing, committed: bool) -> dict[str, Any]:
+    """What the display needs of one rank's refit."""
+    return {
+        "kind": "refit", "name": name, "version": result.version, "revision": result.revision,
+        "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes, "ideal_bytes": result.ideal_bytes,
+        "committed": committed and recv.status.committed_version == result.version and recv.status.fence == "ready",
+        "peak_staging": result.peak_staging_bytes,
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "stages": {k: v.seconds for k, v in result.stages.items()},
+    }  # fmt: skip
 
 
 class ProgressMetrics(PrometheusMetrics):
@@ -114,21 +143,14 @@ async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, re
             model, registry, identity=IDENTITY, transport=cfg.transport, mode=mode,
             budget_bytes=cfg.budget_bytes, observer=metrics, shadow_commit=commit,
         ) as recv:  # fmt: skip
-            report({"kind": "receiver_ready", "name": name, "metrics_port": port})
+            report({"kind": "receiver_ready", "name": name, "metrics_port": port,
+                    "total": sum(t.nbytes for t in model.values())})  # fmt: skip
             for version in range(1, cfg.versions + 1):
                 metrics.done = 0
                 txn, result = await recv.prepare(version, timeout=cfg.timeout_s)  # refit = prepare + finish
                 t0 = time.perf_counter()
                 await recv.finish(txn)  # the commit: a swap, or the device copy of shadow_commit="copy"
-                report({
-                    "kind": "refit", "name": name, "version": result.version, "revision": result.revision,
-                    "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes,
-                    "finish_seconds": time.perf_counter() - t0,
-                    "committed": recv.status.committed_version == version and recv.fence.state == "ready",
-                    "peak_staging": result.peak_staging_bytes,
-                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                    "stages": {k: v.seconds for k, v in result.stages.items()},
-                })  # fmt: skip
+                report(refit_event(name, result, recv, committed=True) | {"finish_seconds": time.perf_counter() - t0})
     finally:
         metrics.close()
 

@@ -7,7 +7,6 @@ server's ``.key_secret``) and ``REFITFLOW_CURVE_AUTHORIZED`` (folder of allowed 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -16,7 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from refitflow.core.errors import RefitError
+from refitflow.cli.args import OneLineParser, positive
+from refitflow.core.errors import ConfigError, RefitError
+from refitflow.registry.address import check_address
 from refitflow.registry.embedded import Registry
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
@@ -28,30 +29,39 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
     """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--curve-secret F --curve-authorized D]
     [--max-message-bytes N]``."""
     env = os.environ
-    parser = argparse.ArgumentParser(prog="refitflow registry", description="Serve a refitflow registry over ZMQ.")
+    parser = OneLineParser(prog="refitflow registry", description="Serve a refitflow registry over ZMQ.")
     parser.add_argument(
         "--bind",
         default=env.get("REFITFLOW_REGISTRY_BIND", "tcp://127.0.0.1:7100"),
-        help="request endpoint; loopback unless you say otherwise (a '*' port picks a free one)",
+        help="request endpoint; loopback unless you say otherwise (a '*' port picks a free one); "
+        "env REFITFLOW_REGISTRY_BIND",
     )
     parser.add_argument(
         "--lease-s",
-        type=float,
-        default=float(env.get("REFITFLOW_REGISTRY_LEASE_S", "10")),
-        help="seconds without a heartbeat before a publisher's versions stop being offered",
+        type=positive(float),
+        default=env.get("REFITFLOW_REGISTRY_LEASE_S", "10"),
+        help="seconds without a heartbeat before a publisher's versions stop being offered; "
+        "env REFITFLOW_REGISTRY_LEASE_S",
     )
     parser.add_argument(
         "--curve-secret",
         default=env.get("REFITFLOW_CURVE_SECRET"),
-        help="the server's CURVE .key_secret file (enables CURVE)",
+        help="the server's CURVE .key_secret file (enables CURVE); env REFITFLOW_CURVE_SECRET",
     )
-    parser.add_argument("--curve-authorized", default=env.get("REFITFLOW_CURVE_AUTHORIZED"),
-                        help="folder of the allowed clients' public .key files")  # fmt: skip
-    parser.add_argument("--max-message-bytes", type=int, default=RegistryLimits.max_message_bytes,
-                        help="the largest request (a manifest) the registry takes")  # fmt: skip
+    parser.add_argument(
+        "--curve-authorized",
+        default=env.get("REFITFLOW_CURVE_AUTHORIZED"),
+        help="folder of the allowed clients' public .key files; env REFITFLOW_CURVE_AUTHORIZED",
+    )
+    parser.add_argument("--max-message-bytes", type=positive(int), default=RegistryLimits.max_message_bytes,
+                        help="the largest request (a manifest) the registry takes, in bytes")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.curve_secret is None) != (args.curve_authorized is None):
         parser.error("--curve-secret and --curve-authorized go together")
+    try:
+        check_address(args.bind)
+    except ConfigError as exc:
+        parser.error(f"argument --bind: {exc}")
     try:
         security = None
         if args.curve_secret is not None:
@@ -83,8 +93,8 @@ def keys_main(argv: Sequence[str] | None = None) -> int:
     Secret keys are written 0600 in a folder this command creates 0700 (nobody else can list it); the
     public keys (``.key``, ``authorized/``) are 0644, they are meant to be handed out.
     """
-    parser = argparse.ArgumentParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
-    parser.add_argument("dir", type=Path)
+    parser = OneLineParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
+    parser.add_argument("dir", type=Path, help="where to write the keys (created if missing)")
     parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
     args = parser.parse_args(argv)
     from zmq.auth import create_certificates

@@ -27,6 +27,7 @@ Errors carry ``version`` and ``tensor`` where they apply::
 from __future__ import annotations
 
 __all__ = [
+    "RELEASED_HINT",
     "AuthenticationError",
     "ConfigError",
     "CoverageError",
@@ -41,6 +42,13 @@ __all__ = [
     "TransportError",
     "VersionError",
 ]
+
+
+# what an IntegrityError on a publisher's bytes usually means, and the fix (the receiver adds it)
+RELEASED_HINT = (
+    "if the trainer changed these tensors after publishing them, it must first wait for "
+    "`await publisher.released(version)` (or a ReleasePolicy that allows it)"
+)
 
 
 class RefitError(Exception):

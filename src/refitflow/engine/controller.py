@@ -48,7 +48,20 @@ class EngineResult:
 
 
 class Controller:
-    """Drives the engines' ranks through ``EngineAgent``s at the given addresses."""
+    """The RL loop's handle on every inference engine: refit them all to a version with one call.
+
+    ::
+
+        controller = rf.Controller({"engine-a": ["tcp://10.0.0.7:7300", "tcp://10.0.0.8:7300"]})
+        results = await controller.refit(version, timeout=60)      # {engine: rf.EngineResult}
+        assert all(r.committed for r in results.values())
+
+    Arguments: ``engines`` maps each engine's name to the addresses of its ranks' ``rf.EngineAgent``s
+    (each rank runs ``EngineAgent(EngineMember(receiver, vote), address).serve()``); ``slack_s`` (10) is
+    how long past a refit's ``timeout`` the controller waits for answers (the vote, the commit, the
+    reply). A rank that does not answer by then fails its engine. ``status()`` asks every rank for its
+    receiver status; ``stop_agents()`` ends the agents' loops.
+    """
 
     def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0) -> None:
         if not engines or any(not ranks for ranks in engines.values()):

@@ -15,6 +15,35 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class ReceiverConfig:
+    """A receiver's options (``rf.Receiver(..., **options)`` passes them here); each is checked on creation.
+
+    - ``budget_bytes`` (256 MiB): staging memory this rank may hold at once; a tensor larger than it
+      streams through in pieces. Reads that need no translation land in the parameters and use none.
+    - ``bucket_bytes`` (half the budget, at most 32 MiB): the staging size of one bucket, the unit that
+      flows through the stages; two buckets in flight overlap pulling with applying.
+    - ``direct_bucket_bytes`` (64 MiB): how many bytes of direct reads (no staging) go in one batch.
+    - ``max_reads_per_bucket`` (4096): reads handed to the transport in one call.
+    - ``mode`` (``"in_place"``): ``"in_place"`` writes the live parameters behind the fence (a failure
+      leaves the rank fenced); ``"shadow"`` writes a copy and swaps it in at commit (a failure leaves the
+      old version serving; twice the parameter memory).
+    - ``shadow_commit`` (``"swap"``): how a shadow version becomes live: ``"swap"`` swaps ``param.data``
+      (instant; raw pointers captured before, as in CUDA graphs, keep the old storage); ``"copy"``
+      copies the shadow into the live storage on the device at commit (pointers kept; the fence is
+      ``updating`` for one device copy). Only with ``mode="shadow"`` (see docs/device.md).
+    - ``lossy_casts`` (False): allow casts that lose precision (e.g. fp32 published, bf16 served);
+      otherwise such a cast is a ``PlanError`` before any byte is read.
+    - ``stream_depth`` (2): items buffered between two stages.
+    - ``read_timeout_s`` (60): deadline of one bucket's reads; past it the refit aborts.
+    - ``refit_timeout_s`` (600): deadline of a whole refit, discovery included.
+    - ``verify`` (``"strict"``): ``"strict"`` widens reads to whole digest blocks so that every pulled
+      byte is checked against the publisher's digests; ``"pulled"`` reads exactly this rank's slice and
+      checks the blocks that arrived whole (``RefitResult.unverified_bytes`` counts the rest).
+    - ``max_strided_runs`` (1024): row runs per piece when a column slice is read as strided runs.
+    - ``min_run_bytes`` (32): runs shorter than this read the enclosing rows into staging instead.
+    - ``compile_targets`` (None: any): the compile targets this rank accepts; another is a ``PlanError``.
+    - ``compile_metadata`` (none): items every accepted shard's compile metadata must contain.
+    """
+
     budget_bytes: int = 256 * MiB
     bucket_bytes: int | None = None  # default: half the budget, at most 32 MiB (two buckets in flight)
     direct_bucket_bytes: int = 64 * MiB  # direct reads use no staging; this only sizes their batches

@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from refitflow.core.errors import AuthenticationError, ConfigError, ManifestError, RefitTimeoutError, TransportError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
+from refitflow.registry.address import no_answer_hint
 from refitflow.registry.messages import decode_message, error_from_reply
 from refitflow.registry.security import ClientSecurity
 
@@ -214,7 +215,10 @@ class Channel:
                 reply = await future
         except TimeoutError:
             self.answering = False
-            raise RefitTimeoutError(f"registry at {self.address} did not answer {op!r} within {deadline} s") from None
+            hint = no_answer_hint(self.address, curve=self._security is not None)
+            raise RefitTimeoutError(
+                f"registry at {self.address} did not answer {op!r} within {deadline} s; {hint}"
+            ) from None
         except zmq.ZMQError as exc:
             raise TransportError(f"registry at {self.address}: sending {op!r} failed: {exc}") from exc
         finally:

@@ -31,6 +31,7 @@ import zmq.asyncio
 from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import manifest_from_dict, manifest_to_dict
+from refitflow.registry.address import check_address
 from refitflow.registry.channel import Channel
 from refitflow.registry.messages import identity_to_dict, topic
 from refitflow.registry.release import ReleasePolicy
@@ -61,7 +62,7 @@ class RegistryClient:
             raise ConfigError("request_timeout_s, requery_s, report_wait_s and heartbeat_s must be positive seconds")
         if max_held_versions < 1:
             raise ConfigError(f"max_held_versions must be at least 1, got {max_held_versions}")
-        self.address = address
+        self.address = check_address(address)
         self.request_timeout_s = request_timeout_s
         self.requery_s = requery_s
         self.heartbeat_s = heartbeat_s
@@ -370,6 +371,11 @@ class RegistryClient:
                 return
             if deadline is not None and loop.time() >= deadline:
                 raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
+
+    async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
+        """What the registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
+        return [str(s) for s in await self._request("near_misses", identity=identity_to_dict(identity),
+                                                    min_version=min_version)]  # fmt: skip
 
     async def versions(self, identity: Identity) -> list[int]:
         return list(await self._request("versions", identity=identity_to_dict(identity)))

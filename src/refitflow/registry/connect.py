@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from refitflow.core.errors import ConfigError
+from refitflow.registry.address import check_address
+
 __all__ = ["connect_registry"]
 
 
@@ -12,5 +15,10 @@ def connect_registry(spec: Any) -> Any:
     if isinstance(spec, str):
         from refitflow.registry.client import RegistryClient
 
-        return RegistryClient(spec)
+        return RegistryClient(check_address(spec))
+    if not callable(getattr(spec, "publish", None)) and not callable(getattr(spec, "wait_complete", None)):
+        raise ConfigError(
+            f"registry must be an rf.Registry, an rf.RegistryClient or an address such as 'tcp://127.0.0.1:7100', "
+            f"got {type(spec).__name__}"
+        )
     return spec

@@ -149,5 +149,9 @@ class Handler:
             return False
         return True
 
+    async def op_near_misses(self, msg: dict[str, Any]) -> Any:
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        return await self.registry.near_misses(identity, _arg(msg, "min_version", int, 0))
+
     async def op_versions(self, msg: dict[str, Any]) -> Any:
         return await self.registry.versions(identity_from_dict(_arg(msg, "identity", dict)))

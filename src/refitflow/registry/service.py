@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
+from refitflow.registry.address import check_address
 from refitflow.registry.admission import Gate, check_fresh, request_id_of
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import decode_message, error_reply, identity_from_dict, ok_reply, topic
@@ -80,6 +81,7 @@ async def serve(
     request beyond them is answered at once with a typed error (``RefitTimeoutError`` "busy" for a full
     house), so a flood cannot pile up tasks or memory. A given ``registry`` keeps its own store limits.
     """
+    check_address(address)
     registry = registry or RegistryStore(lease_s=lease_s, limits=limits)
     limits = limits or registry.limits
     ctx = zmq.asyncio.Context()

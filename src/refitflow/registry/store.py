@@ -31,6 +31,7 @@ from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.checks import VersionIndex
 from refitflow.registry.limits import RegistryLimits
+from refitflow.registry.near_misses import near_misses
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.replicas import REPLICA_KEY, check_replica
 
@@ -307,6 +308,10 @@ class RegistryStore:
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
         return list(self._peek(identity).order)
+
+    async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
+        """What this registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
+        return near_misses({i: m.versions for i, m in self._models.items()}, identity, min_version)
 
     async def heartbeat(self, owner: str) -> bool:
         """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""

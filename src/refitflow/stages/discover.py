@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import anyio
 from anyio.abc import ObjectSendStream
 
+from refitflow.core.errors import RefitError, RefitTimeoutError
 from refitflow.core.types import Identity, Publication
 from refitflow.stages._context import Discovery, StageContext
 
 __all__ = ["run"]
+
+NEAR_MISS_S = 2.0  # how long a timed-out discovery asks the registry what it holds instead
 
 
 async def run(
@@ -29,7 +33,10 @@ async def run(
     async with send:
         ctx.enter("discover")
         t_wait = time.perf_counter()
-        pub = await registry.wait_complete(identity, min_version, timeout)
+        try:
+            pub = await registry.wait_complete(identity, min_version, timeout)
+        except RefitTimeoutError as exc:
+            raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
         t0 = ctx.discovered_at = time.perf_counter()
         ctx.waited_s = t0 - t_wait
         ctx.connect_sources(pub)
@@ -39,3 +46,18 @@ async def run(
         ctx.publication = pub
         ctx.note("discover", 1, 0, time.perf_counter() - t0)
         await send.send(pub)
+
+
+async def _explain(registry: Discovery, identity: Identity, min_version: int, exc: RefitTimeoutError) -> str:
+    """The timeout's message, with the full identity and what the registry holds of the model instead."""
+    text = f"{exc.reason}; waited for {identity!r}"
+    ask = getattr(registry, "near_misses", None)
+    if ask is None:
+        return text
+    held: list[str] = []
+    with anyio.move_on_after(NEAR_MISS_S):
+        try:
+            held = list(await ask(identity, min_version))
+        except RefitError:  # the registry did not answer this either: the first message says so
+            return text
+    return f"{text}; the registry holds: {'; '.join(held)}" if held else text

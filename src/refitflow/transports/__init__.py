@@ -5,15 +5,24 @@ test uses) and real transports (NIXL), whose libraries are imported lazily. Impo
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from refitflow.core.errors import ConfigError
 from refitflow.transports.base import Read, Transport, as_bytes
 from refitflow.transports.loopback import LoopbackTransport
 
-__all__ = ["LoopbackTransport", "Read", "Transport", "as_bytes", "make_transport"]
+__all__ = ["LoopbackTransport", "Read", "Transport", "as_bytes", "make_transport", "nixl_installed"]
 
 TRANSPORTS = ("loopback", "nixl")
+
+
+def nixl_installed() -> bool:
+    """Whether the optional ``nixl`` package can be imported (found without importing it: that takes seconds)."""
+    try:
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):  # ValueError: a module entry without a spec (e.g. import blocked)
+        return False
 
 
 def make_transport(spec: str | Transport, **options: Any) -> Transport:

@@ -1,0 +1,36 @@
+"""Registry addresses: checked where they come in, and named in the hint when a registry does not answer."""
+
+from __future__ import annotations
+
+import re
+
+from refitflow.core.errors import ConfigError
+
+__all__ = ["SCHEMES", "check_address", "no_answer_hint"]
+
+SCHEMES = ("tcp", "ipc", "inproc")
+_ADDRESS = re.compile(r"^(?P<scheme>[a-z]+)://(?P<rest>.+)$")
+
+
+def check_address(address: object) -> str:
+    """``address`` if it is a ZMQ endpoint with a scheme refitflow speaks, else a ``ConfigError`` saying why."""
+    if not isinstance(address, str):
+        raise ConfigError(f"a registry address is a string such as 'tcp://127.0.0.1:7100', got {address!r}")
+    found = _ADDRESS.match(address)
+    if found is None:
+        guess = f"; did you mean 'tcp://{address}'?" if re.fullmatch(r"[\w.\-*]+:\d+|[\w.\-]+:\*", address) else ""
+        raise ConfigError(f"registry address {address!r} has no scheme (tcp://host:port or ipc://path){guess}")
+    if found["scheme"] not in SCHEMES:
+        raise ConfigError(f"registry address {address!r}: scheme {found['scheme']!r} is not one of {SCHEMES}")
+    return address
+
+
+def no_answer_hint(address: str, *, curve: bool) -> str:
+    """What to check when the registry at ``address`` did not answer."""
+    keys = (
+        "this client uses CURVE: its public key must be in the registry's --curve-authorized folder and "
+        "server_public_file must be the registry's server.key"
+        if curve
+        else "if the registry runs with --curve-secret, this client needs security=rf.ClientSecurity(...)"
+    )
+    return f"is a registry serving there (refitflow registry --bind {address}) and reachable from here? {keys}"
