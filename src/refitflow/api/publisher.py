@@ -9,7 +9,6 @@ until ``await pub.released(version)`` returns.
 from __future__ import annotations
 
 import base64
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -19,13 +18,14 @@ import anyio.to_thread
 import torch
 import xxhash
 
+from refitflow.core.digests import ALGORITHMS, Tiling, choose_tiling, shard_digests
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.registry.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
-from refitflow.transports import Transport, as_bytes, make_transport
+from refitflow.transports import Transport, make_transport
 
 __all__ = ["Publisher", "Sharded"]
 
@@ -49,27 +49,42 @@ class PublishRegistry(Protocol):
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
-BLOCK_ROWS = 64
-BLOCK_MAX_BYTES = 4 << 20
+DIGEST_CHOICES = ("auto", *ALGORITHMS)
 
 
-def block_rows(shape: tuple[int, ...], item: int) -> int:
-    """Rows of dim 0 per digest block: 64 (1-D: up to 4 MiB), fewer when 64 rows exceed 4 MiB."""
-    row = math.prod(shape[1:]) * item
-    cap = max(1, BLOCK_MAX_BYTES // max(row, 1))
-    rows = shape[0] if shape else 1
-    return max(1, min(rows, cap if len(shape) <= 1 else min(BLOCK_ROWS, cap)))
+def digest_algorithm(tensor: torch.Tensor, choice: str) -> str:
+    """``auto``: mix64 for a tensor on an accelerator (hashed there), xxh3 on the CPU (fastest there)."""
+    if choice != "auto":
+        return choice
+    return "xxh3" if tensor.device.type == "cpu" else "mix64"
 
 
-def digest(tensor: torch.Tensor) -> tuple[str, int, str]:
-    """(digest, block rows, base64 block digests) of a contiguous CPU tensor's bytes."""
-    data = as_bytes(tensor)
-    rows = block_rows(tuple(tensor.shape), tensor.element_size())
-    step = rows * (data.numel() // max(tensor.shape[0], 1) if tensor.dim() else data.numel())
-    raw = b"".join(
-        xxhash.xxh3_64(data[i : i + step].numpy().data).digest() for i in range(0, max(data.numel(), 1), step)
-    )
-    return xxhash.xxh3_64(raw).hexdigest(), rows, base64.b64encode(raw).decode()
+def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
+    """The digest fields of a ``ShardSpec`` for a contiguous tensor, computed on its own device."""
+    rows, cols = choose_tiling(tuple(tensor.shape), tensor.element_size()) if tensor.numel() else (0, 0)
+    tiling = Tiling(algo, tuple(tensor.shape), tensor.element_size(), rows, cols)
+    raw = shard_digests(tensor, tiling).astype(">u8").tobytes()
+    if not rows:  # an empty shard: its one digest
+        return dict(algo=algo, digest=raw.hex())
+    return dict(
+        algo=algo, tile_rows=rows, tile_cols=cols, blocks=base64.b64encode(raw).decode(),
+        digest=xxhash.xxh3_64_hexdigest(raw),
+    )  # fmt: skip
+
+
+def _digest_all(items: list[tuple[torch.Tensor, str]]) -> list[dict[str, Any]]:
+    return [digest(t, algo) for t, algo in items]
+
+
+def _halves(sizes: list[int]) -> tuple[list[int], list[int]]:
+    """Two groups of indices with about equal bytes (largest first, each to the lighter group)."""
+    groups: tuple[list[int], list[int]] = ([], [])
+    load = [0, 0]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = 0 if load[0] <= load[1] else 1
+        groups[g].append(i)
+        load[g] += sizes[i]
+    return groups
 
 
 class Publisher:
@@ -86,12 +101,18 @@ class Publisher:
         compile_metadata: Mapping[str, str] | None = None,
         observer: PublishObserver = NULL_OBSERVER,
         release_policy: ReleasePolicy | None = None,
+        digest: str = "auto",
     ) -> None:
         """``registry``: a registry object, or the address of a registry service (a client is opened and
         closed with the publisher). ``release_policy``: when ``released(version)`` returns (see ReleasePolicy).
+        ``digest``: the digest algorithm — ``auto`` (mix64 for tensors on an accelerator, xxh3 on the
+        CPU), ``xxh3``, or ``mix64`` (a CPU trainer whose receivers verify on GPUs).
         """
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} must lie in [0, world_size={world_size})")
+        if digest not in DIGEST_CHOICES:
+            raise ConfigError(f"digest must be one of {list(DIGEST_CHOICES)}, got {digest!r}")
+        self._digest_choice = digest
         self._owns_registry = isinstance(registry, str)
         self.registry: PublishRegistry = connect_registry(registry)
         self.release_policy = release_policy
@@ -162,14 +183,10 @@ class Publisher:
             raise ConfigError(f"version {version} does not increase past {self.published[-1]}")
         prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
-
-        def digest_all() -> list[tuple[str, int, str]]:
-            return [digest(t) for _, t, _ in prepared]
-
-        digests = await anyio.to_thread.run_sync(digest_all)
+        fields = await self._digests([t for _, t, _ in prepared])
         shards = tuple(
-            ShardSpec(name=name, digest=d, block_rows=rows, blocks=blocks, region=regions[name], **fields)
-            for (name, _, fields), (d, rows, blocks) in zip(prepared, digests, strict=True)
+            ShardSpec(name=name, region=regions[name], **spec, **digests)
+            for (name, _, spec), digests in zip(prepared, fields, strict=True)
         )
         manifest = Manifest(
             identity=self.identity,
@@ -187,6 +204,22 @@ class Publisher:
         self._known_regions |= set(regions.values())
         await self._forget_released()
         return manifest
+
+    async def _digests(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """Every tensor's digest fields, off the event loop, in two worker threads of about equal bytes
+        (copies and torch kernels release the GIL; xxh3's own calls hold it)."""
+        items = [(t, digest_algorithm(t, self._digest_choice)) for t in tensors]
+        out: list[dict[str, Any]] = [{}] * len(items)
+
+        async def part(idx: list[int]) -> None:
+            for i, d in zip(idx, await anyio.to_thread.run_sync(_digest_all, [items[i] for i in idx]), strict=True):
+                out[i] = d
+
+        async with anyio.create_task_group() as tg:
+            for idx in _halves([t.numel() * t.element_size() for t in tensors]):
+                if idx:
+                    tg.start_soon(part, idx)
+        return out
 
     async def released(self, version: int, timeout: float | None = None) -> None:
         """Return when ``version`` is released per the release policy (its tensors may change then)."""

@@ -7,12 +7,16 @@ enters (``ManifestError`` naming the problem) and never reaches the planner.
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import xxhash
 
+from refitflow.core.digests import ALGORITHMS, Tiling
 from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 
@@ -54,9 +58,10 @@ class ShardSpec:
 
     ``axis is None`` means the source holds the whole tensor (replicated or unsharded).
 
-    Integrity is per block of ``block_rows`` rows of dim 0 of the shard: ``blocks`` is the base64 of
-    the blocks' xxh3_64 digests (8 bytes each, big-endian), ``digest`` the xxh3_64 of those bytes.
-    Without ``blocks`` (``block_rows == 0``) the shard is one block and ``digest`` is of its bytes.
+    Integrity (``core/digests.py``): ``algo`` (``xxh3`` or ``mix64``) over tiles of ``tile_rows`` rows ×
+    ``tile_cols`` columns; ``blocks`` is the base64 of the digests (8 bytes each, big-endian, in
+    ``Tiling`` order) and ``digest`` the xxh3_64 of those bytes. ``tile_rows == 0``: no ``blocks``, and
+    ``digest`` is the one digest of the whole shard.
     ``compile_target``/``compile_metadata``: what the bytes were compiled for (receivers may filter).
     """
 
@@ -69,7 +74,9 @@ class ShardSpec:
     digest: str
     region: int
     offset: int = 0
-    block_rows: int = 0
+    algo: str = "xxh3"
+    tile_rows: int = 0
+    tile_cols: int = 0
     blocks: str = ""
     compile_target: str = ""
     compile_metadata: tuple[tuple[str, str], ...] = ()
@@ -98,15 +105,43 @@ class ShardSpec:
             raise ManifestError("digest missing or not a 16-hex-digit xxh3_64", tensor=self.name)
         if self.region < 0 or self.offset < 0:
             raise ManifestError("negative region or offset", tensor=self.name)
-        if self.block_rows < 0 or bool(self.block_rows) != bool(self.blocks):
-            raise ManifestError("block_rows and blocks go together", tensor=self.name)
-        if self.blocks:
+        self._check_digests()
+
+    def _check_digests(self) -> None:
+        """The digest geometry fits the shard and ``blocks`` holds one digest per unit."""
+        if self.algo not in ALGORITHMS:
+            raise ManifestError(f"unknown digest algorithm {self.algo!r}; known: {list(ALGORITHMS)}", tensor=self.name)
+        if bool(self.tile_rows) != bool(self.blocks):
+            raise ManifestError("tile_rows and blocks go together", tensor=self.name)
+        try:
+            tiling = self.tiling
+        except ValueError as exc:
+            raise ManifestError(str(exc), tensor=self.name) from None
+        if len(self.digest_bytes) != 8 * tiling.count:
+            raise ManifestError(f"{len(self.digest_bytes) // 8} block digests for {tiling.count} blocks",
+                                tensor=self.name)  # fmt: skip
+
+    @cached_property
+    def tiling(self) -> Tiling:
+        """The digest geometry (``core.digests.Tiling``)."""
+        return Tiling(self.algo, self.shape, itemsize(self.dtype), self.tile_rows, self.tile_cols)
+
+    @cached_property
+    def digest_bytes(self) -> bytes:
+        """Every digest, 8 bytes each, big-endian (decoded once)."""
+        if not self.blocks:
             try:
-                raw = base64.b64decode(self.blocks, validate=True)
+                return bytes.fromhex(self.digest)
             except ValueError:
-                raise ManifestError("blocks is not base64", tensor=self.name) from None
-            if len(raw) != 8 * self.block_count:
-                raise ManifestError(f"{len(raw) // 8} block digests for {self.block_count} blocks", tensor=self.name)
+                raise ManifestError("digest is not hexadecimal", tensor=self.name) from None
+        try:
+            return base64.b64decode(self.blocks, validate=True)
+        except (binascii.Error, ValueError):
+            raise ManifestError("blocks is not base64", tensor=self.name) from None
+
+    def digest_array(self) -> np.ndarray:
+        """The digests as native uint64."""
+        return np.frombuffer(self.digest_bytes, dtype=">u8").astype(np.uint64)
 
     @property
     def rows(self) -> int:
@@ -115,21 +150,6 @@ class ShardSpec:
     @property
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * itemsize(self.dtype)
-
-    @property
-    def block_count(self) -> int:
-        return max(1, -(-self.rows // self.block_rows)) if self.block_rows else 1
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of every block but the last (which may be shorter)."""
-        return self.block_rows * self.row_bytes if self.block_rows else self.nbytes
-
-    def block_digests(self) -> list[str]:
-        if not self.blocks:
-            return [self.digest]
-        raw = base64.b64decode(self.blocks)
-        return [raw[i : i + 8].hex() for i in range(0, len(raw), 8)]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -148,7 +168,7 @@ class ShardSpec:
         """Everything that shapes a plan, nothing that changes with the bytes."""
         return (
             self.name, self.dtype, self.global_shape, self.axis, self.start, self.stop, self.region, self.offset,
-            self.block_rows,
+            self.algo, self.tile_rows, self.tile_cols,
         )  # fmt: skip
 
 

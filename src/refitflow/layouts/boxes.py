@@ -15,6 +15,7 @@ __all__ = [
     "run_length",
     "shape_of",
     "shift",
+    "strided",
     "volume",
 ]
 
@@ -113,3 +114,30 @@ def _indices(box: Box) -> list[tuple[int, ...]]:
     for s, e in box:
         out = [(*o, i) for o in out for i in range(s, e)]
     return out
+
+
+def strided(box: Box, shape: Sequence[int]) -> tuple[int, int, int, int] | None:
+    """``box`` as equally spaced runs ``(first element, elements per run, stride, count)``, or None.
+
+    One run (``count == 1``, stride 0) when ``box`` is contiguous; None when its runs are not
+    equally spaced (two or more partial outer dimensions that are not one contiguous range).
+    """
+    n = len(shape)
+    d = n
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    strides = _strides(shape)
+    first = sum(s * st for (s, _), st in zip(box, strides, strict=True))
+    if d <= 1:
+        return first, volume(box), 0, 1
+    run = (box[d - 1][1] - box[d - 1][0]) * strides[d - 1]
+    outer = box[: d - 1]
+    wide = [k for k, (s, e) in enumerate(outer) if e - s > 1]
+    if not wide:
+        return first, run, 0, 1
+    if len(wide) == 1:
+        k = wide[0]
+        return first, run, strides[k], outer[k][1] - outer[k][0]
+    if contiguous_span(outer, shape[: d - 1]) is None:
+        return None
+    return first, run, strides[d - 2], volume(outer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -13,7 +14,20 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.transports.base import Transport
 
-__all__ = ["Attempt", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work"]
+__all__ = ["Attempt", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work", "breathe"]
+
+_BREATH_S = 0.0005
+_last_breath = [0.0]
+
+
+def breathe() -> None:
+    """Called often from long CPU-bound loops in worker threads (plan building): every half
+    millisecond, release the GIL for a moment so the event loop's thread gets it now, not at the
+    interpreter's 5 ms switch interval."""
+    now = time.perf_counter()
+    if now - _last_breath[0] > _BREATH_S:
+        time.sleep(0)
+        _last_breath[0] = time.perf_counter()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +74,7 @@ class Attempt(Protocol):
 
     def mark_written(self) -> None: ...
     def record(self, param: str, region: Hashable, numel: int) -> None: ...
+    def credit(self, key: Hashable, params: tuple[str, ...], idx: Any, counts: Any) -> None: ...
     def prepare(self) -> None: ...
 
 

@@ -1,4 +1,7 @@
-"""Commit: credit every verified destination box to coverage; at the end of input, prepare.
+"""Commit: credit every verified bucket to coverage; at the end of input, prepare.
+
+A bucket's credits (elements per parameter) were computed with the plan: crediting one is a
+constant amount of Python whatever its number of tensors.
 
 Preparing checks that every destination parameter was written exactly once (a fused parameter
 counts only when every box of it arrived, whichever buckets they came in; a float8 parameter is
@@ -32,18 +35,16 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
             ctx.enter("commit")
             t0 = time.perf_counter()
             assert ctx.attempt is not None  # begun before the first bucket was planned
-            for p in work.bucket.pieces:
-                for s in p.scatters:
-                    ctx.attempt.record(s.param, s.dbox, volume(s.dbox))
-                    if s.param not in ctx.landing.derived:
-                        continue
-                    assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
-                    if assembled[s.param] == ctx.landing.params[s.param].numel():  # complete: quantise
-                        ctx.attempt.mark_written()
-                        await anyio.to_thread.run_sync(_quantize, ctx, s.param)
-                        scale = ctx.landing.derived[s.param]
-                        ctx.attempt.record(scale, "derived", ctx.landing.params[scale].numel())
-            ctx.note("commit", 1, work.bucket.nbytes, time.perf_counter() - t0)
+            b = work.bucket
+            ctx.attempt.credit((ctx.plan.serial, b.index), b.credits.params, b.credits.idx, b.credits.counts)
+            for s in b.derived:  # float8: quantise a parameter once every box of it is assembled
+                assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
+                if assembled[s.param] == ctx.landing.params[s.param].numel():
+                    ctx.attempt.mark_written()
+                    await anyio.to_thread.run_sync(_quantize, ctx, s.param)
+                    scale = ctx.landing.derived[s.param]
+                    ctx.attempt.record(scale, "derived", ctx.landing.params[scale].numel())
+            ctx.note("commit", 1, b.nbytes, time.perf_counter() - t0)
     if ctx.attempt is None:
         return  # discovery failed or refused: its error propagates from its own task
     t0 = time.perf_counter()

@@ -7,6 +7,7 @@ import time
 from collections.abc import Hashable
 
 import anyio
+import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
@@ -37,13 +38,18 @@ def _build_reads(ctx: StageContext, work: Work) -> list[Read]:
     assert ctx.publication is not None
     peers = [m.source.agent for m in ctx.publication.sources]
     out = []
+    targets: dict[str, torch.Tensor] = {}
     for r in work.bucket.reads:
+        n = r.nbytes * r.count
         if r.param is None:
             assert work.lease is not None
-            dst = work.lease.view[r.landing_offset : r.landing_offset + r.nbytes]
+            dst = work.lease.view[r.landing_offset : r.landing_offset + n]
         else:
-            dst = as_bytes(ctx.landing.target(r.param))[r.landing_offset : r.landing_offset + r.nbytes]
-        out.append(Read(peers[r.source], r.region, r.src_offset, r.nbytes, dst))
+            whole = targets.get(r.param)
+            if whole is None:
+                whole = targets[r.param] = as_bytes(ctx.landing.target(r.param))
+            dst = whole[r.landing_offset : r.landing_offset + n]
+        out.append(Read(peers[r.source], r.region, r.src_offset, r.nbytes, dst, r.stride, r.count))
     return out
 
 

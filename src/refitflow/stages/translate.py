@@ -20,9 +20,7 @@ __all__ = ["copies_of", "run"]
 
 def copies_of(ctx: StageContext, work: Work) -> list:
     out = []
-    for p in work.bucket.pieces:
-        if p.direct:
-            continue
+    for p in work.bucket.staged:
         assert work.lease is not None
         raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
         staged = raw.view(dtype_from_name(p.src_dtype)).view(p.shape)

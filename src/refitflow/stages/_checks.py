@@ -1,0 +1,157 @@
+"""What verify and commit need for one bucket, computed once when the plan is built.
+
+A plan is replayed for every version with the same layout, so everything that depends only on the
+layout is decided here, not per refit: which digest units each piece holds (``core.digests.units_of``)
+and where their bytes land, as arrays; the index of each unit's digest in the version's digest
+vector (every source's shards' digests one after another, ``digest_vector``); and the elements each
+bucket credits to each parameter. Verify then hashes and compares arrays; commit adds arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from refitflow.core.digests import Tiling, units_of
+from refitflow.core.types import Publication, ShardSpec
+from refitflow.layouts.boxes import Box, volume
+
+__all__ = ["Checks", "Credits", "Land", "Mix", "Stream", "build_checks", "build_credits", "digest_index",
+           "digest_vector"]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Land:
+    """Where a piece's bytes are after pull: a parameter's target (direct) or the bucket's staging."""
+
+    param: str | None  # None: the staging lease
+    offset: int  # byte offset of the piece in that buffer
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """A piece whose units are computed from its whole box: mix64 sums, or xxh3 tiles gathered."""
+
+    land: int
+    tiling: Tiling
+    box: Box
+    want: np.ndarray  # digest-vector index of each unit, in ``units_of`` order
+    covered: np.ndarray  # bytes of each unit this piece holds
+    total: np.ndarray  # bytes of each whole unit
+    check: np.ndarray  # bool: the units this piece can check (or add to)
+    name: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """An xxh3 unit split over pieces (a tile larger than a bucket): hashed in order, across buckets."""
+
+    land: int
+    lo: int
+    hi: int
+    want: int
+    start: int
+    total: int
+    name: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    lands: tuple[Land, ...]
+    names: tuple[str, ...]  # the tensors of this bucket's pieces (for errors)
+    # whole xxh3 units contiguous where they landed: one hash call each
+    land_of: np.ndarray
+    lo: np.ndarray  # byte offsets in the landing buffer
+    hi: np.ndarray
+    want: np.ndarray
+    name_of: np.ndarray
+    streams: tuple[Stream, ...]
+    mixes: tuple[Mix, ...]  # mix64 pieces, and xxh3 pieces whose whole tiles are strided (gathered)
+    whole_bytes: int  # bytes the whole units of ``land_of``/``mixes`` verify
+
+
+def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[ShardSpec, int]]:
+    """(source, tensor) → (spec, offset of its first digest in ``digest_vector(pub)``)."""
+    out, at = {}, 0
+    for i, m in enumerate(pub.sources):
+        for s in m.shards:
+            out[(i, s.name)] = (s, at)
+            at += s.tiling.count
+    return out
+
+
+def digest_vector(pub: Publication) -> np.ndarray:
+    """Every digest of the publication as native uint64, in ``digest_index`` order (decoded once)."""
+    raw = b"".join(s.digest_bytes for m in pub.sources for s in m.shards)
+    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+def build_checks(
+    pieces: Iterable[tuple[int, str, Box, Land]], index: Mapping[tuple[int, str], tuple[ShardSpec, int]]
+) -> Checks:
+    """The checks of one bucket's pieces: ``(source, tensor, box, landing)`` each, in plan order."""
+    lands: list[Land] = []
+    names: list[str] = []
+    land_of: list[int] = []
+    lo: list[int] = []
+    hi: list[int] = []
+    want: list[int] = []
+    name_of: list[int] = []
+    streams: list[Stream] = []
+    mixes: list[Mix] = []
+    whole_bytes = 0
+    for source, tensor, box, land in pieces:
+        spec, base = index[(source, tensor)]
+        t = spec.tiling
+        k, n = len(lands), len(names)
+        lands.append(land)
+        names.append(tensor)
+        units = units_of(t, box)
+        if t.algo == "mix64" or any(u.mode == 2 for u in units):
+            covered = np.array([u.covered for u in units], dtype=np.int64)
+            total = np.array([u.total for u in units], dtype=np.int64)
+            check = np.array([u.mode == (1 if t.algo == "mix64" else 2) for u in units], dtype=bool)
+            idx = np.array([base + u.slot for u in units], dtype=np.int64)
+            mixes.append(Mix(k, t, box, idx, covered, total, check, n))
+            whole_bytes += int(total[check & (covered == total)].sum())
+            if t.algo == "mix64":
+                continue
+        for u in units:
+            if u.mode != 1:
+                continue
+            a = land.offset + u.lo
+            if u.covered == u.total:
+                land_of.append(k)
+                lo.append(a)
+                hi.append(a + u.covered)
+                want.append(base + u.slot)
+                name_of.append(n)
+                whole_bytes += u.total
+            else:
+                streams.append(Stream(k, a, a + u.covered, base + u.slot, u.start, u.total, n))
+    return Checks(
+        tuple(lands), tuple(names), np.array(land_of, dtype=np.int32), np.array(lo, dtype=np.int64),
+        np.array(hi, dtype=np.int64), np.array(want, dtype=np.int64), np.array(name_of, dtype=np.int32),
+        tuple(streams), tuple(mixes), whole_bytes,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Credits:
+    """The elements one bucket writes into each parameter (commit adds them: O(1) Python per bucket)."""
+
+    params: tuple[str, ...]  # the plan's parameters (shared by every bucket)
+    idx: np.ndarray  # positions in ``params``
+    counts: np.ndarray
+
+
+def build_credits(boxes: Iterable[tuple[str, Box]], position: Mapping[str, int], params: tuple[str, ...]) -> Credits:
+    idx: list[int] = []
+    counts: list[int] = []
+    for param, dbox in boxes:
+        idx.append(position[param])
+        counts.append(volume(dbox))
+    return Credits(params, np.array(idx, dtype=np.int64), np.array(counts, dtype=np.int64))
