@@ -49,10 +49,13 @@ __all__ = [
     "ALGORITHMS",
     "Tiling",
     "Unit",
+    "Units",
     "choose_tiling",
     "hash_ranges",
     "mix64_box",
     "shard_digests",
+    "unit_count",
+    "units_array",
     "units_of",
     "xxh3_gathered",
 ]
@@ -241,6 +244,70 @@ def units_of(t: Tiling, box: Box) -> list[Unit]:
     return out
 
 
+class Units(NamedTuple):
+    """``units_of`` as arrays (one entry per unit, same fields as ``Unit``)."""
+
+    slot: np.ndarray
+    covered: np.ndarray
+    total: np.ndarray
+    lo: np.ndarray
+    start: np.ndarray
+    mode: np.ndarray
+
+
+def unit_count(t: Tiling, box: Box) -> int:
+    """How many units ``units_of(t, box)`` lists (cheap: no enumeration)."""
+    planes, r0, r1, c0, c1 = frame(t, box)
+    if t.tile_rows == 0:
+        return 1
+    rows = -(-r1 // t.tile_rows) - r0 // t.tile_rows
+    if t.algo == "xxh3" and c0 == 0 and c1 == t.cols and (t.row_digests or t.nc == 1):
+        return len(planes) * rows
+    return len(planes) * rows * (-(-c1 // t.tile_cols) - c0 // t.tile_cols)
+
+
+def units_array(t: Tiling, box: Box) -> Units:
+    """``units_of`` computed with numpy (for boxes of many units; the same values, in the same order)."""
+    planes_list, r0, r1, c0, c1 = frame(t, box)
+    if t.tile_rows == 0:
+        u = _whole_shard_unit(t, box, len(planes_list) * (r1 - r0) * (c1 - c0) * t.item, c0, c1)
+        return Units(*(np.array([x], dtype=np.int64) for x in u))
+    planes = np.array(planes_list, dtype=np.int64)
+    item, br, bc = t.item, t.tile_rows, t.tile_cols
+    lb, mb, row = (c1 - c0) * item, r1 - r0, t.row_bytes
+    i = np.arange(r0 // br, -(-r1 // br), dtype=np.int64)
+    top = np.minimum((i + 1) * br, t.rows)
+    ra, rb, tr = np.maximum(r0, i * br), np.minimum(r1, top), top - i * br
+    k = np.arange(len(planes), dtype=np.int64)
+    if t.algo == "xxh3" and c0 == 0 and c1 == t.cols and (t.row_digests or t.nc == 1):  # whole-row units
+        kk, ii = np.repeat(k, len(i)), np.tile(np.arange(len(i)), len(k))
+        slot = (t.tiles if t.row_digests else 0) + planes[kk] * t.nr + i[ii]
+        covered = (rb - ra)[ii] * row
+        return Units(slot, covered, tr[ii] * row, (kk * mb + ra[ii] - r0) * lb, (ra[ii] - i[ii] * br) * row,
+                     np.ones(len(slot), dtype=np.int64))  # fmt: skip
+    j = np.arange(c0 // bc, -(-c1 // bc), dtype=np.int64)
+    right = np.minimum((j + 1) * bc, t.cols)
+    ca, cb, tc = np.maximum(c0, j * bc), np.minimum(c1, right), right - j * bc
+    ni, nj = len(i), len(j)
+    kk, ii, jj = (
+        np.repeat(k, ni * nj),
+        np.tile(np.repeat(np.arange(ni), nj), len(k)),
+        np.tile(np.arange(nj), len(k) * ni),
+    )
+    nrows, ncols = (rb - ra)[ii], (cb - ca)[jj]
+    covered, total = nrows * ncols * item, tr[ii] * tc[jj] * item
+    lo = (kk * mb + ra[ii] - r0) * lb + (ca[jj] - c0) * item
+    start = ((ra[ii] - i[ii] * br) * tc[jj] + ca[jj] - j[jj] * bc) * item
+    if t.algo == "mix64":
+        mode = np.full(len(lo), 1 if _word_aligned(t, c0, c1) else 0, dtype=np.int64)
+    else:
+        single = nrows == 1
+        in_box = single | ((ca[jj] == c0) & (cb[jj] == c1))
+        in_tile = single | (ncols == tc[jj])
+        mode = np.where(in_box & in_tile, 1, np.where(covered == total, 2, 0)).astype(np.int64)
+    return Units((planes[kk] * t.nr + i[ii]) * t.nc + j[jj], covered, total, lo, start, mode)
+
+
 def _whole_shard_unit(t: Tiling, box: Box, covered: int, c0: int, c1: int) -> Unit:
     """One digest over the shard: the box is part of it (checkable if contiguous there, for xxh3)."""
     if t.algo == "mix64":
@@ -275,18 +342,20 @@ def hash_ranges(buf: torch.Tensor, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     return _hash_ranges_bounced(buf, lo, hi, np.empty(len(lo), dtype=np.uint64))
 
 
-def _hash_ranges_bounced(buf: torch.Tensor, lo: np.ndarray, hi: np.ndarray, out: np.ndarray) -> np.ndarray:
+def _hash_ranges_bounced(
+    buf: torch.Tensor, lo: np.ndarray, hi: np.ndarray, out: np.ndarray, bounce_bytes: int = BOUNCE_BYTES
+) -> np.ndarray:
     """Device bytes: copied to the host through one bounded bounce buffer, ranges grouped per copy."""
-    bounce = torch.empty(BOUNCE_BYTES, dtype=torch.uint8)
+    bounce = torch.empty(bounce_bytes, dtype=torch.uint8)
     mv = bounce.numpy().data
     order = np.argsort(lo, kind="stable")
     n = 0
     while n < len(order):
         first = int(lo[order[n]])
-        if int(hi[order[n]]) - first > BOUNCE_BYTES:  # one big unit: stream it
+        if int(hi[order[n]]) - first > bounce_bytes:  # one big unit: stream it
             h = xxhash.xxh3_64()
-            for a in range(first, int(hi[order[n]]), BOUNCE_BYTES):
-                b = min(a + BOUNCE_BYTES, int(hi[order[n]]))
+            for a in range(first, int(hi[order[n]]), bounce_bytes):
+                b = min(a + bounce_bytes, int(hi[order[n]]))
                 bounce[: b - a].copy_(buf[a:b])
                 h.update(mv[: b - a])
             out[order[n]] = h.intdigest()
@@ -294,7 +363,7 @@ def _hash_ranges_bounced(buf: torch.Tensor, lo: np.ndarray, hi: np.ndarray, out:
             continue
         m = n
         end = first
-        while m < len(order) and int(hi[order[m]]) - first <= BOUNCE_BYTES:
+        while m < len(order) and int(hi[order[m]]) - first <= bounce_bytes:
             end = max(end, int(hi[order[m]]))
             m += 1
         bounce[: end - first].copy_(buf[first:end])

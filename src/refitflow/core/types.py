@@ -151,7 +151,7 @@ class ShardSpec:
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * itemsize(self.dtype)
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
         """The shape of the bytes this source holds (contiguous, row-major)."""
         if self.axis is None:
@@ -160,7 +160,7 @@ class ShardSpec:
         shape[self.axis] = self.stop - self.start
         return tuple(shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refitflow.core.digests import Tiling, units_of
+from refitflow.core.digests import Tiling, unit_count, units_array, units_of
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, volume
 
@@ -89,17 +89,35 @@ def digest_vector(pub: Publication) -> np.ndarray:
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
 
 
+_FEW = 8  # pieces of at most this many units are listed in Python, others with numpy
+
+
+class _Fast:
+    """Whole contiguous xxh3 units, gathered from Python scalars and numpy arrays, in plan order."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.scalars: list[tuple[int, int, int, int, int]] = []  # land, lo, hi, want, name
+
+    def flush(self) -> None:
+        if self.scalars:
+            self.parts.append(tuple(np.array(c, dtype=np.int64) for c in zip(*self.scalars, strict=True)))
+            self.scalars = []
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        self.flush()
+        if not self.parts:
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
+        return tuple(np.concatenate(c) for c in zip(*self.parts, strict=True))
+
+
 def build_checks(
     pieces: Iterable[tuple[int, str, Box, Land]], index: Mapping[tuple[int, str], tuple[ShardSpec, int]]
 ) -> Checks:
     """The checks of one bucket's pieces: ``(source, tensor, box, landing)`` each, in plan order."""
     lands: list[Land] = []
     names: list[str] = []
-    land_of: list[int] = []
-    lo: list[int] = []
-    hi: list[int] = []
-    want: list[int] = []
-    name_of: list[int] = []
+    fast = _Fast()
     streams: list[Stream] = []
     mixes: list[Mix] = []
     whole_bytes = 0
@@ -109,34 +127,41 @@ def build_checks(
         k, n = len(lands), len(names)
         lands.append(land)
         names.append(tensor)
-        units = units_of(t, box)
-        if t.algo == "mix64" or any(u.mode == 2 for u in units):
-            covered = np.array([u.covered for u in units], dtype=np.int64)
-            total = np.array([u.total for u in units], dtype=np.int64)
-            check = np.array([u.mode == (1 if t.algo == "mix64" else 2) for u in units], dtype=bool)
-            idx = np.array([base + u.slot for u in units], dtype=np.int64)
-            mixes.append(Mix(k, t, box, idx, covered, total, check, n))
-            whole_bytes += int(total[check & (covered == total)].sum())
+        if t.algo == "xxh3" and t.count == 1 and land.nbytes == t.nbytes:  # the whole shard, one digest
+            fast.scalars.append((k, land.offset, land.offset + land.nbytes, base, n))
+            whole_bytes += land.nbytes
+            continue
+        if t.algo == "xxh3" and unit_count(t, box) <= _FEW:
+            units = units_of(t, box)
+            if not any(u.mode == 2 for u in units):
+                for u in units:
+                    a = land.offset + u.lo
+                    if u.mode == 1 and u.covered == u.total:
+                        fast.scalars.append((k, a, a + u.covered, base + u.slot, n))
+                        whole_bytes += u.total
+                    elif u.mode == 1:
+                        streams.append(Stream(k, a, a + u.covered, base + u.slot, u.start, u.total, n))
+                continue
+        ua = units_array(t, box)
+        whole = ua.covered == ua.total
+        if t.algo == "mix64" or (ua.mode == 2).any():
+            check = ua.mode == (1 if t.algo == "mix64" else 2)
+            mixes.append(Mix(k, t, box, base + ua.slot, ua.covered, ua.total, check, n))
+            whole_bytes += int(ua.total[check & whole].sum())
             if t.algo == "mix64":
                 continue
-        for u in units:
-            if u.mode != 1:
-                continue
-            a = land.offset + u.lo
-            if u.covered == u.total:
-                land_of.append(k)
-                lo.append(a)
-                hi.append(a + u.covered)
-                want.append(base + u.slot)
-                name_of.append(n)
-                whole_bytes += u.total
-            else:
-                streams.append(Stream(k, a, a + u.covered, base + u.slot, u.start, u.total, n))
-    return Checks(
-        tuple(lands), tuple(names), np.array(land_of, dtype=np.int32), np.array(lo, dtype=np.int64),
-        np.array(hi, dtype=np.int64), np.array(want, dtype=np.int64), np.array(name_of, dtype=np.int32),
-        tuple(streams), tuple(mixes), whole_bytes,
-    )  # fmt: skip
+        sel = (ua.mode == 1) & whole
+        fast.flush()
+        lo = land.offset + ua.lo[sel]
+        fast.parts.append((np.full(len(lo), k), lo, lo + ua.covered[sel], base + ua.slot[sel], np.full(len(lo), n)))
+        whole_bytes += int(ua.total[sel].sum())
+        for p in np.flatnonzero((ua.mode == 1) & ~whole).tolist():
+            a = land.offset + int(ua.lo[p])
+            streams.append(Stream(k, a, a + int(ua.covered[p]), base + int(ua.slot[p]), int(ua.start[p]),
+                                  int(ua.total[p]), n))  # fmt: skip
+    land_of, lo, hi, want, name_of = fast.arrays()
+    return Checks(tuple(lands), tuple(names), land_of, lo, hi, want, name_of, tuple(streams), tuple(mixes),
+                  whole_bytes)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

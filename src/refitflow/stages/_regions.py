@@ -5,13 +5,12 @@ A region is a copy's own box, or a wider box when the copy's bytes could not be 
 ``min_run_bytes`` (the enclosing rows of dim 0); widened regions swallow the boxes they overlap
 (their bounding box, again aligned). ``chunks`` cuts a region into pieces that are each one set of
 equally spaced runs (a strided read), at most a bucket and ``max_strided_runs`` runs, cut at tile
-edges where it can; under xxh3 a region that is part of several column ranges of several rows is
-first cut one column range wide, so every tile lands contiguous where it is hashed.
+edges where it can. A column slice stays as wide as it is (one descriptor per row and slice, not
+per row and tile): verify gathers its xxh3 tiles in staging.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 from refitflow.core.digests import Tiling
@@ -19,7 +18,7 @@ from refitflow.layouts.boxes import Box, contiguous_span, full, intersect, run_l
 from refitflow.stages._context import Limits
 from refitflow.stages._segments import Copy
 
-__all__ = ["chunks", "regions", "tile_columns"]
+__all__ = ["chunks", "regions"]
 
 
 def _rows(shape: tuple[int, ...], lo: int, hi: int) -> Box:
@@ -63,19 +62,6 @@ def regions(cs: list[Copy], shape: tuple[int, ...], item: int, limits: Limits) -
                     break
         out.append((box, widened, members))
     return [(b, m) for b, _, m in sorted(out, key=lambda r: r[0])]
-
-
-def tile_columns(box: Box, tiling: Tiling) -> list[Box]:
-    """Under xxh3, a box of several rows across several column ranges (not whole rows), cut one
-    column range wide, so each tile it holds lands contiguous; otherwise the box itself."""
-    if tiling.algo != "xxh3" or tiling.tile_rows == 0 or len(box) < 2:
-        return [box]
-    (c0, c1), bc = box[-1], tiling.tile_cols
-    whole_rows = c0 == 0 and c1 == tiling.cols
-    if whole_rows or c0 // bc == (c1 - 1) // bc or box[-2][1] - box[-2][0] == 1:
-        return [box]
-    cuts = [c0, *range((c0 // bc + 1) * bc, c1, bc), c1]
-    return [(*box[:-1], (a, b)) for a, b in itertools.pairwise(cuts)]
 
 
 def chunks(

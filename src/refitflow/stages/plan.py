@@ -39,9 +39,9 @@ from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, contiguous_span, intersect, shape_of, shift, strided, volume
 from refitflow.layouts.canonical import sliced
 from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index
-from refitflow.stages._context import Landing, Limits, StageContext, breathe
+from refitflow.stages._context import Landing, Limits, StageContext, breathe, gc_paused
 from refitflow.stages._filter import check_compile
-from refitflow.stages._regions import chunks, regions, tile_columns
+from refitflow.stages._regions import chunks, regions
 from refitflow.stages._segments import Copy, copies
 
 __all__ = [
@@ -182,9 +182,8 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
                 and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
             )  # fmt: skip
             cap = limits.direct_bucket_bytes if direct else limits.bucket_bytes
-            for part in tile_columns(region, tiling) if not direct else [region]:
-                for chunk in chunks(part, shape, item, cap, limits.max_strided_runs, grid):
-                    yield _piece(source, spec, item, chunk, members, direct, dst)
+            for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
+                yield _piece(source, spec, item, chunk, members, direct, dst)
 
 
 def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
@@ -279,6 +278,11 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
 
 def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable = None) -> Plan:
     """Every read this rank needs, grouped into buckets of at most the limits' sizes."""
+    with gc_paused():
+        return _build(pub, landing, limits, key)
+
+
+def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) -> Plan:
     t0 = time.perf_counter()
     cx = _Context(pub, landing)
     buckets: list[Bucket] = []

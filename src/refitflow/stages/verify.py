@@ -53,30 +53,30 @@ def _buffers(ctx: StageContext, work: Work, ch: Checks) -> list[torch.Tensor]:
     return out
 
 
-def _on_cpu(bufs: list[torch.Tensor]) -> bool:
-    return all(b.device.type == "cpu" for b in bufs)
-
-
-def _slices(ctx: StageContext, work: Work, ch: Checks, bufs: list[torch.Tensor]) -> list[memoryview]:
-    """The whole units' bytes as memoryviews (CPU), cached for the plan's replays like its reads."""
+def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | None:
+    """The whole units' bytes as memoryviews when they all landed on the CPU, else None; cached for the
+    plan's replays like its reads (staging placement is deterministic, shadow targets alternate)."""
     key = (work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
-    cached = ctx.plan.views.get(key)
-    if cached is None:
+    if key in ctx.plan.views:
+        return ctx.plan.views[key]
+    bufs = _buffers(ctx, work, ch)
+    cached = None
+    if all(b.device.type == "cpu" for b in bufs):
         mvs = [b.numpy().data for b in bufs]
-        cached = ctx.plan.views[key] = [
-            mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)
-        ]
+        cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
+    ctx.plan.views[key] = cached
     return cached
 
 
-def _whole_units(ctx: StageContext, work: Work, ch: Checks, bufs: list[torch.Tensor], vec: np.ndarray) -> list[int]:
+def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray) -> list[int]:
     """Hash the whole contiguous xxh3 units; the names (indices) of those that differ."""
     if not len(ch.want):
         return []
-    if _on_cpu(bufs):
-        h = xxhash.xxh3_64_intdigest
-        got = np.fromiter(map(h, _slices(ctx, work, ch, bufs)), np.uint64, len(ch.want))
+    slices = _slices(ctx, work, ch)
+    if slices is not None:
+        got = np.fromiter(map(xxhash.xxh3_64_intdigest, slices), np.uint64, len(ch.want))
     else:  # device bytes: through the host bounce buffer, one landing at a time
+        bufs = _buffers(ctx, work, ch)
         got = np.empty(len(ch.want), dtype=np.uint64)
         for k in np.unique(ch.land_of).tolist():
             sel = ch.land_of == k
@@ -137,10 +137,11 @@ def _check_bucket(ctx: StageContext, work: Work, st: _State) -> list[str]:
         assert ctx.publication is not None
         st.vec = digest_vector(ctx.publication)
     vec = st.vec
-    bufs = _buffers(ctx, work, ch)
-    bad = _whole_units(ctx, work, ch, bufs, vec)
-    _streams(ch, bufs, st, vec, bad)
-    _mixes(ch, bufs, st, vec, bad)
+    bad = _whole_units(ctx, work, ch, vec)
+    if ch.streams or ch.mixes:
+        bufs = _buffers(ctx, work, ch)
+        _streams(ch, bufs, st, vec, bad)
+        _mixes(ch, bufs, st, vec, bad)
     st.verified += ch.whole_bytes
     return [ch.names[i] for i in bad]
 
