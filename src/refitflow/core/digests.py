@@ -64,7 +64,7 @@ ALGORITHMS = ("xxh3", "mix64")
 TILE_ROWS = 64  # rows per block, fewer when they exceed MAX_TILE_BYTES
 MAX_TILE_BYTES = 4 << 20
 COLUMN_PARTS = 8  # TP degrees up to 8 slice columns at multiples of C/8
-MIN_COLUMN_BYTES = 256  # narrower column ranges are not worth their digests
+MIN_COLUMN_BYTES = 128  # narrower column ranges are not worth their digests
 BOUNCE_BYTES = 16 << 20  # host bounce buffer for xxh3 of device bytes
 _CHUNK_WORDS = {"cpu": 1 << 15}  # mix64 works through this many words at a time (CPU: stay in cache)
 _DEVICE_CHUNK_WORDS = 1 << 24
@@ -152,7 +152,7 @@ def choose_tiling(shape: Sequence[int], item: int) -> tuple[int, int]:
     """The publisher's (tile rows, tile columns) for a shard.
 
     Blocks of 64 rows (fewer when 64 rows exceed 4 MiB). Columns of a 2-D+ shard cut in 8 equal
-    ranges when the width divides, each range is whole 8-byte words and at least 256 bytes;
+    ranges when the width divides, each range is whole 8-byte words and at least 128 bytes;
     otherwise one range per row. A range wider than 4 MiB (a 1-D shard, a huge row) is cut into
     ranges of 4 MiB.
     """
