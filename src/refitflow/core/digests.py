@@ -280,11 +280,14 @@ def units_array(t: Tiling, box: Box) -> Units:
     ra, rb, tr = np.maximum(r0, i * br), np.minimum(r1, top), top - i * br
     k = np.arange(len(planes), dtype=np.int64)
     if t.algo == "xxh3" and c0 == 0 and c1 == t.cols and (t.row_digests or t.nc == 1):  # whole-row units
+        extra = t.tiles if t.row_digests else 0
+        if len(planes) == 1:  # the common case, without the grid
+            return Units(extra + planes[0] * t.nr + i, (rb - ra) * row, tr * row, (ra - r0) * lb, (ra - i * br) * row,
+                         np.ones(len(i), dtype=np.int64))  # fmt: skip
         kk, ii = np.repeat(k, len(i)), np.tile(np.arange(len(i)), len(k))
-        slot = (t.tiles if t.row_digests else 0) + planes[kk] * t.nr + i[ii]
         covered = (rb - ra)[ii] * row
-        return Units(slot, covered, tr[ii] * row, (kk * mb + ra[ii] - r0) * lb, (ra[ii] - i[ii] * br) * row,
-                     np.ones(len(slot), dtype=np.int64))  # fmt: skip
+        return Units(extra + planes[kk] * t.nr + i[ii], covered, tr[ii] * row, (kk * mb + ra[ii] - r0) * lb,
+                     (ra[ii] - i[ii] * br) * row, np.ones(len(kk), dtype=np.int64))  # fmt: skip
     j = np.arange(c0 // bc, -(-c1 // bc), dtype=np.int64)
     right = np.minimum((j + 1) * bc, t.cols)
     ca, cb, tc = np.maximum(c0, j * bc), np.minimum(c1, right), right - j * bc
