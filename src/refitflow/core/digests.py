@@ -376,11 +376,13 @@ def _hash_ranges_bounced(
     return out
 
 
-def xxh3_gathered(data: torch.Tensor, t: Tiling, box: Box) -> np.ndarray:
+def xxh3_gathered(data: torch.Tensor, t: Tiling, box: Box, blocks: list[int] | None = None) -> np.ndarray:
     """xxh3 of every tile touched by ``box`` (whole tiles only), gathered through a bounded scratch.
 
     ``data`` holds the box row-major (any device: a block at a time comes to the host). Results are
     in ``units_of`` tile order; a tile the box does not hold whole gets 0 (its unit is not checked).
+    ``blocks``: also append the xxh3 of each row block (the box must be whole rows), hashed just
+    before its tiles while it is in cache.
     """
     planes, r0, r1, c0, c1 = frame(t, box)
     br, bc, item = t.tile_rows, t.tile_cols, t.item
@@ -397,6 +399,8 @@ def xxh3_gathered(data: torch.Tensor, t: Tiling, box: Box) -> np.ndarray:
             a, b = max(r0, i * br), min(r1, (i + 1) * br, t.rows)
             whole_rows = a == i * br and b == min((i + 1) * br, t.rows)
             block = rows[k, a - r0 : b - r0]
+            if blocks is not None:
+                blocks.append(h((block if block.device.type == "cpu" else block.cpu()).numpy().data))
             if regular and whole_rows:  # one permuting copy, then one call per tile
                 n = (b - a) * w
                 scratch[: n * (j1 - j0)].view(j1 - j0, b - a, w).copy_(block.reshape(b - a, j1 - j0, w).transpose(0, 1))
@@ -491,11 +495,10 @@ def shard_digests(tensor: torch.Tensor, t: Tiling) -> np.ndarray:
         return mix64_box(tensor.detach(), t, full)
     units = units_of(t, full)
     out = np.empty(t.count, dtype=np.uint64)
-    if t.row_digests:  # the tiles are strided: gather them
-        out[: t.tiles] = xxh3_gathered(tensor.detach(), t, full)
-        units = units_of(Tiling("xxh3", t.shape, t.item, t.tile_rows, t.cols), full)  # whole rows: contiguous
-        lo = np.array([u.lo for u in units], dtype=np.int64)
-        out[t.tiles :] = hash_ranges(data, lo, lo + np.array([u.covered for u in units], dtype=np.int64))
+    if t.row_digests:  # the tiles are strided: gather them, each row block hashed first (one pass)
+        blocks: list[int] = []
+        out[: t.tiles] = xxh3_gathered(tensor.detach(), t, full, blocks)
+        out[t.tiles :] = blocks
         return out
     lo = np.array([u.lo for u in units], dtype=np.int64)
     out[[u.slot for u in units]] = hash_ranges(data, lo, lo + np.array([u.covered for u in units], dtype=np.int64))
