@@ -120,11 +120,12 @@ class Bucket:
     checks: Checks | None = None
     credits: Credits | None = None
     derived: tuple[Scatter, ...] = ()  # scatters into float8 parameters (assembled, then quantised)
+    pulled_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
         """Source bytes pulled."""
-        return sum(p.nbytes for p in self.staged) + self.direct_bytes
+        return self.pulled_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,7 +273,7 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     return Bucket(
         index, tuple(laid), tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
         staged=tuple(p for p in laid if not p.direct), checks=checks, credits=credits,
-        derived=tuple(s for s in scatters if s.param in cx.derived),
+        derived=tuple(s for s in scatters if s.param in cx.derived), pulled_bytes=sum(p.nbytes for p in laid),
     )  # fmt: skip
 
 

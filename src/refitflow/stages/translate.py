@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.dtypes import dtype_from_name
@@ -19,6 +20,22 @@ __all__ = ["copies_of", "run"]
 
 
 def copies_of(ctx: StageContext, work: Work) -> list:
+    """(destination view, staged view) pairs of the bucket; for a replayed plan the same list as last time
+    (staging placement is deterministic, shadow targets alternate), except around float8 assembly buffers
+    (made anew for every version)."""
+    if work.bucket.derived:
+        return _copies(ctx, work)
+    cached = ctx.plan.read_lists.get(_key(ctx, work))
+    if cached is None:
+        cached = ctx.plan.read_lists[_key(ctx, work)] = _copies(ctx, work)
+    return cached
+
+
+def _key(ctx: StageContext, work: Work) -> tuple:
+    return ("copies", work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
+
+
+def _copies(ctx: StageContext, work: Work) -> list:
     out = []
     for p in work.bucket.staged:
         assert work.lease is not None
@@ -38,6 +55,10 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         async for work in receive:
             ctx.enter("translate")
             t0 = time.perf_counter()
-            work.copies = copies_of(ctx, work)
+            staged = work.bucket.staged
+            if len(staged) > 64 and _key(ctx, work) not in ctx.plan.read_lists:  # many new views: off the loop
+                work.copies = await anyio.to_thread.run_sync(copies_of, ctx, work)
+            else:
+                work.copies = copies_of(ctx, work) if staged else []
             ctx.note("translate", 1, work.bucket.staging_bytes, time.perf_counter() - t0)
             await send.send(work)
