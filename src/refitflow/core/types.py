@@ -10,7 +10,7 @@ import base64
 import binascii
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -121,23 +121,19 @@ class ShardSpec:
             raise ManifestError(f"{len(self.digest_bytes) // 8} block digests for {tiling.count} blocks",
                                 tensor=self.name)  # fmt: skip
 
-    @cached_property
+    @property
     def tiling(self) -> Tiling:
         """The digest geometry (``core.digests.Tiling``)."""
-        return Tiling(self.algo, self.shape, itemsize(self.dtype), self.tile_rows, self.tile_cols)
+        return _tiling(self.algo, self.shape, itemsize(self.dtype), self.tile_rows, self.tile_cols)
 
-    @cached_property
+    @property
     def digest_bytes(self) -> bytes:
-        """Every digest, 8 bytes each, big-endian (decoded once)."""
-        if not self.blocks:
-            try:
-                return bytes.fromhex(self.digest)
-            except ValueError:
-                raise ManifestError("digest is not hexadecimal", tensor=self.name) from None
+        """Every digest, 8 bytes each, big-endian (decoded once, then cached by content)."""
         try:
-            return base64.b64decode(self.blocks, validate=True)
+            return _digest_bytes(self.blocks, self.digest)
         except (binascii.Error, ValueError):
-            raise ManifestError("blocks is not base64", tensor=self.name) from None
+            what = "blocks is not base64" if self.blocks else "digest is not hexadecimal"
+            raise ManifestError(what, tensor=self.name) from None
 
     def digest_array(self) -> np.ndarray:
         """The digests as native uint64."""
@@ -151,7 +147,7 @@ class ShardSpec:
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * itemsize(self.dtype)
 
-    @cached_property
+    @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the bytes this source holds (contiguous, row-major)."""
         if self.axis is None:
@@ -160,7 +156,7 @@ class ShardSpec:
         shape[self.axis] = self.stop - self.start
         return tuple(shape)
 
-    @cached_property
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
 
@@ -208,6 +204,18 @@ class Manifest:
             for s in self.shards:
                 h.update(repr(s.layout_key()).encode())
             object.__setattr__(self, "layout_digest", h.hexdigest())
+
+
+# Derived from a spec's fields, cached by value outside the (frozen) specs, so ``vars(spec)`` holds
+# only fields: a plan and every refit ask for them per tensor.
+@lru_cache(maxsize=1 << 16)
+def _tiling(algo: str, shape: tuple[int, ...], item: int, tile_rows: int, tile_cols: int) -> Tiling:
+    return Tiling(algo, shape, item, tile_rows, tile_cols)
+
+
+@lru_cache(maxsize=1 << 17)
+def _digest_bytes(blocks: str, digest: str) -> bytes:
+    return base64.b64decode(blocks, validate=True) if blocks else bytes.fromhex(digest)
 
 
 def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
