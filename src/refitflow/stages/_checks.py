@@ -17,6 +17,7 @@ import numpy as np
 from refitflow.core.digests import Tiling, unit_count, units_array, units_of
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, volume
+from refitflow.stages._context import breathe
 
 __all__ = ["Checks", "Credits", "Land", "Mix", "Stream", "build_checks", "build_credits", "digest_index",
            "digest_vector"]  # fmt: skip
@@ -122,6 +123,7 @@ def build_checks(
     mixes: list[Mix] = []
     whole_bytes = 0
     for source, tensor, box, land in pieces:
+        breathe()
         spec, base = index[(source, tensor)]
         t = spec.tiling
         k, n = len(lands), len(names)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import anyio.to_thread
 from anyio.abc import ObjectSendStream
 
 from refitflow.core.types import Identity, Publication
@@ -32,7 +33,10 @@ async def run(
         pub = await registry.wait_complete(identity, min_version, timeout)
         t0 = ctx.discovered_at = time.perf_counter()
         ctx.waited_s = t0 - t_wait
-        ctx.connect_sources(pub)
+        if sum(len(m.shards) for m in pub.sources) > 1000:  # an address of many regions takes ms to read
+            await anyio.to_thread.run_sync(ctx.connect_sources, pub)
+        else:
+            ctx.connect_sources(pub)
         begin(pub)
         ctx.publication = pub
         ctx.note("discover", 1, 0, time.perf_counter() - t0)

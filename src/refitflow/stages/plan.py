@@ -234,6 +234,7 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     reads: list[PlannedRead] = []
     staged = 0
     for p in pieces:
+        breathe()
         if not p.direct:
             staged = -(-staged // 8) * 8
             p = replace(p, landing_offset=staged)
@@ -344,7 +345,10 @@ class PlanCache:
 
     async def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
         """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""
-        key = self.key(pub, landing, limits)
+        if self._landing is None or self._landing[0] is not landing:  # once per landing: off the loop
+            key = await anyio.to_thread.run_sync(self.key, pub, landing, limits)
+        else:
+            key = self.key(pub, landing, limits)
         plan = self.lookup(key)
         if plan is None:
             plan = await anyio.to_thread.run_sync(build_plan, pub, landing, limits, key)

@@ -135,8 +135,8 @@ class LoopbackTransport(Transport):
         if cached is not None and cached[0] is reads and cached[1] == state:
             copies = cached[2]
             self._prepared.move_to_end(key)
-        else:
-            copies = self._copies(reads)
+        else:  # a first sight of many reads takes milliseconds: prepared off the event loop
+            copies = await anyio.to_thread.run_sync(self._copies, reads) if len(reads) > 256 else self._copies(reads)
             if key is not None:
                 self._prepared[key] = (reads, state, copies)
                 while len(self._prepared) > _CACHE:
