@@ -59,6 +59,8 @@ __all__ = [
 
 
 _SERIALS = itertools.count()
+_DIRECT_PIECE = 16 << 20  # direct pieces are cut this small so the last buckets can taper
+_TAPER_MIN = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +184,7 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
                 len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
                 and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
             )  # fmt: skip
-            cap = limits.direct_bucket_bytes if direct else limits.bucket_bytes
+            cap = min(limits.direct_bucket_bytes, _DIRECT_PIECE) if direct else limits.bucket_bytes
             for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
                 yield _piece(source, spec, item, chunk, members, direct, dst)
 
@@ -290,15 +292,21 @@ def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) ->
     buckets: list[Bucket] = []
     current: list[Piece] = []
     staged = direct = runs = ideal = 0
-    for p in _pieces(pub, landing, limits):
+    pieces = list(_pieces(pub, landing, limits))
+    left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
+    for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
+        # the last direct buckets taper (a quarter of what is left, at least 4 MiB): the last bucket's
+        # verification, which nothing overlaps, stays short
+        cap = min(limits.direct_bucket_bytes, max(_TAPER_MIN, left // 4))
         full_ = (
             (not p.direct and -(-staged // 8) * 8 + p.nbytes > limits.bucket_bytes)
-            or (p.direct and direct + p.nbytes > limits.direct_bucket_bytes)
+            or (p.direct and direct + p.nbytes > cap)
             or runs + p.count > limits.max_reads_per_bucket
         )
         if current and full_:
             buckets.append(_bucket(len(buckets), current, cx))
+            left -= direct
             current, staged, direct, runs = [], 0, 0, 0
         current.append(p)
         staged = staged if p.direct else -(-staged // 8) * 8 + p.nbytes
