@@ -167,3 +167,20 @@ def test_every_gap_and_an_axis_mismatch_are_reported() -> None:
     mixed = (manifest(0, spec("a", 0, 0, 4), spec("b", 0, 0, 8)), manifest(1, spec("a", 1, 4, 8)))
     with pytest.raises(rf.PlanError, match="axis mismatch: shards of a split on axis 1 and axis 0"):
         build_plan(rf.Publication(identity=ident, version=1, manifests=mixed), dest, limits)
+
+
+def test_the_last_direct_buckets_taper_so_the_last_verification_is_short() -> None:
+    ident = rf.Identity(model="m")
+    names = [f"t{i}" for i in range(40)]  # 40 tensors of 8 MiB, all landing directly
+    specs = tuple(
+        rf.ShardSpec(name=n, dtype="float32", global_shape=(2048, 1024), axis=None, start=0, stop=2048,
+                     digest="0" * 16, region=i)
+        for i, n in enumerate(names)
+    )  # fmt: skip
+    manifest = rf.Manifest(identity=ident, version=1, rank=0, world_size=1, shards=specs,
+                           source=rf.SourceAddress(transport="loopback", agent="a"))  # fmt: skip
+    dest = Destination({n: torch.empty(2048, 1024, device="meta") for n in names}, ApplyMode.IN_PLACE)
+    plan = build_plan(rf.Publication(identity=ident, version=1, manifests=(manifest,)), dest, ReceiverConfig().limits)
+    sizes = [b.nbytes >> 20 for b in plan.buckets]
+    assert sum(sizes) == 320 and max(sizes) <= 64 and sizes[-1] <= 8  # MiB
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) <= 16
