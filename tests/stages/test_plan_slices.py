@@ -183,4 +183,4 @@ def test_the_last_direct_buckets_taper_so_the_last_verification_is_short() -> No
     plan = build_plan(rf.Publication(identity=ident, version=1, manifests=(manifest,)), dest, ReceiverConfig().limits)
     sizes = [b.nbytes >> 20 for b in plan.buckets]
     assert sum(sizes) == 320 and max(sizes) <= 64 and sizes[-1] <= 8  # MiB
-    assert sizes == sorted(sizes, reverse=True) and len(sizes) <= 16
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) <= 10

@@ -296,9 +296,9 @@ def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) ->
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
-        # the last direct buckets taper (a quarter of what is left, at least 4 MiB): the last bucket's
+        # the last direct buckets taper (half of what is left, at least 4 MiB): the last bucket's
         # verification, which nothing overlaps, stays short
-        cap = min(limits.direct_bucket_bytes, max(_TAPER_MIN, left // 4))
+        cap = min(limits.direct_bucket_bytes, max(_TAPER_MIN, left // 2))
         full_ = (
             (not p.direct and -(-staged // 8) * 8 + p.nbytes > limits.bucket_bytes)
             or (p.direct and direct + p.nbytes > cap)
