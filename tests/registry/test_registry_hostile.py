@@ -94,6 +94,19 @@ def test_malformed_message_gets_a_named_error(dealer: zmq.Socket[bytes], frame: 
     assert request(dealer, "hello")["ok"]
 
 
+def test_an_old_peer_and_an_old_manifest_are_refused_with_a_clear_error(dealer: zmq.Socket[bytes]) -> None:
+    old = manifest(0)
+    del old["format"]
+    old["shards"] = [VALID_SHARD[:9]]  # what protocol 1 sent: no digest algorithm, no tiles
+    reply = ask(dealer, orjson.dumps({"v": 1, "id": 3, "op": "publish", "manifest": old}))
+    assert (
+        reply["error"] == "ManifestError"
+        and f"protocol version 1 not supported (we speak {PROTOCOL_VERSION})" in (reply["message"])
+    )
+    reply = request(dealer, "publish", manifest=old)  # today's envelope around a format-1 manifest
+    assert reply["error"] == "ManifestError" and "manifest format 1 is not supported" in reply["message"]
+
+
 def test_extra_frames_are_dropped_and_the_registry_keeps_serving(dealer: zmq.Socket[bytes]) -> None:
     dealer.send_multipart([b"a", b"b", b"c"])
     assert request(dealer, "hello")["ok"]
