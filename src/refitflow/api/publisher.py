@@ -15,13 +15,22 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import anyio.to_thread
+import numpy as np
 import torch
 import xxhash
 
-from refitflow.core.digests import ALGORITHMS, Tiling, choose_tiling, shard_digests
+from refitflow.core.digests import (
+    ALGORITHMS,
+    Tiling,
+    choose_tiling,
+    mix64_box_on_device,
+    shard_digests,
+    to_host,
+)
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity, Manifest, ShardSpec
+from refitflow.layouts.boxes import full
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.registry.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
@@ -59,21 +68,45 @@ def digest_algorithm(tensor: torch.Tensor, choice: str) -> str:
     return "xxh3" if tensor.device.type == "cpu" else "mix64"
 
 
-def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
-    """The digest fields of a ``ShardSpec`` for a contiguous tensor, computed on its own device."""
+def _tiling(tensor: torch.Tensor, algo: str) -> Tiling:
     rows, cols = choose_tiling(tuple(tensor.shape), tensor.element_size()) if tensor.numel() else (0, 0)
-    tiling = Tiling(algo, tuple(tensor.shape), tensor.element_size(), rows, cols)
-    raw = shard_digests(tensor, tiling).astype(">u8").tobytes()
-    if not rows:  # an empty shard: its one digest
-        return dict(algo=algo, digest=raw.hex())
+    return Tiling(algo, tuple(tensor.shape), tensor.element_size(), rows, cols)
+
+
+def _fields(tiling: Tiling, digests: np.ndarray) -> dict[str, Any]:
+    raw = digests.astype(">u8").tobytes()
+    if not tiling.tile_rows:  # an empty shard: its one digest
+        return dict(algo=tiling.algo, digest=raw.hex())
     return dict(
-        algo=algo, tile_rows=rows, tile_cols=cols, blocks=base64.b64encode(raw).decode(),
-        digest=xxhash.xxh3_64_hexdigest(raw),
+        algo=tiling.algo, tile_rows=tiling.tile_rows, tile_cols=tiling.tile_cols,
+        blocks=base64.b64encode(raw).decode(), digest=xxhash.xxh3_64_hexdigest(raw),
     )  # fmt: skip
 
 
+def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
+    """The digest fields of a ``ShardSpec`` for a contiguous tensor, computed on its own device."""
+    tiling = _tiling(tensor, algo)
+    return _fields(tiling, shard_digests(tensor, tiling))
+
+
 def _digest_all(items: list[tuple[torch.Tensor, str]]) -> list[dict[str, Any]]:
-    return [digest(t, algo) for t, algo in items]
+    """Digest fields of every tensor; mix64 sums stay on their device until one copy per device brings
+    them all to the host (no synchronisation per tensor)."""
+    out: list[dict[str, Any] | None] = [None] * len(items)
+    pending: dict[torch.device, list[tuple[int, Tiling, torch.Tensor]]] = {}
+    for i, (t, algo) in enumerate(items):
+        tiling = _tiling(t, algo)
+        if algo == "mix64":  # on any device the same way (CPU tests run the accelerator's path)
+            pending.setdefault(t.device, []).append((i, tiling, mix64_box_on_device(t, tiling, full(t.shape))))
+        else:
+            out[i] = _fields(tiling, shard_digests(t, tiling))
+    for group in pending.values():
+        sums = to_host(torch.cat([s for _, _, s in group]))
+        at = 0
+        for i, tiling, s in group:
+            out[i] = _fields(tiling, sums[at : at + len(s)])
+            at += len(s)
+    return [d for d in out if d is not None]
 
 
 def _halves(sizes: list[int]) -> tuple[list[int], list[int]]:

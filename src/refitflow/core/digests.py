@@ -53,7 +53,9 @@ __all__ = [
     "choose_tiling",
     "hash_ranges",
     "mix64_box",
+    "mix64_box_on_device",
     "shard_digests",
+    "to_host",
     "unit_count",
     "units_array",
     "units_of",
@@ -440,7 +442,18 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def mix64_box(data: torch.Tensor, t: Tiling, box: Box) -> np.ndarray:
-    """mix64 sums of ``box``'s part of every tile it touches, in ``units_of`` order, on ``data``'s device.
+    """mix64 sums (see ``mix64_box_on_device``), brought to the host as uint64."""
+    return to_host(mix64_box_on_device(data, t, box))
+
+
+def to_host(sums: torch.Tensor) -> np.ndarray:
+    """int64 sums on any device → uint64 on the host (one copy for however many)."""
+    return sums.cpu().numpy().view(np.uint64).copy()
+
+
+def mix64_box_on_device(data: torch.Tensor, t: Tiling, box: Box) -> torch.Tensor:
+    """mix64 sums (int64) of ``box``'s part of every tile it touches, in ``units_of`` order, left on
+    ``data``'s device.
 
     ``data`` holds the box row-major (contiguous, any dtype, any device); the box's column edges
     must be whole words (``units_of`` marks other boxes unchecked). ``tile_rows == 0``: one sum.
@@ -479,9 +492,7 @@ def mix64_box(data: torch.Tensor, t: Tiling, box: Box) -> np.ndarray:
             per_tile = torch.zeros(x.shape[0], ncb, dtype=torch.int64, device=dev).index_add_(1, jcol, x)
         out.index_add_(0, irow[a : a + step], per_tile)
     sums = out.reshape(-1)
-    if t.tile_rows == 0:
-        sums = sums.sum().reshape(1)
-    return sums.cpu().numpy().view(np.uint64).copy()
+    return sums.sum().reshape(1) if t.tile_rows == 0 else sums
 
 
 # -- the publisher's pass -----------------------------------------------------------------------
