@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitflow.core.digests import Tiling, unit_count, units_array, units_of
-from refitflow.core.types import Publication, ShardSpec
+from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
 from refitflow.stages._context import breathe
 
@@ -74,13 +74,14 @@ class Checks:
     whole_bytes: int  # bytes the whole units of ``land_of``/``mixes`` verify
 
 
-def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[ShardSpec, int]]:
-    """(source, tensor) → (spec, offset of its first digest in ``digest_vector(pub)``)."""
+def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[Tiling, int]]:
+    """(source, tensor) → (its digest geometry, offset of its first digest in ``digest_vector(pub)``)."""
     out, at = {}, 0
     for i, m in enumerate(pub.sources):
         for s in m.shards:
-            out[(i, s.name)] = (s, at)
-            at += s.tiling.count
+            t = s.tiling
+            out[(i, s.name)] = (t, at)
+            at += t.count
     return out
 
 
@@ -113,7 +114,7 @@ class _Fast:
 
 
 def build_checks(
-    pieces: Iterable[tuple[int, str, Box, Land]], index: Mapping[tuple[int, str], tuple[ShardSpec, int]]
+    pieces: Iterable[tuple[int, str, Box, Land]], index: Mapping[tuple[int, str], tuple[Tiling, int]]
 ) -> Checks:
     """The checks of one bucket's pieces: ``(source, tensor, box, landing)`` each, in plan order."""
     lands: list[Land] = []
@@ -124,8 +125,7 @@ def build_checks(
     whole_bytes = 0
     for source, tensor, box, land in pieces:
         breathe()
-        spec, base = index[(source, tensor)]
-        t = spec.tiling
+        t, base = index[(source, tensor)]
         k, n = len(lands), len(names)
         lands.append(land)
         names.append(tensor)

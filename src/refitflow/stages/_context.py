@@ -48,21 +48,21 @@ def gc_paused() -> Iterator[None]:
 
 
 _BREATH_S = 0.001
-_last_breath = threading.local()
+_calls = [0]  # breathe() calls (shared by threads: approximate is enough)
+_last = [0.0]  # when the GIL was last let go
 
 
 def breathe() -> None:
     """Called often from long CPU-bound loops in worker threads (plan building): about every millisecond,
     release the GIL for a moment so the event loop's thread gets it now, not at the interpreter's
     5 ms switch interval. A no-op on the main thread (nothing runs beside it there)."""
-    n = getattr(_last_breath, "n", 0) + 1
-    _last_breath.n = n
-    if n % 32:
+    _calls[0] += 1
+    if _calls[0] & 63:
         return
     now = time.perf_counter()
-    if now - getattr(_last_breath, "t", 0.0) > _BREATH_S and threading.current_thread() is not threading.main_thread():
+    if now - _last[0] > _BREATH_S and threading.current_thread() is not threading.main_thread():
         time.sleep(0)
-        _last_breath.t = time.perf_counter()
+        _last[0] = time.perf_counter()
 
 
 @dataclass(frozen=True, slots=True)

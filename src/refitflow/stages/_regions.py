@@ -25,13 +25,13 @@ def _rows(shape: tuple[int, ...], lo: int, hi: int) -> Box:
     return ((lo, hi), *full(shape[1:])) if shape else ()
 
 
-def _region_of(c: Copy, shape: tuple[int, ...], item: int, limits: Limits) -> tuple[Box, bool]:
+def _region_of(c: Copy, shape: tuple[int, ...], item: int, limits: Limits, tiling: Tiling) -> tuple[Box, bool]:
     """The box to read for one copy, and whether it was widened."""
     box = c.sbox
     if not shape:
         return box, False
     if limits.verify == "strict":
-        wide = c.spec.tiling.aligned(box)
+        wide = tiling.aligned(box)
         return wide, wide != box
     if contiguous_span(box, shape) is None and run_length(box, shape) * item < limits.min_run_bytes:
         return _rows(shape, *box[0]), True
@@ -42,13 +42,16 @@ def _hull(a: Box, b: Box) -> Box:
     return tuple((min(x0, y0), max(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
 
 
-def regions(cs: list[Copy], shape: tuple[int, ...], item: int, limits: Limits) -> list[tuple[Box, list[Copy]]]:
-    """Group one shard's copies into regions; a widened region swallows what it overlaps."""
+def regions(
+    cs: list[Copy], shape: tuple[int, ...], item: int, limits: Limits, tiling: Tiling
+) -> list[tuple[Box, list[Copy]]]:
+    """Group one shard's copies (digest geometry ``tiling``) into regions; a widened region swallows what
+    it overlaps."""
     if len(cs) == 1:
-        return [(_region_of(cs[0], shape, item, limits)[0], cs)]
-    tiling: Tiling = cs[0].spec.tiling
+        return [(_region_of(cs[0], shape, item, limits, tiling)[0], cs)]
     out: list[tuple[Box, bool, list[Copy]]] = []
-    for box, widened, c in sorted(((*_region_of(c, shape, item, limits), c) for c in cs), key=lambda x: x[0]):
+    items = ((*_region_of(c, shape, item, limits, tiling), c) for c in cs)
+    for box, widened, c in sorted(items, key=lambda x: x[0]):
         members = [c]
         hit = True
         while hit:  # the hull may reach further regions

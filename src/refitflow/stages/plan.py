@@ -177,7 +177,7 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
         item, shape = src_dtype.itemsize, spec.shape
         tiling = spec.tiling
         grid = _grid(tiling, len(shape))
-        for region, members in regions(cs, shape, item, limits):
+        for region, members in regions(cs, shape, item, limits, tiling):
             c = members[0]
             dst = landing.params[c.param]
             direct = (
