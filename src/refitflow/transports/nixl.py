@@ -10,7 +10,9 @@ deregistration, invalidates what was prepared against it.
 
 ``num_agents > 1`` stripes each read across that many agents of this process, one thread each
 (NIXL-NOTES: ≈1.7× one agent over cma; bench/nixl_bench.py here: 1.4×, 256 MiB, 2 shared cores);
-peers only ever see the first agent, the only one with a progress thread.
+peers only ever see the first agent, the only one with a progress thread. End to end with strict
+verification it did not pay on 2 cores (``bench/nixl_ratio.py --agents 2``: raw READs faster, refits
+not — hashing needs the second core), so the default stays one agent.
 
 Registered tensors are referenced for as long as they are registered: NIXL over cma does not
 enforce remote deregistration, so memory a peer may still read must not be freed and reused.
