@@ -6,7 +6,6 @@ enters (``ManifestError`` naming the problem) and never reaches the planner.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import math
 from dataclasses import dataclass, field
@@ -128,7 +127,7 @@ class ShardSpec:
 
     @property
     def digest_bytes(self) -> bytes:
-        """Every digest, 8 bytes each, big-endian (decoded once, then cached by content)."""
+        """Every digest, 8 bytes each, big-endian (decoded on each call: verify asks once per refit)."""
         try:
             return _digest_bytes(self.blocks, self.digest)
         except (binascii.Error, ValueError):
@@ -207,15 +206,14 @@ class Manifest:
 
 
 # Derived from a spec's fields, cached by value outside the (frozen) specs, so ``vars(spec)`` holds
-# only fields: a plan and every refit ask for them per tensor.
-@lru_cache(maxsize=1 << 16)
+# only fields: a plan asks for it per tensor, and shapes repeat layer after layer.
+@lru_cache(maxsize=1 << 14)
 def _tiling(algo: str, shape: tuple[int, ...], item: int, tile_rows: int, tile_cols: int) -> Tiling:
     return Tiling(algo, shape, item, tile_rows, tile_cols)
 
 
-@lru_cache(maxsize=1 << 17)
 def _digest_bytes(blocks: str, digest: str) -> bytes:
-    return base64.b64decode(blocks, validate=True) if blocks else bytes.fromhex(digest)
+    return binascii.a2b_base64(blocks, strict_mode=True) if blocks else bytes.fromhex(digest)
 
 
 def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:

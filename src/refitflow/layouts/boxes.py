@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-_memo = lru_cache(maxsize=1 << 16)
+_memo = lru_cache(maxsize=1 << 14)
 
 __all__ = [
     "Box",
