@@ -6,6 +6,7 @@ python bench/loop_lag.py [--size-mb 512] [--tensors 1000] [--transport loopback]
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -28,6 +29,7 @@ async def main() -> None:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--transport", default="loopback")
     ap.add_argument("--cast", action="store_true", help="bf16 -> fp32 (staged) instead of direct")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the model is loaded, as a server would")
     args = ap.parse_args()
     per = int(args.size_mb * 1e6 / args.tensors / 4)
     src = {f"t{i}": torch.randn(per) for i in range(args.tensors)}
@@ -35,6 +37,8 @@ async def main() -> None:
         src = {k: v.to(torch.bfloat16) for k, v in src.items()}
     dst = {k: torch.zeros(per) for k in src}
     registry, ident = rf.Registry(), rf.Identity(model="lag")
+    if args.gc_freeze:
+        gc.freeze()  # the collector's full passes (the whole heap, GIL held) are the process's, not refitflow's
     async with (
         rf.Publisher(registry, identity=ident, transport=args.transport) as pub,
         rf.Receiver(dst, registry, identity=ident, transport=args.transport, budget_bytes=64 << 20) as recv,

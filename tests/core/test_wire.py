@@ -52,16 +52,53 @@ def test_bad_json_is_a_manifest_error() -> None:
         decode(b"{not json")
 
 
-def test_block_digests_and_compile_target_roundtrip() -> None:
+def test_tile_digests_and_compile_target_roundtrip() -> None:
     spec = rf.ShardSpec(
         name="w", dtype="bfloat16", global_shape=(130, 4), axis=None, start=0, stop=130, digest="0" * 16, region=0,
-        block_rows=64, blocks="A" * 32, compile_target="vllm_fused", compile_metadata=(("quant", "none"),),
+        algo="mix64", tile_rows=64, tile_cols=4, blocks="A" * 32, compile_target="vllm_fused",
+        compile_metadata=(("quant", "none"),),
     )  # fmt: skip
-    assert spec.block_count == 3 and spec.block_bytes == 64 * 4 * 2 and len(spec.block_digests()) == 3
+    assert spec.tiling.count == 3 and len(spec.digest_array()) == 3
     m = rf.Manifest(
         identity=rf.Identity(model="m"), version=1, rank=0, world_size=1,
         source=rf.SourceAddress(transport="loopback", agent="a"), shards=(spec,), metadata={"layout": "{}"},
     )  # fmt: skip
-    assert manifest_from_dict(decode(encode(manifest_to_dict(m)))) == m
+    back = manifest_from_dict(decode(encode(manifest_to_dict(m))))
+    assert back == m and back.shards[0].algo == "mix64" and back.shards[0].tiling == spec.tiling
     with pytest.raises(rf.ManifestError, match="2 block digests for 3 blocks"):
-        rf.ShardSpec(**{**spec.__dict__, "blocks": "AAAAAAAAAAAAAAAAAAAAAA=="})  # 16 bytes
+        rf.ShardSpec(**{**_fields(spec), "blocks": "AAAAAAAAAAAAAAAAAAAAAA=="})  # 16 bytes
+
+
+def _fields(spec: rf.ShardSpec) -> dict:
+    return {f: getattr(spec, f) for f in rf.ShardSpec.__dataclass_fields__}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"algo": "md5"}, "unknown digest algorithm 'md5'"),
+        ({"tile_rows": 200}, "does not fit"),
+        ({"tile_cols": 3, "tile_rows": 64}, "not whole 8-byte words"),  # 2 column ranges of 6 bytes
+        ({"tile_rows": 0}, "tile_rows and blocks go together"),
+        ({"blocks": "!!!!"}, "not base64"),
+    ],
+)
+def test_impossible_digest_geometry_is_refused(change: dict, match: str) -> None:
+    good = rf.ShardSpec(
+        name="w", dtype="bfloat16", global_shape=(130, 4), axis=None, start=0, stop=130, digest="0" * 16, region=0,
+        tile_rows=64, tile_cols=4, blocks="A" * 32,
+    )  # fmt: skip
+    with pytest.raises(rf.ManifestError, match=match):
+        rf.ShardSpec(**{**_fields(good), **change})
+
+
+@pytest.mark.parametrize("fmt", [None, 1, True, 2.0, "2"])
+def test_a_manifest_of_another_format_is_refused_not_misread(fmt) -> None:
+    d = manifest_to_dict(_manifest())
+    if fmt is None:
+        del d["format"]
+        d["shards"] = [row[:9] for row in d["shards"]]  # what a format-1 publisher sent
+    else:
+        d["format"] = fmt
+    with pytest.raises(rf.ManifestError, match=r"manifest format .* is not supported: this refitflow reads format 2"):
+        manifest_from_dict(d)

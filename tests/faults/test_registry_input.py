@@ -26,6 +26,7 @@ from refitflow.registry.store import RegistryStore
 from tests.faults._util import free_address, spawn_registry
 from tests.registry._procs import stop
 from tests.registry.test_registry_client import ID, manifest
+from tests.registry.test_registry_hostile import NO_TILES
 from tests.registry.test_registry_hostile import manifest as manifest_dict
 from tests.registry.test_registry_leases import Clock
 
@@ -83,11 +84,11 @@ async def test_an_empty_manifest_at_a_huge_version_is_refused_and_receivers_keep
 @pytest.mark.parametrize(
     ("over", "words"),
     [
-        ({"shards": [["w", "float32", [10**9, 10**9], 0, 0, 4, "0" * 16, 0, 0]]}, "elements"),
-        ({"shards": [["w", "float32", [1] * 9, None, 0, 1, "0" * 16, 0, 0]]}, "dimensions"),
+        ({"shards": [["w", "float32", [10**9, 10**9], 0, 0, 4, "0" * 16, 0, 0, *NO_TILES]]}, "elements"),
+        ({"shards": [["w", "float32", [1] * 9, None, 0, 1, "0" * 16, 0, 0, *NO_TILES]]}, "dimensions"),
         ({"world_size": 10**12}, "world size"),
         ({"version": 2**63}, "version"),
-        ({"shards": [["w", "float32", [8, 3], 0, 0, 4, "0" * 16, 2**63, 0]]}, "region"),
+        ({"shards": [["w", "float32", [8, 3], 0, 0, 4, "0" * 16, 2**63, 0, *NO_TILES]]}, "region"),
     ],
 )
 @pytest.mark.asyncio
@@ -152,7 +153,7 @@ async def test_unowned_incomplete_versions_expire_and_owned_or_complete_ones_sta
 
 @pytest.mark.asyncio
 async def test_too_many_shards_are_refused_before_any_is_built() -> None:
-    shards = [[f"w{i}", "float32", [2], None, 0, 2, "0" * 16, i, 0] for i in range(1001)]
+    shards = [[f"w{i}", "float32", [2], None, 0, 2, "0" * 16, i, 0, *NO_TILES] for i in range(1001)]
     limits = rf.RegistryLimits(max_shards=1000)
     with anyio.fail_after(30):
         async with rf.Registry.serve("tcp://127.0.0.1:*", limits=limits) as server, raw(server.address) as client:
@@ -166,7 +167,7 @@ async def test_a_large_manifest_is_checked_without_stalling_other_clients() -> N
     """60,000 shard specs: the registry process checks them off its event loop; another client's round
     trips go on meanwhile (checked on the loop, none would complete until the check was done)."""
     address = free_address()
-    shards = [[f"layers.{i}.weight", "bfloat16", [64, 64], None, 0, 64, f"{i:016x}", i, 0] for i in range(60_000)]
+    shards = [[f"layers.{i}.weight", "bfloat16", [64, 64], None, 0, 64, f"{i:016x}", i, 0, *NO_TILES] for i in range(60_000)]
     registry = await spawn_registry(address)
     try:
         with anyio.fail_after(120):

@@ -17,11 +17,13 @@ from hypothesis import strategies as st
 from refitflow.core.wire import PROTOCOL_VERSION
 from tests.registry._procs import spawn_registry, stop, sync_dealer
 
-VALID_SHARD = ["w", "float32", [8, 3], 0, 0, 4, "0123456789abcdef", 0, 0]
+NO_TILES = ["xxh3", 0, 0, ""]  # digest algorithm, tile rows, tile columns, base64 digests (none: one digest)
+VALID_SHARD = ["w", "float32", [8, 3], 0, 0, 4, "0123456789abcdef", 0, 0, *NO_TILES]
 
 
 def manifest(rank: int = 0, shards: Any = None, **over: Any) -> dict[str, Any]:
     return {
+        "format": PROTOCOL_VERSION,
         "identity": {"model": "hostile"}, "version": 1, "rank": rank, "world_size": 2, "revision": "",
         "metadata": {}, "source": {"transport": "loopback", "agent": "a", "metadata": ""},
         "shards": [VALID_SHARD] if shards is None else shards, **over,
@@ -87,6 +89,19 @@ def test_malformed_message_gets_a_named_error(dealer: zmq.Socket[bytes], frame: 
     assert request(dealer, "hello")["ok"]
 
 
+def test_an_old_peer_and_an_old_manifest_are_refused_with_a_clear_error(dealer: zmq.Socket[bytes]) -> None:
+    old = manifest(0)
+    del old["format"]
+    old["shards"] = [VALID_SHARD[:9]]  # what protocol 1 sent: no digest algorithm, no tiles
+    reply = ask(dealer, orjson.dumps({"v": 1, "id": 3, "op": "publish", "manifest": old}))
+    assert (
+        reply["error"] == "ManifestError"
+        and f"protocol version 1 not supported (we speak {PROTOCOL_VERSION})" in (reply["message"])
+    )
+    reply = request(dealer, "publish", manifest=old)  # today's envelope around a format-1 manifest
+    assert reply["error"] == "ManifestError" and "manifest format 1 is not supported" in reply["message"]
+
+
 def test_extra_frames_get_a_typed_answer_and_the_registry_keeps_serving(dealer: zmq.Socket[bytes]) -> None:
     reply = ask(dealer, b"a", b"b", b"c")
     assert reply["ok"] is False and reply["error"] == "ManifestError" and "one frame" in reply["message"]
@@ -95,13 +110,21 @@ def test_extra_frames_get_a_typed_answer_and_the_registry_keeps_serving(dealer: 
 
 def test_overlapping_and_disagreeing_ranks_are_refused_by_name(dealer: zmq.Socket[bytes]) -> None:
     assert request(dealer, "publish", manifest=manifest(0))["ok"]
-    overlap = request(dealer, "publish", manifest=manifest(1, [["w", "float32", [8, 3], 0, 2, 6, "0" * 16, 0, 0]]))
+    overlap = request(
+        dealer, "publish", manifest=manifest(1, [["w", "float32", [8, 3], 0, 2, 6, "0" * 16, 0, 0, *NO_TILES]])
+    )
     assert overlap["error"] == "ManifestError" and "overlaps" in overlap["message"] and overlap["tensor"] == "w"
-    shape = request(dealer, "publish", manifest=manifest(1, [["w", "float32", [9, 3], 0, 4, 8, "0" * 16, 0, 0]]))
+    shape = request(
+        dealer, "publish", manifest=manifest(1, [["w", "float32", [9, 3], 0, 4, 8, "0" * 16, 0, 0, *NO_TILES]])
+    )
     assert shape["error"] == "ManifestError" and "global_shape" in shape["message"]
-    dtype = request(dealer, "publish", manifest=manifest(1, [["w", "bfloat16", [8, 3], 0, 4, 8, "0" * 16, 0, 0]]))
+    dtype = request(
+        dealer, "publish", manifest=manifest(1, [["w", "bfloat16", [8, 3], 0, 4, 8, "0" * 16, 0, 0, *NO_TILES]])
+    )
     assert dtype["error"] == "ManifestError" and "dtype" in dtype["message"]
-    other = request(dealer, "publish", manifest=manifest(0, [["w", "float32", [8, 3], 0, 0, 4, "f" * 16, 0, 0]]))
+    other = request(
+        dealer, "publish", manifest=manifest(0, [["w", "float32", [8, 3], 0, 0, 4, "f" * 16, 0, 0, *NO_TILES]])
+    )
     assert other["error"] == "VersionError"
 
 
@@ -113,7 +136,7 @@ junk = st.recursive(
 )
 words = st.sampled_from(["w", "float32", "int8", "bogus", "0123456789abcdef"])
 shard = st.lists(st.one_of(words, st.integers(-3, 10), st.lists(st.integers(-1, 10), max_size=3), junk), max_size=10)
-hostile = st.fixed_dictionaries({}, optional={
+hostile = st.fixed_dictionaries({"format": st.one_of(st.just(PROTOCOL_VERSION), junk)}, optional={
     "identity": st.one_of(junk, st.just({"model": "hostile"})), "version": st.one_of(st.integers(-2, 3), junk),
     "rank": st.integers(-1, 3), "world_size": st.one_of(st.integers(-1, 3), junk), "revision": st.text(max_size=4),
     "metadata": junk, "source": st.one_of(junk, st.just({"transport": "t", "agent": "a"})),

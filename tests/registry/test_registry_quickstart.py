@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import refitflow as rf
+from refitflow.core.wire import PROTOCOL_VERSION
 from refitflow.registry.release import ReleasePolicy
 
 
@@ -97,11 +98,12 @@ async def test_a_flood_of_requests_is_answered_busy_not_piled_up() -> None:
             dealer = ctx.socket(zmq.DEALER)
             dealer.connect(server.address)
             try:
-                await dealer.send(orjson.dumps({"v": 1, "id": "r", "op": "register_receiver", "identity": ident,
+                v = PROTOCOL_VERSION
+                await dealer.send(orjson.dumps({"v": v, "id": "r", "op": "register_receiver", "identity": ident,
                                                 "receiver_id": "r"}))  # fmt: skip
                 await dealer.recv()  # so version 1 is not released: every wait below is held
                 for k in range(8):
-                    await dealer.send(orjson.dumps({"v": 1, "id": k, "op": "wait_released", "identity": ident,
+                    await dealer.send(orjson.dumps({"v": v, "id": k, "op": "wait_released", "identity": ident,
                                                     "version": 1, "wait_s": 1.0}))  # fmt: skip
                 replies = [orjson.loads(await dealer.recv()) for _ in range(8)]
             finally:

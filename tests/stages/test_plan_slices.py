@@ -77,12 +77,14 @@ def test_overlapping_shards_are_a_plan_error() -> None:
         _plan(_pub((0, 2048), (1000, 4096)), 0, 0, 4096)
 
 
-def test_column_slice_reads_only_its_columns_as_strided_runs() -> None:
+def test_column_slice_reads_only_its_columns_as_strided_reads() -> None:
     plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 256, 512, max_strided_runs=1000)
     reads = [r for b in plan.buckets for r in b.reads]
     assert plan.nbytes == plan.ideal_bytes == 4096 * 256 * 2
-    assert all(r.nbytes == 256 * 2 for r in reads) and len(reads) == 4096  # one run per row, nothing more
-    assert max(len(p.spans) for b in plan.buckets for p in b.pieces) <= 1000
+    # one run per row and nothing more, described as a few strided reads (a row apart)
+    assert all(r.nbytes == 256 * 2 and r.stride == ROW for r in reads) and sum(r.count for r in reads) == 4096
+    assert [r.count for r in reads] == [1000, 1000, 48] * 2
+    assert max(p.count for b in plan.buckets for p in b.pieces) <= 1000
 
 
 def test_short_strided_runs_read_the_enclosing_rows() -> None:
@@ -93,7 +95,9 @@ def test_short_strided_runs_read_the_enclosing_rows() -> None:
 
 def test_strict_verify_widens_unaligned_cuts_to_whole_blocks() -> None:
     blocks = base64.b64encode(bytes(8 * 32)).decode()  # 32 blocks of 64 rows per shard
-    plan = _plan(_pub((0, 2048), (2048, 4096), block_rows=64, blocks=blocks), 0, 1500, 2500, verify="strict")
+    plan = _plan(
+        _pub((0, 2048), (2048, 4096), tile_rows=64, tile_cols=1024, blocks=blocks), 0, 1500, 2500, verify="strict"
+    )
     assert _reads(plan) == [(0, 1472, 2048), (1, 0, 512)]
     assert plan.ideal_bytes == 1000 * ROW
     # without block digests a shard is one block: strict reads both shards whole
@@ -163,3 +167,20 @@ def test_every_gap_and_an_axis_mismatch_are_reported() -> None:
     mixed = (manifest(0, spec("a", 0, 0, 4), spec("b", 0, 0, 8)), manifest(1, spec("a", 1, 4, 8)))
     with pytest.raises(rf.PlanError, match="axis mismatch: shards of a split on axis 1 and axis 0"):
         build_plan(rf.Publication(identity=ident, version=1, manifests=mixed), dest, limits)
+
+
+def test_the_last_direct_buckets_taper_so_the_last_verification_is_short() -> None:
+    ident = rf.Identity(model="m")
+    names = [f"t{i}" for i in range(40)]  # 40 tensors of 8 MiB, all landing directly
+    specs = tuple(
+        rf.ShardSpec(name=n, dtype="float32", global_shape=(2048, 1024), axis=None, start=0, stop=2048,
+                     digest="0" * 16, region=i)
+        for i, n in enumerate(names)
+    )  # fmt: skip
+    manifest = rf.Manifest(identity=ident, version=1, rank=0, world_size=1, shards=specs,
+                           source=rf.SourceAddress(transport="loopback", agent="a"))  # fmt: skip
+    dest = Destination({n: torch.empty(2048, 1024, device="meta") for n in names}, ApplyMode.IN_PLACE)
+    plan = build_plan(rf.Publication(identity=ident, version=1, manifests=(manifest,)), dest, ReceiverConfig().limits)
+    sizes = [b.nbytes >> 20 for b in plan.buckets]
+    assert sum(sizes) == 320 and max(sizes) <= 64 and sizes[-1] <= 8  # MiB
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) <= 10

@@ -91,6 +91,32 @@ async def test_storage_change_between_versions_reads_the_new_storage() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["nixl", "loopback"])
+async def test_a_strided_read_lands_a_column_slice_back_to_back(kind: str) -> None:
+    make = NixlTransport if kind == "nixl" else rf.LoopbackTransport
+    owner, reader = make(), make()
+    src = torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48)  # rows of 192 bytes
+    dst = torch.zeros(64, 16, dtype=torch.int32)
+    try:
+        with anyio.fail_after(20):
+            region = owner.register(src)
+            reader.register(dst)
+            reader.connect(owner.address())
+            d = as_bytes(dst)
+            # columns 8..24 of every row: 64 runs of 64 bytes, 192 bytes apart, as one read
+            columns = Read(owner.agent, region, 8 * 4, 16 * 4, d, stride=48 * 4, count=64)
+            for key in ("cols", "cols", None):  # prepared, replayed, unprepared
+                dst.zero_()
+                await reader.read([columns], key=key)
+                assert torch.equal(dst, src[:, 8:24])
+            with pytest.raises(rf.TransportError, match="outside region"):  # the last run would overrun
+                await reader.read([Read(owner.agent, region, 40 * 4, 16 * 4, d, stride=48 * 4, count=64)])
+    finally:
+        await reader.aclose()
+        await owner.aclose()
+
+
+@pytest.mark.asyncio
 async def test_reads_coalesce_and_refuse_unregistered_or_out_of_range_memory() -> None:
     owner, reader = NixlTransport(), NixlTransport()
     src = torch.arange(4096, dtype=torch.uint8)

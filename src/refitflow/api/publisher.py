@@ -9,25 +9,34 @@ until ``await pub.released(version)`` returns.
 from __future__ import annotations
 
 import base64
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
 import anyio.to_thread
+import numpy as np
 import torch
 import xxhash
 
 from refitflow.api._transport import choose_transport
+from refitflow.core.digests import (
+    ALGORITHMS,
+    Tiling,
+    choose_tiling,
+    mix64_box_on_device,
+    shard_digests,
+    to_host,
+)
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
 from refitflow.core.types import Identity, Manifest, ShardSpec
+from refitflow.layouts.boxes import full
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
-from refitflow.transports import Transport, as_bytes, make_transport
+from refitflow.transports import Transport, make_transport
 
 __all__ = ["Publisher", "Sharded"]
 
@@ -51,32 +60,66 @@ class PublishRegistry(Protocol):
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
-BLOCK_ROWS = 64
-BLOCK_MAX_BYTES = 4 << 20
+DIGEST_CHOICES = ("auto", *ALGORITHMS)
 
 
-def block_rows(shape: tuple[int, ...], item: int) -> int:
-    """Rows of dim 0 per digest block: 64 (1-D: up to 4 MiB), fewer when 64 rows exceed 4 MiB."""
-    row = math.prod(shape[1:]) * item
-    cap = max(1, BLOCK_MAX_BYTES // max(row, 1))
-    rows = shape[0] if shape else 1
-    return max(1, min(rows, cap if len(shape) <= 1 else min(BLOCK_ROWS, cap)))
+def digest_algorithm(tensor: torch.Tensor, choice: str) -> str:
+    """``auto``: mix64 for a tensor on an accelerator (hashed there), xxh3 on the CPU (fastest there)."""
+    if choice != "auto":
+        return choice
+    return "xxh3" if tensor.device.type == "cpu" else "mix64"
 
 
-def digest(tensor: torch.Tensor) -> tuple[str, int, str]:
-    """(digest, block rows, base64 block digests) of a contiguous tensor's bytes.
+def _tiling(tensor: torch.Tensor, algo: str) -> Tiling:
+    rows, cols = choose_tiling(tuple(tensor.shape), tensor.element_size()) if tensor.numel() else (0, 0)
+    return Tiling(algo, tuple(tensor.shape), tensor.element_size(), rows, cols)
 
-    Device bytes are copied to the host to be hashed — the seam the on-device digests of issue 11
-    replace (``publish`` has waited for the trainer's streams already).
-    """
-    data = as_bytes(tensor)
-    data = data if data.device.type == "cpu" else data.cpu()
-    rows = block_rows(tuple(tensor.shape), tensor.element_size())
-    step = rows * (data.numel() // max(tensor.shape[0], 1) if tensor.dim() else data.numel())
-    raw = b"".join(
-        xxhash.xxh3_64(data[i : i + step].numpy().data).digest() for i in range(0, max(data.numel(), 1), step)
-    )
-    return xxhash.xxh3_64(raw).hexdigest(), rows, base64.b64encode(raw).decode()
+
+def _fields(tiling: Tiling, digests: np.ndarray) -> dict[str, Any]:
+    raw = digests.astype(">u8").tobytes()
+    if not tiling.tile_rows:  # an empty shard: its one digest
+        return dict(algo=tiling.algo, digest=raw.hex())
+    return dict(
+        algo=tiling.algo, tile_rows=tiling.tile_rows, tile_cols=tiling.tile_cols,
+        blocks=base64.b64encode(raw).decode(), digest=xxhash.xxh3_64_hexdigest(raw),
+    )  # fmt: skip
+
+
+def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
+    """The digest fields of a ``ShardSpec`` for a contiguous tensor, computed on its own device."""
+    tiling = _tiling(tensor, algo)
+    return _fields(tiling, shard_digests(tensor, tiling))
+
+
+def _digest_all(items: list[tuple[torch.Tensor, str]]) -> list[dict[str, Any]]:
+    """Digest fields of every tensor; mix64 sums stay on their device until one copy per device brings
+    them all to the host (no synchronisation per tensor)."""
+    out: list[dict[str, Any] | None] = [None] * len(items)
+    pending: dict[torch.device, list[tuple[int, Tiling, torch.Tensor]]] = {}
+    for i, (t, algo) in enumerate(items):
+        tiling = _tiling(t, algo)
+        if algo == "mix64":  # on any device the same way (CPU tests run the accelerator's path)
+            pending.setdefault(t.device, []).append((i, tiling, mix64_box_on_device(t, tiling, full(t.shape))))
+        else:
+            out[i] = _fields(tiling, shard_digests(t, tiling))
+    for group in pending.values():
+        sums = to_host(torch.cat([s for _, _, s in group]))
+        at = 0
+        for i, tiling, s in group:
+            out[i] = _fields(tiling, sums[at : at + len(s)])
+            at += len(s)
+    return [d for d in out if d is not None]
+
+
+def _halves(sizes: list[int]) -> tuple[list[int], list[int]]:
+    """Two groups of indices with about equal bytes (largest first, each to the lighter group)."""
+    groups: tuple[list[int], list[int]] = ([], [])
+    load = [0, 0]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = 0 if load[0] <= load[1] else 1
+        groups[g].append(i)
+        load[g] += sizes[i]
+    return groups
 
 
 class Publisher:
@@ -104,6 +147,8 @@ class Publisher:
     - ``observer``: metrics (``refitflow.metrics.prometheus.PrometheusMetrics``).
     - ``release_policy``: when ``released(version)`` returns (``rf.ReleasePolicy``; default: every
       registered receiver is done with the version).
+    - ``digest``: the digest algorithm — ``"auto"`` (mix64 for tensors on an accelerator, xxh3 on the
+      CPU), ``"xxh3"``, or ``"mix64"`` (a CPU trainer whose receivers verify on GPUs; docs/architecture.md).
 
     Errors: ``ConfigError`` for arguments that make no sense (raised here, before anything starts);
     ``VersionError`` for a version that does not increase or a republish with other content.
@@ -122,11 +167,15 @@ class Publisher:
         compile_metadata: Mapping[str, str] | None = None,
         observer: PublishObserver = NULL_OBSERVER,
         release_policy: ReleasePolicy | None = None,
+        digest: str = "auto",
     ) -> None:
         if not isinstance(identity, Identity):
             raise ConfigError(f"identity must be an rf.Identity, got {type(identity).__name__}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} must lie in [0, world_size={world_size})")
+        if digest not in DIGEST_CHOICES:
+            raise ConfigError(f"digest must be one of {list(DIGEST_CHOICES)}, got {digest!r}")
+        self._digest_choice = digest
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
         self.registry: PublishRegistry = connect_registry(registry)
@@ -208,14 +257,10 @@ class Publisher:
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step
-
-        def digest_all() -> list[tuple[str, int, str]]:
-            return [digest(t) for _, t, _ in prepared]
-
-        digests = await anyio.to_thread.run_sync(digest_all)
+        fields = await self._digests([t for _, t, _ in prepared])
         shards = tuple(
-            ShardSpec(name=name, digest=d, block_rows=rows, blocks=blocks, region=regions[name], **fields)
-            for (name, _, fields), (d, rows, blocks) in zip(prepared, digests, strict=True)
+            ShardSpec(name=name, region=regions[name], **spec, **digests)
+            for (name, _, spec), digests in zip(prepared, fields, strict=True)
         )
         manifest = Manifest(
             identity=self.identity,
@@ -233,6 +278,22 @@ class Publisher:
         self._known_regions |= set(regions.values())
         await self._forget_released()
         return manifest
+
+    async def _digests(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """Every tensor's digest fields, off the event loop, in two worker threads of about equal bytes
+        (copies and torch kernels release the GIL; xxh3's own calls hold it)."""
+        items = [(t, digest_algorithm(t, self._digest_choice)) for t in tensors]
+        out: list[dict[str, Any]] = [{}] * len(items)
+
+        async def part(idx: list[int]) -> None:
+            for i, d in zip(idx, await anyio.to_thread.run_sync(_digest_all, [items[i] for i in idx]), strict=True):
+                out[i] = d
+
+        async with anyio.create_task_group() as tg:
+            for idx in _halves([t.numel() * t.element_size() for t in tensors]):
+                if idx:
+                    tg.start_soon(part, idx)
+        return out
 
     async def released(self, version: int, timeout: float | None = None) -> None:
         """Return when ``version`` is released per the release policy (its tensors may change then)."""

@@ -6,14 +6,17 @@ enters (``ManifestError`` naming the problem) and never reaches the planner.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import xxhash
 
+from refitflow.core.digests import ALGORITHMS, Tiling
 from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 
@@ -42,7 +45,7 @@ def _check_shard_limits(s: ShardSpec) -> None:
     ):
         raise ManifestError(f"bad global shape {s.global_shape!r:.80} (at most {MAX_ELEMENTS} elements)",
                             tensor=s.name)  # fmt: skip
-    for field_name in ("start", "stop", "region", "offset", "block_rows"):
+    for field_name in ("start", "stop", "region", "offset", "tile_rows", "tile_cols"):
         value = getattr(s, field_name)
         if not isinstance(value, int) or isinstance(value, bool) or value > MAX_INT:
             raise ManifestError(f"{field_name} must be an integer below 2**63, got {value!r:.40}", tensor=s.name)
@@ -83,9 +86,10 @@ class ShardSpec:
 
     ``axis is None`` means the source holds the whole tensor (replicated or unsharded).
 
-    Integrity is per block of ``block_rows`` rows of dim 0 of the shard: ``blocks`` is the base64 of
-    the blocks' xxh3_64 digests (8 bytes each, big-endian), ``digest`` the xxh3_64 of those bytes.
-    Without ``blocks`` (``block_rows == 0``) the shard is one block and ``digest`` is of its bytes.
+    Integrity (``core/digests.py``): ``algo`` (``xxh3`` or ``mix64``) over tiles of ``tile_rows`` rows ×
+    ``tile_cols`` columns; ``blocks`` is the base64 of the digests (8 bytes each, big-endian, in
+    ``Tiling`` order) and ``digest`` the xxh3_64 of those bytes. ``tile_rows == 0``: no ``blocks``, and
+    ``digest`` is the one digest of the whole shard.
     ``compile_target``/``compile_metadata``: what the bytes were compiled for (receivers may filter).
     """
 
@@ -98,7 +102,9 @@ class ShardSpec:
     digest: str
     region: int
     offset: int = 0
-    block_rows: int = 0
+    algo: str = "xxh3"
+    tile_rows: int = 0
+    tile_cols: int = 0
     blocks: str = ""
     compile_target: str = ""
     compile_metadata: tuple[tuple[str, str], ...] = ()
@@ -126,15 +132,39 @@ class ShardSpec:
             raise ManifestError("digest missing or not a 16-hex-digit xxh3_64", tensor=self.name)
         if self.region < 0 or self.offset < 0:
             raise ManifestError("negative region or offset", tensor=self.name)
-        if self.block_rows < 0 or bool(self.block_rows) != bool(self.blocks):
-            raise ManifestError("block_rows and blocks go together", tensor=self.name)
-        if self.blocks:
-            try:
-                raw = base64.b64decode(self.blocks, validate=True)
-            except ValueError:
-                raise ManifestError("blocks is not base64", tensor=self.name) from None
-            if len(raw) != 8 * self.block_count:
-                raise ManifestError(f"{len(raw) // 8} block digests for {self.block_count} blocks", tensor=self.name)
+        self._check_digests()
+
+    def _check_digests(self) -> None:
+        """The digest geometry fits the shard and ``blocks`` holds one digest per unit."""
+        if self.algo not in ALGORITHMS:
+            raise ManifestError(f"unknown digest algorithm {self.algo!r}; known: {list(ALGORITHMS)}", tensor=self.name)
+        if bool(self.tile_rows) != bool(self.blocks):
+            raise ManifestError("tile_rows and blocks go together", tensor=self.name)
+        try:
+            tiling = self.tiling
+        except ValueError as exc:
+            raise ManifestError(str(exc), tensor=self.name) from None
+        if len(self.digest_bytes) != 8 * tiling.count:
+            raise ManifestError(f"{len(self.digest_bytes) // 8} block digests for {tiling.count} blocks",
+                                tensor=self.name)  # fmt: skip
+
+    @property
+    def tiling(self) -> Tiling:
+        """The digest geometry (``core.digests.Tiling``)."""
+        return _tiling(self.algo, self.shape, itemsize(self.dtype), self.tile_rows, self.tile_cols)
+
+    @property
+    def digest_bytes(self) -> bytes:
+        """Every digest, 8 bytes each, big-endian (decoded on each call: verify asks once per refit)."""
+        try:
+            return _digest_bytes(self.blocks, self.digest)
+        except (binascii.Error, ValueError):
+            what = "blocks is not base64" if self.blocks else "digest is not hexadecimal"
+            raise ManifestError(what, tensor=self.name) from None
+
+    def digest_array(self) -> np.ndarray:
+        """The digests as native uint64."""
+        return np.frombuffer(self.digest_bytes, dtype=">u8").astype(np.uint64)
 
     @property
     def rows(self) -> int:
@@ -143,21 +173,6 @@ class ShardSpec:
     @property
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * itemsize(self.dtype)
-
-    @property
-    def block_count(self) -> int:
-        return max(1, -(-self.rows // self.block_rows)) if self.block_rows else 1
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of every block but the last (which may be shorter)."""
-        return self.block_rows * self.row_bytes if self.block_rows else self.nbytes
-
-    def block_digests(self) -> list[str]:
-        if not self.blocks:
-            return [self.digest]
-        raw = base64.b64decode(self.blocks)
-        return [raw[i : i + 8].hex() for i in range(0, len(raw), 8)]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -176,7 +191,7 @@ class ShardSpec:
         """Everything that shapes a plan, nothing that changes with the bytes."""
         return (
             self.name, self.dtype, self.global_shape, self.axis, self.start, self.stop, self.region, self.offset,
-            self.block_rows,
+            self.algo, self.tile_rows, self.tile_cols,
         )  # fmt: skip
 
 
@@ -225,6 +240,17 @@ def _check_manifest_limits(m: Manifest) -> None:
                             version=m.version)  # fmt: skip
     if not m.shards:
         raise ManifestError("a manifest announces at least one shard", version=m.version)
+
+
+# Derived from a spec's fields, cached by value outside the (frozen) specs, so ``vars(spec)`` holds
+# only fields: a plan asks for it per tensor, and shapes repeat layer after layer.
+@lru_cache(maxsize=1 << 14)
+def _tiling(algo: str, shape: tuple[int, ...], item: int, tile_rows: int, tile_cols: int) -> Tiling:
+    return Tiling(algo, shape, item, tile_rows, tile_cols)
+
+
+def _digest_bytes(blocks: str, digest: str) -> bytes:
+    return binascii.a2b_base64(blocks, strict_mode=True) if blocks else bytes.fromhex(digest)
 
 
 def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:

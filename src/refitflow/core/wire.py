@@ -1,4 +1,10 @@
-"""Manifests to and from bytes (orjson). Anything malformed becomes a ``ManifestError``."""
+"""Manifests to and from bytes (orjson). Anything malformed becomes a ``ManifestError``.
+
+A manifest dict carries ``"format": PROTOCOL_VERSION``; one of another format (or none: format 1,
+before per-shard digest algorithms and tiles) is refused, never read with the wrong meaning.
+A shard is a list: name, dtype, global shape, axis, start, stop, digest, region, offset, digest
+algorithm, tile rows, tile columns, base64 digests [, compile target, compile metadata].
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from refitflow.core.types import Identity, Manifest, ShardSpec, SourceAddress
 
 __all__ = ["PROTOCOL_VERSION", "decode", "encode", "manifest_from_dict", "manifest_to_dict"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-shard digest algorithm (xxh3 | mix64) and 2-D tiles
 
 
 def encode(obj: Any) -> bytes:
@@ -28,6 +34,7 @@ def decode(data: bytes) -> Any:
 
 def manifest_to_dict(m: Manifest) -> dict[str, Any]:
     return {
+        "format": PROTOCOL_VERSION,
         "identity": {
             "model": m.identity.model,
             "layout": m.identity.layout,
@@ -47,8 +54,21 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
             "metadata": base64.b64encode(m.source.metadata).decode(),
         },
         "shards": [
-            [s.name, s.dtype, list(s.global_shape), s.axis, s.start, s.stop, s.digest, s.region, s.offset]
-            + ([s.block_rows, s.blocks] if s.blocks or s.compile_target else [])
+            [
+                s.name,
+                s.dtype,
+                list(s.global_shape),
+                s.axis,
+                s.start,
+                s.stop,
+                s.digest,
+                s.region,
+                s.offset,
+                s.algo,
+                s.tile_rows,
+                s.tile_cols,
+                s.blocks,
+            ]
             + ([s.compile_target, dict(s.compile_metadata)] if s.compile_target else [])
             for s in m.shards
         ],
@@ -58,27 +78,13 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
 def manifest_from_dict(d: Any) -> Manifest:
     """Build and validate a manifest; every malformed field raises ``ManifestError``."""
     try:
-        src = d["source"]
-        shards = tuple(
-            ShardSpec(
-                name=_typed(name, str),
-                dtype=_typed(dtype, str),
-                global_shape=tuple(_typed(x, int) for x in shape),
-                axis=None if axis is None else _typed(axis, int),
-                start=_typed(start, int),
-                stop=_typed(stop, int),
-                digest=_typed(digest, str),
-                region=_typed(region, int),
-                offset=_typed(offset, int),
-                block_rows=_typed(rest[0], int) if rest else 0,
-                blocks=_typed(rest[1], str) if rest else "",
-                compile_target=_typed(rest[2], str) if len(rest) > 2 else "",
-                compile_metadata=tuple(sorted((_typed(k, str), _typed(v, str)) for k, v in rest[3].items()))
-                if len(rest) > 3
-                else (),
+        if type(d.get("format")) is not int or d["format"] != PROTOCOL_VERSION:
+            raise ManifestError(
+                f"manifest format {d.get('format', 1)!r:.20} is not supported: this refitflow reads format "
+                f"{PROTOCOL_VERSION} (publisher and receiver must run compatible refitflow versions)"
             )
-            for name, dtype, shape, axis, start, stop, digest, region, offset, *rest in d["shards"]
-        )
+        src = d["source"]
+        shards = tuple(_shard(row) for row in d["shards"])
         return Manifest(
             identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),
             version=_typed(d["version"], int),
@@ -98,6 +104,29 @@ def manifest_from_dict(d: Any) -> Manifest:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from exc
+
+
+def _shard(row: Any) -> ShardSpec:
+    name, dtype, shape, axis, start, stop, digest, region, offset, algo, tile_rows, tile_cols, blocks, *rest = row
+    return ShardSpec(
+        name=_typed(name, str),
+        dtype=_typed(dtype, str),
+        global_shape=tuple(_typed(x, int) for x in shape),
+        axis=None if axis is None else _typed(axis, int),
+        start=_typed(start, int),
+        stop=_typed(stop, int),
+        digest=_typed(digest, str),
+        region=_typed(region, int),
+        offset=_typed(offset, int),
+        algo=_typed(algo, str),
+        tile_rows=_typed(tile_rows, int),
+        tile_cols=_typed(tile_cols, int),
+        blocks=_typed(blocks, str),
+        compile_target=_typed(rest[0], str) if rest else "",
+        compile_metadata=tuple(sorted((_typed(k, str), _typed(v, str)) for k, v in rest[1].items()))
+        if len(rest) > 1
+        else (),
+    )
 
 
 def _typed(value: Any, kind: type) -> Any:

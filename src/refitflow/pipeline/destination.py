@@ -17,7 +17,7 @@ import torch
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.canonical import LocalTensor
-from refitflow.pipeline.device import check_device, devices_of
+from refitflow.pipeline.device import devices_of
 
 __all__ = ["ApplyMode", "Destination", "ShadowCommit"]
 
@@ -59,7 +59,6 @@ class Destination:
         for name, tensor in named:
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(f"destination {name!r} is not a tensor")
-            check_device(tensor.device, f"destination parameter {name!r}")
             first = by_id.setdefault(id(tensor), name)
             self.canonical[name] = first
             if first == name:

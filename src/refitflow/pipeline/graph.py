@@ -39,6 +39,9 @@ class Attempt:
     def record(self, param: str, region: Hashable, numel: int) -> None:
         self.txn.coverage.record(param, region, numel)
 
+    def credit(self, key: Hashable, params: tuple[str, ...], idx: Any, counts: Any) -> None:
+        self.txn.coverage.credit(key, params, idx, counts)
+
     def prepare(self) -> None:
         self.ledger.prepare(self.txn)
 

@@ -11,7 +11,7 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import Observer
 from refitflow.pipeline.budget import ByteBudget
 from refitflow.pipeline.destination import ApplyMode, Destination, ShadowCommit
-from refitflow.pipeline.device import DeviceLane
+from refitflow.pipeline.device import DeviceLane, check_device
 from refitflow.pipeline.fence import Fence
 from refitflow.pipeline.transaction import Ledger
 
@@ -39,6 +39,8 @@ class RankState:
     ) -> RankState:
         """The destination parameters, their devices, fence, staging budget and ledger; changes reported."""
         destination = Destination(model, mode, layout, shadow_commit=shadow_commit)
+        for name, tensor in destination.params.items():  # a rank refits CPU and CUDA memory only
+            check_device(tensor.device, f"destination parameter {name!r}")
         fence = Fence(on_change=lambda state: observer.fence_state(state.value))
         budget = ByteBudget(
             budget_bytes, on_change=lambda s: observer.budget(s.used_bytes, s.peak_bytes, s.capacity_bytes)

@@ -49,6 +49,7 @@ class Ledger:
         self.committed_revision: str | None = None
         self.open: Transaction | None = None
         self.first_failure: str | None = None  # the first failure since the last commit
+        self._expected_numel: dict[str, int] | None = None
 
     def begin(self, version: int, revision: str) -> Transaction:
         if self.open is not None:
@@ -56,11 +57,10 @@ class Ledger:
         if self.last_begun is not None and version <= self.last_begun:
             raise VersionError(f"version must increase: last begun on this rank was {self.last_begun}", version=version)
         self.last_begun = version
-        expected = {n: t.numel() for n, t in self.destination.params.items()}
         txn = Transaction(
             version=version,
             revision=revision,
-            coverage=CoverageTracker(expected),
+            coverage=CoverageTracker(self._expected()),
             fence_before=self.fence.state,
             fence_reason_before=self.fence.reason,
         )
@@ -68,6 +68,12 @@ class Ledger:
         if self.destination.mode is ApplyMode.IN_PLACE:
             self.fence.set(FenceState.UPDATING, f"writing version {version} in place")
         return txn
+
+    def _expected(self) -> dict[str, int]:
+        """The elements every destination parameter must receive (computed once: shapes never change)."""
+        if self._expected_numel is None:
+            self._expected_numel = {n: t.numel() for n, t in self.destination.params.items()}
+        return self._expected_numel
 
     def prepare(self, txn: Transaction) -> None:
         """Everything verified, nothing visible yet."""

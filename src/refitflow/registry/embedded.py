@@ -23,9 +23,10 @@ class Registry(RegistryStore):
 
     Arguments: ``lease_s`` (10): an owner (a remote client) silent this long loses what it published or
     registered; ``limits`` (``rf.RegistryLimits()``): what one request, one client and one manifest may
-    ask of it (sizes, in-flight requests, how far ahead a version may jump; see docs/registry.md). A version is discoverable once every rank of its world published it, released per the
-    publisher's ``rf.ReleasePolicy``, and dropped once released and superseded. All methods are
-    coroutines, as they are on ``rf.RegistryClient``: ``publish``, ``latest``, ``wait_complete``,
+    ask of it (sizes, in-flight requests, how far ahead a version may jump; see docs/registry.md). A
+    version is discoverable once every rank of its world published it, released per the publisher's
+    ``rf.ReleasePolicy``, and dropped once released and superseded. All methods are coroutines, as they
+    are on ``rf.RegistryClient``: ``publish``, ``latest``, ``wait_complete``,
     ``register_receiver``, ``report``, ``is_released``, ``wait_released``, ``acked``, ``versions``,
     ``near_misses`` (what is held instead, for a discovery that found nothing) and the replica calls.
     """

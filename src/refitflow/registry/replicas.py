@@ -1,7 +1,7 @@
 """Replica sources (tree fan-out): which manifests may serve a version a receiver committed.
 
 A replica manifest announces a receiver's committed copy of a version: whole tensors, each with the
-dtype, shape and xxh3_64 digest the trainer published, at the receiver's own transport address.
+dtype, shape and digests (algorithm, tiles) the trainer published, at the receiver's own transport address.
 ``metadata["replica"]`` names the receiver, so its replicas go when it unregisters or its lease
 expires. Only publications whose every tensor is published whole can have replicas (the copy is
 then byte-identical to the trainer's).
@@ -32,6 +32,7 @@ def check_replica(pub: Publication, replica: Manifest) -> None:
         t = published[name]
         if t.axis is not None or s.axis is not None:
             raise ManifestError("only whole tensors can be served by replicas", tensor=name, version=replica.version)
-        if (s.dtype, s.global_shape, s.digest) != (t.dtype, t.global_shape, t.digest):
+        same = ("dtype", "global_shape", "digest", "algo", "tile_rows", "tile_cols", "blocks")
+        if any(getattr(s, f) != getattr(t, f) for f in same):
             raise ManifestError("a replica's tensor differs from the published one", tensor=name,
                                 version=replica.version)  # fmt: skip

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterable, Mapping
+import gc
+import threading
+import time
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -14,7 +17,53 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.transports.base import Transport
 
-__all__ = ["Attempt", "Devices", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work"]
+__all__ = [
+    "Attempt", "Devices", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work", "breathe",
+    "gc_paused",
+]  # fmt: skip
+
+_gc_lock = threading.Lock()
+_gc_holders = [0, False]  # holders, whether the collector was enabled before the first
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a plan is built (restored after; nested and threads ok).
+
+    Building allocates about a hundred acyclic objects per tensor; with a big model resident, the
+    collector's full passes over every live object were half of the build time, and each pass holds
+    the GIL for tens of milliseconds (event-loop lag). Nothing a plan builds is cyclic garbage.
+    """
+    with _gc_lock:
+        if _gc_holders[0] == 0:
+            _gc_holders[1] = gc.isenabled()
+            gc.disable()
+        _gc_holders[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders[0] -= 1
+            if _gc_holders[0] == 0 and _gc_holders[1]:
+                gc.enable()
+
+
+_BREATH_S = 0.001
+_calls = [0]  # breathe() calls (shared by threads: approximate is enough)
+_last = [0.0]  # when the GIL was last let go
+
+
+def breathe() -> None:
+    """Called often from long CPU-bound loops in worker threads (plan building): about every millisecond,
+    release the GIL for a moment so the event loop's thread gets it now, not at the interpreter's
+    5 ms switch interval. A no-op on the main thread (nothing runs beside it there)."""
+    _calls[0] += 1
+    if _calls[0] & 63:
+        return
+    now = time.perf_counter()
+    if now - _last[0] > _BREATH_S and threading.current_thread() is not threading.main_thread():
+        time.sleep(0)
+        _last[0] = time.perf_counter()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +120,7 @@ class Attempt(Protocol):
 
     def mark_written(self) -> None: ...
     def record(self, param: str, region: Hashable, numel: int) -> None: ...
+    def credit(self, key: Hashable, params: tuple[str, ...], idx: Any, counts: Any) -> None: ...
     def prepare(self) -> None: ...
 
 

@@ -8,6 +8,7 @@ its source changes. Verification is unchanged (same digests).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from refitflow.core.errors import TransportError
 from refitflow.core.types import Publication, ShardSpec
@@ -31,10 +32,10 @@ class Rerouter:
         """The same bytes, from the trainer (``TransportError`` if no trainer rank holds them whole)."""
         for spec in self.replicas[read.peer].shards:
             if spec.region == read.region and spec.offset <= read.offset < spec.offset + spec.nbytes:
-                if read.offset + read.nbytes > spec.offset + spec.nbytes or spec.name not in self.trainer:
+                if read.offset + read.extent > spec.offset + spec.nbytes or spec.name not in self.trainer:
                     break
                 agent, t = self.trainer[spec.name]
-                return Read(agent, t.region, t.offset + read.offset - spec.offset, read.nbytes, read.dst)
+                return replace(read, peer=agent, region=t.region, offset=t.offset + read.offset - spec.offset)
         raise TransportError(f"no trainer source holds the bytes of replica {read.peer!r} region {read.region}")
 
     def avoiding(self, reads: Sequence[Read]) -> list[Read]:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 import anyio
+import anyio.to_thread
 from anyio.abc import ObjectSendStream
 
 from refitflow.core.errors import RefitError, RefitTimeoutError
@@ -39,7 +40,10 @@ async def run(
             raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
         t0 = ctx.discovered_at = time.perf_counter()
         ctx.waited_s = t0 - t_wait
-        ctx.connect_sources(pub)
+        if sum(len(m.shards) for m in pub.sources) > 1000:  # an address of many regions takes ms to read
+            await anyio.to_thread.run_sync(ctx.connect_sources, pub)
+        else:
+            ctx.connect_sources(pub)
         begin(pub)
         # before the first byte is written: kernels the server queued earlier (on any stream) finish
         await ctx.devices.quiesce()

@@ -8,11 +8,16 @@ fails here, as ``PlanError`` or ``CoverageError``, before any byte is written.
 The box copies come from ``_segments`` (receiver segments ∩ publisher segments in canonical space);
 regions and chunks from ``_regions``; the compile filter is ``_filter``.
 Per source shard, copies become *regions* (boxes of the shard read together): a copy's own box, or,
-when its bytes cannot be verified or its runs are too short, the enclosing rows of dim 0 (aligned
-to the digest blocks under ``verify="strict"``); overlapping regions merge. Regions are cut into
-pieces of at most a bucket and ``max_strided_runs`` runs. A piece lands straight in its parameter
-when it is one contiguous copy in both places with the same dtype; otherwise it is staged (its box
-laid out row-major) and *scatters* to one or more destination boxes.
+under ``verify="strict"``, the box widened to whole digest tiles; with runs too short, the enclosing
+rows of dim 0; overlapping widened regions merge. Regions are cut into pieces of at most a bucket and
+``max_strided_runs`` runs, each one *strided read* (equally spaced runs: one planned read however many
+rows a column slice has; transports expand it). A piece lands straight in its parameter when it is
+one contiguous copy in both places with the same dtype; otherwise it is staged (its box laid out
+row-major, at an 8-byte aligned offset) and *scatters* to one or more destination boxes.
+
+Each bucket also carries what verify and commit need (``_checks``), so a replayed plan does no
+per-tensor planning work at all. Building runs in a worker thread and lets the event loop take the
+GIL every half millisecond.
 """
 
 from __future__ import annotations
@@ -31,17 +36,10 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import PlanError
 from refitflow.core.types import Publication, ShardSpec
-from refitflow.layouts.boxes import (
-    Box,
-    contiguous_span,
-    intersect,
-    row_runs,
-    shape_of,
-    shift,
-    volume,
-)
+from refitflow.layouts.boxes import Box, contiguous_span, intersect, shape_of, shift, strided, volume
 from refitflow.layouts.canonical import sliced
-from refitflow.stages._context import Landing, Limits, StageContext
+from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index
+from refitflow.stages._context import Landing, Limits, StageContext, breathe, gc_paused
 from refitflow.stages._filter import check_compile
 from refitflow.stages._regions import chunks, regions
 from refitflow.stages._segments import Copy, copies
@@ -62,6 +60,8 @@ __all__ = [
 
 
 _SERIALS = itertools.count()
+_DIRECT_PIECE = 16 << 20  # direct pieces are cut this small so the last buckets can taper
+_TAPER_MIN = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +75,16 @@ class Scatter:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """A box of one source shard, read as ``spans`` (element runs, in landing order)."""
+    """A box of one source shard, read as ``count`` runs of ``run`` elements, ``stride`` apart."""
 
     source: int  # index of the manifest in the publication
     tensor: str  # the source shard's name
     src_dtype: str
     box: Box  # in the shard's local coordinates
-    spans: tuple[tuple[int, int], ...]  # (first element, count) of the shard, in landing order
+    first: int  # the shard element the first run starts at
+    run: int  # elements per run
+    stride: int  # elements from one run's start to the next (0: one run)
+    count: int  # runs
     src_region: int
     src_offset: int  # the shard's byte offset in its region
     nbytes: int
@@ -97,14 +100,17 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class PlannedRead:
-    """One coalesced contiguous read: source bytes → a parameter (direct) or the bucket's staging."""
+    """One read: ``count`` runs of ``nbytes`` source bytes, ``stride`` apart, landing back to back in a
+    parameter (direct) or the bucket's staging."""
 
     source: int
     region: int
     src_offset: int
-    nbytes: int
+    nbytes: int  # per run
     param: str | None  # None: into staging
     landing_offset: int
+    stride: int = 0  # source bytes from one run's start to the next
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +118,20 @@ class Bucket:
     index: int
     pieces: tuple[Piece, ...]
     reads: tuple[PlannedRead, ...]
-    staging_bytes: int
+    staging_bytes: int  # the staging lease (staged pieces at 8-byte aligned offsets)
     direct_bytes: int
     device: str  # the device of its staging (all its staged pieces land on one device)
     devices: tuple[str, ...]  # every device its work touches: staging and destinations
+    staged: tuple[Piece, ...] = ()  # the pieces translate and apply handle
+    checks: Checks | None = None
+    credits: Credits | None = None
+    derived: tuple[Scatter, ...] = ()  # scatters into float8 parameters (assembled, then quantised)
+    pulled_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.staging_bytes + self.direct_bytes
+        """Source bytes pulled."""
+        return self.pulled_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +143,7 @@ class Plan:
     seconds: float = 0.0  # time it took to build
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
     read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
+    views: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see verify
 
 
 def box_index(box: Box) -> tuple[slice, ...]:
@@ -152,106 +165,172 @@ def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piec
     scales = set(landing.derived.values())
     dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items() if n not in scales}
     groups: dict[tuple[int, str], list[Copy]] = {}
+    casts: set[tuple[str, torch.dtype, bool]] = set()
     for c in copies(pub, dest, landing.canonical, exact):
         dst = landing.params[c.param]
-        dtype_name(dst.dtype, tensor=c.param)
-        src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
-        if c.param in landing.derived:  # quantised: assembled in fp32 first
-            check_cast(src, torch.float32, limits.lossy_casts, c.spec.name)
-        else:
-            check_cast(src, dst.dtype, limits.lossy_casts, c.spec.name)
+        key = (c.spec.dtype, dst.dtype, c.param in landing.derived)
+        if key not in casts:
+            dtype_name(dst.dtype, tensor=c.param)
+            src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
+            # quantised parameters are assembled in fp32 first
+            check_cast(src, torch.float32 if key[2] else dst.dtype, limits.lossy_casts, c.spec.name)
+            casts.add(key)
         groups.setdefault((c.source, c.spec.name), []).append(c)
     for (source, _), cs in groups.items():
+        breathe()
         spec: ShardSpec = cs[0].spec
         src_dtype = dtype_from_name(spec.dtype)
         item, shape = src_dtype.itemsize, spec.shape
-        for region, members in regions(cs, shape, item, limits):
+        tiling = spec.tiling
+        grid = _grid(tiling, len(shape))
+        for region, members in regions(cs, shape, item, limits, tiling):
             c = members[0]
             dst = landing.params[c.param]
             direct = (
                 len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
                 and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
             )  # fmt: skip
-            cap = limits.direct_bucket_bytes if direct else limits.bucket_bytes
-            for chunk in chunks(region, shape, item, cap, limits.max_strided_runs):
-                scatters = []
-                for m in members:
-                    sub = intersect(chunk, m.sbox) if shape else chunk
-                    if sub is not None:
-                        scatters.append(Scatter(m.param, sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
-                spans = tuple(row_runs(chunk, shape)) if shape else ((0, 1),)
-                landing_offset = 0
-                device = str(landing.params[scatters[0].param].device if scatters else dst.device)
-                if direct:
-                    span = contiguous_span(scatters[0].dbox, tuple(dst.shape))
-                    assert span is not None
-                    landing_offset = span[0] * dst.element_size()
-                yield Piece(
-                    source=source, tensor=spec.name, src_dtype=spec.dtype, box=chunk, spans=spans,
-                    src_region=spec.region, src_offset=spec.offset, nbytes=volume(chunk) * item, direct=direct,
-                    landing_offset=landing_offset, scatters=tuple(scatters), device=device,
-                )  # fmt: skip
+            cap = min(limits.direct_bucket_bytes, _DIRECT_PIECE) if direct else limits.bucket_bytes
+            for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
+                yield _piece(source, spec, item, chunk, members, direct, dst, landing)
 
 
-def _bucket(index: int, pieces: list[Piece], landing: Landing) -> Bucket:
-    """Lay staged pieces out one after another and coalesce adjacent reads."""
+def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
+    """Per dimension, the multiple piece cuts fall on: the digest tiles' rows and columns."""
+    if tiling.tile_rows == 0 or ndim == 0:
+        return None
+    if ndim == 1:
+        return (tiling.tile_cols,)
+    return (*([1] * (ndim - 2)), tiling.tile_rows, tiling.tile_cols)
+
+
+def _piece(
+    source: int, spec: ShardSpec, item: int, chunk: Box, members: list[Copy], direct: bool, dst: Any, landing: Landing
+) -> Piece:
+    shape = spec.shape
+    scatters = []
+    for m in members:
+        sub = intersect(chunk, m.sbox) if shape else chunk
+        if sub is not None:
+            scatters.append(Scatter(m.param, sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
+    runs = strided(chunk, shape) if shape else (0, 1, 0, 1)
+    assert runs is not None  # chunks() yields strided boxes only
+    landing_offset = 0
+    if direct:
+        span = contiguous_span(scatters[0].dbox, tuple(dst.shape))
+        assert span is not None
+        landing_offset = span[0] * dst.element_size()
+    return Piece(
+        source=source, tensor=spec.name, src_dtype=spec.dtype, box=chunk, first=runs[0], run=runs[1],
+        stride=runs[2], count=runs[3], src_region=spec.region, src_offset=spec.offset, nbytes=volume(chunk) * item,
+        direct=direct, landing_offset=landing_offset, scatters=tuple(scatters),
+        device=str(landing.params[scatters[0].param].device if scatters else dst.device),
+    )  # fmt: skip
+
+
+class _Context:
+    """What every bucket of one plan shares: the digest index, the parameters, the boxes seen."""
+
+    def __init__(self, pub: Publication, landing: Landing) -> None:
+        self.index = digest_index(pub)
+        self.params = tuple(landing.params)
+        self.position = {n: i for i, n in enumerate(self.params)}
+        self.derived = landing.derived
+        self.device = {n: str(t.device) for n, t in landing.params.items()}
+        self.seen: set[tuple[str, Box]] = set()
+
+
+def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
+    """Lay staged pieces out one after another (8-byte aligned), coalesce adjacent reads, precompute checks."""
     laid: list[Piece] = []
     reads: list[PlannedRead] = []
     staged = 0
     for p in pieces:
+        breathe()
         if not p.direct:
+            staged = -(-staged // 8) * 8
             p = replace(p, landing_offset=staged)
             staged += p.nbytes
         laid.append(p)
         param = p.scatters[0].param if p.direct else None
-        item = p.nbytes // max(sum(n for _, n in p.spans), 1)
-        at = p.landing_offset
-        for first, count in p.spans:
-            src, n = p.src_offset + first * item, count * item
-            prev = reads[-1] if reads else None
-            if (
-                prev is not None
-                and (prev.source, prev.region, prev.param) == (p.source, p.src_region, param)
-                and prev.src_offset + prev.nbytes == src
-                and prev.landing_offset + prev.nbytes == at
-            ):
-                reads[-1] = replace(prev, nbytes=prev.nbytes + n)
-            else:
-                reads.append(PlannedRead(p.source, p.src_region, src, n, param, at))
-            at += n
+        item = p.nbytes // max(p.run * p.count, 1)
+        src, n, at = p.src_offset + p.first * item, p.run * item, p.landing_offset
+        prev = reads[-1] if reads else None
+        if p.count > 1 and p.stride == p.run:  # back to back: one contiguous run
+            n, p_count = n * p.count, 1
+        else:
+            p_count = p.count
+        if (
+            p_count == 1 and prev is not None and prev.count == 1
+            and (prev.source, prev.region, prev.param) == (p.source, p.src_region, param)
+            and prev.src_offset + prev.nbytes == src and prev.landing_offset + prev.nbytes == at
+        ):  # fmt: skip
+            reads[-1] = replace(prev, nbytes=prev.nbytes + n)
+        else:
+            reads.append(
+                PlannedRead(p.source, p.src_region, src, n, param, at, p.stride * item if p_count > 1 else 0, p_count)
+            )
+    for p in laid:
+        for s in p.scatters:
+            if (s.param, s.dbox) in cx.seen:
+                raise PlanError(f"box {s.dbox} of {s.param} would be written twice", tensor=s.param)
+            cx.seen.add((s.param, s.dbox))
     direct = sum(p.nbytes for p in laid if p.direct)
+    checks = build_checks(
+        ((p.source, p.tensor, p.box, Land(p.scatters[0].param if p.direct else None, p.landing_offset, p.nbytes))
+         for p in laid),
+        cx.index,
+    )  # fmt: skip
+    scatters = [s for p in laid for s in p.scatters]
+    credits = build_credits(((s.param, s.dbox) for s in scatters), cx.position, cx.params)
     device = next((p.device for p in laid if not p.direct), laid[0].device)
-    touched = {p.device for p in laid} | {str(landing.params[s.param].device) for p in laid for s in p.scatters}
-    devices = tuple(sorted(touched, key=lambda d: (d != "cpu", d)))
-    return Bucket(index, tuple(laid), tuple(reads), staged, direct, device, devices)
+    touched = {p.device for p in laid} | {cx.device[s.param] for s in scatters}
+    return Bucket(
+        index, tuple(laid), tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
+        device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
+        staged=tuple(p for p in laid if not p.direct), checks=checks, credits=credits,
+        derived=tuple(s for s in scatters if s.param in cx.derived), pulled_bytes=sum(p.nbytes for p in laid),
+    )  # fmt: skip
 
 
 def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable = None) -> Plan:
     """Every read this rank needs, grouped into buckets of at most the limits' sizes."""
+    with gc_paused():
+        return _build(pub, landing, limits, key)
+
+
+def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) -> Plan:
     t0 = time.perf_counter()
+    cx = _Context(pub, landing)
     buckets: list[Bucket] = []
     current: list[Piece] = []
     staged = direct = runs = ideal = 0
     staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
-    for p in _pieces(pub, landing, limits):
+    pieces = list(_pieces(pub, landing, limits))
+    left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
+    for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
+        # the last direct buckets taper (half of what is left, at least 4 MiB): the last bucket's
+        # verification, which nothing overlaps, stays short
+        cap = min(limits.direct_bucket_bytes, max(_TAPER_MIN, left // 2))
         full_ = (
-            (not p.direct and staged + p.nbytes > limits.bucket_bytes)
-            or (p.direct and direct + p.nbytes > limits.direct_bucket_bytes)
-            or runs + len(p.spans) > limits.max_reads_per_bucket
+            (not p.direct and -(-staged // 8) * 8 + p.nbytes > limits.bucket_bytes)
+            or (p.direct and direct + p.nbytes > cap)
+            or runs + p.count > limits.max_reads_per_bucket
             or (not p.direct and staging_device not in (None, p.device))
         )
         if current and full_:
-            buckets.append(_bucket(len(buckets), current, landing))
+            buckets.append(_bucket(len(buckets), current, cx))
+            left -= direct
             current, staged, direct, runs, staging_device = [], 0, 0, 0, None
         if not p.direct:
             staging_device = p.device
         current.append(p)
-        staged += 0 if p.direct else p.nbytes
+        staged = staged if p.direct else -(-staged // 8) * 8 + p.nbytes
         direct += p.nbytes if p.direct else 0
-        runs += len(p.spans)
+        runs += p.count
     if current:
-        buckets.append(_bucket(len(buckets), current, landing))
+        buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0)
 
@@ -291,7 +370,10 @@ class PlanCache:
 
     async def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
         """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""
-        key = self.key(pub, landing, limits)
+        if self._landing is None or self._landing[0] is not landing:  # once per landing: off the loop
+            key = await anyio.to_thread.run_sync(self.key, pub, landing, limits)
+        else:
+            key = self.key(pub, landing, limits)
         plan = self.lookup(key)
         if plan is None:
             plan = await anyio.to_thread.run_sync(build_plan, pub, landing, limits, key)

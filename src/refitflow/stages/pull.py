@@ -7,6 +7,8 @@ import time
 from collections.abc import Hashable
 
 import anyio
+import anyio.to_thread
+import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
@@ -19,17 +21,19 @@ __all__ = ["run"]
 log = logging.getLogger(__name__)
 
 
-def reads_of(ctx: StageContext, work: Work) -> list[Read]:
+async def reads_of(ctx: StageContext, work: Work) -> list[Read]:
     """The bucket's reads; for a cached plan the same list object as last time its targets were the same.
 
     Staging placement is deterministic and shadow targets alternate between two storages, so a
     (bucket, lease offset, destination generation) replays the very same reads, and a transport can
-    recognise the list and skip describing it again.
+    recognise the list and skip describing it again. A new list is built off the event loop.
     """
     key = (work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
     cached = ctx.plan.read_lists.get(key)
     if cached is None:
-        cached = ctx.plan.read_lists[key] = _build_reads(ctx, work)
+        many = len(work.bucket.reads) > 64
+        cached = await anyio.to_thread.run_sync(_build_reads, ctx, work) if many else _build_reads(ctx, work)
+        ctx.plan.read_lists[key] = cached
     return cached
 
 
@@ -37,13 +41,18 @@ def _build_reads(ctx: StageContext, work: Work) -> list[Read]:
     assert ctx.publication is not None
     peers = [m.source.agent for m in ctx.publication.sources]
     out = []
+    targets: dict[str, torch.Tensor] = {}
     for r in work.bucket.reads:
+        n = r.nbytes * r.count
         if r.param is None:
             assert work.lease is not None
-            dst = work.lease.view[r.landing_offset : r.landing_offset + r.nbytes]
+            dst = work.lease.view[r.landing_offset : r.landing_offset + n]
         else:
-            dst = as_bytes(ctx.landing.target(r.param))[r.landing_offset : r.landing_offset + r.nbytes]
-        out.append(Read(peers[r.source], r.region, r.src_offset, r.nbytes, dst))
+            whole = targets.get(r.param)
+            if whole is None:
+                whole = targets[r.param] = as_bytes(ctx.landing.target(r.param))
+            dst = whole[r.landing_offset : r.landing_offset + n]
+        out.append(Read(peers[r.source], r.region, r.src_offset, r.nbytes, dst, r.stride, r.count))
     return out
 
 
@@ -103,7 +112,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             # the key is a hint: a transport re-checks addresses before replaying prepared descriptors
             key = (ctx.plan.serial, work.bucket.index, -1 if work.lease is None else work.lease.offset)
             t_read = time.perf_counter()
-            reads = reads_of(ctx, work)
+            reads = await reads_of(ctx, work)
             if ctx.publication is not None and ctx.publication.replicas:
                 await _read_with_replicas(ctx, work, reads, key)
             else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.dtypes import dtype_from_name
@@ -20,22 +21,36 @@ __all__ = ["copies_of", "run"]
 
 
 def copies_of(ctx: StageContext, work: Work) -> list:
+    """(destination view, staged view) pairs of the bucket; for a replayed plan the same list as last time
+    (staging placement is deterministic, shadow targets alternate), except around float8 assembly buffers
+    (made anew for every version) and for buckets made outside a plan (the push stream)."""
+    if work.bucket.derived or ctx.plan is None:
+        return _copies(ctx, work)
+    cached = ctx.plan.read_lists.get(_key(ctx, work))
+    if cached is None:
+        cached = ctx.plan.read_lists[_key(ctx, work)] = _copies(ctx, work)
+    return cached
+
+
+def _key(ctx: StageContext, work: Work) -> tuple:
+    return ("copies", work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
+
+
+def _copies(ctx: StageContext, work: Work) -> list:
     out = []
-    for p in work.bucket.pieces:
-        if p.direct:
-            continue
-        assert work.lease is not None
-        raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
-        dtype = dtype_from_name(p.src_dtype)
-        if raw.storage_offset() % dtype.itemsize:  # packed after an odd-sized piece: realign this piece alone
-            raw = raw.clone()
-        staged = raw.view(dtype).view(p.shape)
-        for s in p.scatters:
-            rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(s.sub, p.box, strict=True))
-            whole = ctx.landing.assembly(s.param) if s.param in ctx.landing.derived else ctx.landing.target(s.param)
-            dst = whole[box_index(s.dbox)]
-            src = staged[box_index(rel)]
-            out.append((dst, src))  # apply reshapes (a device op) on the refit stream
+    with ctx.devices.use(work.bucket.devices):  # FP8 assembly buffers belong to the refit streams
+        for p in work.bucket.staged:
+            assert work.lease is not None
+            raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
+            dtype = dtype_from_name(p.src_dtype)
+            if raw.storage_offset() % dtype.itemsize:  # packed after an odd-sized entry (a stream): realign it
+                raw = raw.clone()
+            staged = raw.view(dtype).view(p.shape)
+            for s in p.scatters:
+                rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(s.sub, p.box, strict=True))
+                derived = s.param in ctx.landing.derived
+                whole = ctx.landing.assembly(s.param) if derived else ctx.landing.target(s.param)
+                out.append((whole[box_index(s.dbox)], staged[box_index(rel)]))  # apply reshapes, on the device
     return out
 
 
@@ -44,7 +59,10 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         async for work in receive:
             ctx.enter("translate")
             t0 = time.perf_counter()
-            with ctx.devices.use(work.bucket.devices):  # FP8 assembly buffers belong to the refit streams
-                work.copies = copies_of(ctx, work)
+            staged = work.bucket.staged
+            if len(staged) > 64 and _key(ctx, work) not in ctx.plan.read_lists:  # many new views: off the loop
+                work.copies = await anyio.to_thread.run_sync(copies_of, ctx, work)
+            else:
+                work.copies = copies_of(ctx, work) if staged else []
             ctx.note("translate", 1, work.bucket.staging_bytes, time.perf_counter() - t0)
             await send.send(work)

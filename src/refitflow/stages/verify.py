@@ -1,98 +1,170 @@
-"""Verify: hash pulled bytes per digest block of the source shard, then release staging.
+"""Verify: check pulled bytes against the publisher's digests where they landed, then release staging.
 
-Publishers digest each block of rows of a shard (``ShardSpec.blocks``). Pieces arrive in plan
-order (every stage is one task over FIFO streams) and a shard's pieces are planned in source
-order, so a block's bytes may stream across pieces and buckets. A block is checked when its bytes
-arrived whole and in order; a block only partly pulled (a column slice, an unaligned cut — possible
-only under ``verify="pulled"``) counts as unverified bytes. Staged pieces are hashed in staging,
-direct pieces where they landed.
+The plan holds each bucket's checks (``_checks``): the digest units its pieces hold and where their
+bytes landed (staging, or the destination for direct pieces), as arrays. Verify hashes them on the
+bytes' own device, off the event loop, and compares with the version's digest vector (decoded once
+per refit), by the algorithm the publisher chose for each shard (``core/digests.py``): a whole xxh3
+unit is one C call; a mix64 piece is one batched torch pass; xxh3 tiles strided where they landed
+are gathered. A unit split over pieces (a tile larger than a bucket) is completed across pieces and
+buckets (xxh3 streams in plan order; mix64 adds sums). Bytes of units that never complete count as
+unverified (possible only under ``verify="pulled"``; under ``"strict"`` the refit then fails).
 
 Device work: the hashing runs on the bucket's refit streams (``Devices.use``, in the worker thread),
-and the staging lease is freed only after the bucket's marks (apply's copies out of it) are waited
-for. Until digests are computed on the device (issue 11, the digest scheme), device bytes are
-copied to the host to be hashed (``_host``): correct, not yet fast.
+and the staging lease is freed only after the bucket's marks (apply's copies out of it) are waited for.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio.to_thread
+import numpy as np
 import torch
 import xxhash
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from refitflow.core.digests import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.core.errors import IntegrityError
-from refitflow.core.types import ShardSpec
+from refitflow.stages._checks import Checks, digest_vector
 from refitflow.stages._context import StageContext, Work
 from refitflow.transports.base import as_bytes
 
 __all__ = ["run"]
 
+_MASK = (1 << 64) - 1
+
 
 @dataclass
 class _State:
-    specs: dict[tuple[int, str], ShardSpec] = field(default_factory=dict)
-    digests: dict[tuple[int, str], list[str]] = field(default_factory=dict)
-    open: dict[tuple[int, str, int], tuple[object, int]] = field(default_factory=dict)  # block -> (hasher, next)
+    vec: np.ndarray | None = None  # the version's digests
+    open: dict[int, list[Any]] = field(default_factory=dict)  # digest index -> [hasher | sum, bytes so far]
     verified: int = 0
 
 
-def _feed(st: _State, key: tuple[int, str], a: int, data: memoryview, bad: list[str]) -> None:
-    """Feed source bytes [a, a + len(data)) of shard ``key`` to its block hashers."""
-    spec = st.specs[key]
-    digests = st.digests.get(key)
-    if digests is None:  # decoded on first use, in the worker thread
-        digests = st.digests[key] = spec.block_digests()
-    size, total, end = spec.block_bytes, spec.nbytes, a + len(data)
-    pos = a
-    while pos < end:
-        b = pos // size if size else 0
-        b0, b1 = b * size, min(total, (b + 1) * size)
-        stop = min(end, b1)
-        h, nxt = st.open.pop((*key, b), (None, -1))
-        if pos == b0:
-            h = xxhash.xxh3_64()
-        elif nxt != pos:
-            h = None  # a block entered in the middle: not verifiable
-        if h is not None:
-            h.update(data[pos - a : stop - a])  # type: ignore[attr-defined]
-            if stop == b1:
-                if h.hexdigest() != digests[b]:  # type: ignore[attr-defined]
-                    bad.append(key[1])
-                st.verified += b1 - b0
-            else:
-                st.open[(*key, b)] = (h, stop)
-        pos = stop
-
-
-def _host(buf: torch.Tensor) -> torch.Tensor:
-    """The bytes on the host, to hash them (a copy for device memory; the seam device digests replace)."""
-    return buf if buf.device.type == "cpu" else buf.cpu()
-
-
-def _hash_bucket(ctx: StageContext, work: Work, st: _State) -> list[str]:
-    with ctx.devices.use(work.bucket.devices):
-        return _hash_pieces(ctx, work, st)
-
-
-def _hash_pieces(ctx: StageContext, work: Work, st: _State) -> list[str]:
-    bad: list[str] = []
-    for p in work.bucket.pieces:
-        key = (p.source, p.tensor)
-        if p.direct:
-            buf = as_bytes(ctx.landing.target(p.scatters[0].param))[p.landing_offset : p.landing_offset + p.nbytes]
-        else:
+def _buffers(ctx: StageContext, work: Work, ch: Checks) -> list[torch.Tensor]:
+    """Each landing's whole buffer (uint8): the staging lease, or a parameter's target."""
+    out = []
+    for land in ch.lands:
+        if land.param is None:
             assert work.lease is not None
-            buf = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
-        mv = memoryview(_host(buf).numpy().data).cast("B")
-        item = p.nbytes // max(sum(n for _, n in p.spans), 1)
-        at = 0
-        for first, count in p.spans:
-            _feed(st, key, first * item, mv[at : at + count * item], bad)
-            at += count * item
-    return bad
+            out.append(work.lease.view)
+        else:
+            out.append(as_bytes(ctx.landing.target(land.param)))
+    return out
+
+
+def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | None:
+    """The whole units' bytes as memoryviews when they all landed on the CPU, else None; cached for the
+    plan's replays like its reads (staging placement is deterministic, shadow targets alternate)."""
+    key = (work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
+    if key in ctx.plan.views:
+        return ctx.plan.views[key]
+    bufs = _buffers(ctx, work, ch)
+    cached = None
+    if all(b.device.type == "cpu" for b in bufs):
+        mvs = [b.numpy().data for b in bufs]
+        cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
+    ctx.plan.views[key] = cached
+    return cached
+
+
+def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray) -> list[int]:
+    """Hash the whole contiguous xxh3 units; the names (indices) of those that differ."""
+    if not len(ch.want):
+        return []
+    slices = _slices(ctx, work, ch)
+    if slices is not None:
+        got = np.fromiter(map(xxhash.xxh3_64_intdigest, slices), np.uint64, len(ch.want))
+    else:  # device bytes: through the host bounce buffer, one landing at a time
+        bufs = _buffers(ctx, work, ch)
+        got = np.empty(len(ch.want), dtype=np.uint64)
+        for k in np.unique(ch.land_of).tolist():
+            sel = ch.land_of == k
+            got[sel] = hash_ranges(bufs[k], ch.lo[sel], ch.hi[sel])
+    return ch.name_of[got != vec[ch.want]].tolist()
+
+
+def _complete(st: _State, want: int, value: int, vec: np.ndarray, name: int, bad: list[int], total: int) -> None:
+    if value != int(vec[want]):
+        bad.append(name)
+    st.verified += total
+
+
+def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int]) -> None:
+    """xxh3 units split over pieces: fed in order; one entered in the middle is never completed."""
+    for s in ch.streams:
+        data = bufs[s.land][s.lo : s.hi]
+        mv = (data if data.device.type == "cpu" else data.cpu()).numpy().data
+        state = st.open.pop(s.want, None)
+        if s.start == 0:
+            state = [xxhash.xxh3_64(), 0]
+        elif state is None or state[1] != s.start:
+            continue
+        state[0].update(mv)
+        state[1] = s.start + (s.hi - s.lo)
+        if state[1] == s.total:
+            _complete(st, s.want, state[0].intdigest(), vec, s.name, bad, s.total)
+        else:
+            st.open[s.want] = state
+
+
+def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int]) -> None:
+    """Pieces computed from their whole box: mix64 sums (parts of split tiles add up), gathered xxh3 tiles."""
+    for m in ch.mixes:
+        land = ch.lands[m.land]
+        data = bufs[m.land][land.offset : land.offset + land.nbytes]
+        mix = m.tiling.algo == "mix64"
+        got = mix64_box(data, m.tiling, m.box) if mix else xxh3_gathered(data, m.tiling, m.box)
+        whole = m.check & (m.covered == m.total)
+        differ = got[whole] != vec[m.want[whole]]
+        bad += [m.name] * int(differ.sum())
+        if not mix:
+            continue
+        for u in np.flatnonzero(m.check & (m.covered < m.total)).tolist():  # part of a tile: add it up
+            want = int(m.want[u])
+            state = st.open.setdefault(want, [0, 0])
+            state[0] = (state[0] + int(got[u])) & _MASK
+            state[1] += int(m.covered[u])
+            if state[1] == int(m.total[u]):
+                del st.open[want]
+                _complete(st, want, state[0], vec, m.name, bad, int(m.total[u]))
+
+
+def _check_bucket(ctx: StageContext, work: Work, st: _State) -> list[str]:
+    """Hash the bucket's units on its refit streams (in the worker thread); the tensor of every unit
+    that differs (one entry per unit)."""
+    with ctx.devices.use(work.bucket.devices):
+        return _check_units(ctx, work, st)
+
+
+def _check_units(ctx: StageContext, work: Work, st: _State) -> list[str]:
+    ch: Checks = work.bucket.checks
+    if st.vec is None:  # once per refit, in the worker thread
+        assert ctx.publication is not None
+        st.vec = digest_vector(ctx.publication)
+    vec = st.vec
+    bad = _whole_units(ctx, work, ch, vec)
+    if ch.streams or ch.mixes:
+        bufs = _buffers(ctx, work, ch)
+        _streams(ch, bufs, st, vec, bad)
+        _mixes(ch, bufs, st, vec, bad)
+    st.verified += ch.whole_bytes
+    return [ch.names[i] for i in bad]
+
+
+def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
+    counts = Counter(bad)
+    listed = ", ".join(f"{name!r} ({n} block{'s' if n > 1 else ''})" for name, n in list(counts.items())[:20])
+    more = f" and {len(counts) - 20} more" if len(counts) > 20 else ""
+    return IntegrityError(
+        f"pulled bytes do not match the publisher's digests: {len(bad)} digest block(s) of "
+        f"{len(counts)} tensor(s): {listed}{more}",
+        tensor=bad[0],
+        version=version,
+    )
 
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
@@ -102,19 +174,9 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         async for work in receive:
             ctx.enter("verify")
             t0 = time.perf_counter()
-            if not st.specs:
-                assert ctx.publication is not None
-                for i, m in enumerate(ctx.publication.sources):
-                    for s in m.shards:
-                        st.specs[(i, s.name)] = s
-            bad = await anyio.to_thread.run_sync(_hash_bucket, ctx, work, st)
+            bad = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st)
             if bad:
-                assert ctx.attempt is not None
-                raise IntegrityError(
-                    f"pulled bytes do not match the publisher's digest for {len(bad)} tensor(s): {bad[:20]}",
-                    tensor=bad[0],
-                    version=ctx.attempt.version,
-                )
+                raise _integrity_error(bad, ctx.attempt.version if ctx.attempt is not None else None)
             await ctx.devices.wait(work.marks)  # apply's copies out of staging are done: it may be reused
             if work.lease is not None:
                 ctx.staging.free(work.lease)
@@ -124,7 +186,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             ctx.unverified_bytes = pulled - st.verified
             ctx.note("verify", 1, work.bucket.nbytes, time.perf_counter() - t0)
             await send.send(work)
-    if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole blocks only
+    if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole units only
         raise IntegrityError(
             f"{ctx.unverified_bytes} pulled bytes were not covered by whole digest blocks under verify='strict'",
             version=ctx.attempt.version if ctx.attempt is not None else None,

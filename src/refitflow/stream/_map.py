@@ -15,6 +15,7 @@ that is not the layout's, a cast nobody asked for (``PlanError``, naming the ent
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -107,14 +108,15 @@ class EntryMap:
             if (first is not None and tied.setdefault(first, e.name) != e.name) or not sc:
                 continue
             piece = Piece(
-                source=0, tensor=e.name, src_dtype=e.dtype, box=full(e.shape), spans=(), src_region=0,
-                src_offset=e.offset, nbytes=e.nbytes, direct=False, landing_offset=e.offset, scatters=sc, device=device,
+                source=0, tensor=e.name, src_dtype=e.dtype, box=full(e.shape), first=0, run=math.prod(e.shape),
+                stride=0, count=1, src_region=0, src_offset=e.offset, nbytes=e.nbytes, direct=False,
+                landing_offset=e.offset, scatters=sc, device=device,
             )  # fmt: skip
             pieces.append(piece)
         touched = {str(self.landing.params[s.param].device) for p in pieces for s in p.scatters}
         devices = (device, *sorted(touched - {device}))
         return Bucket(index, tuple(pieces), (), staging_bytes=payload_bytes, direct_bytes=0, device=device,
-                      devices=devices)  # fmt: skip
+                      devices=devices, staged=tuple(pieces), pulled_bytes=payload_bytes)  # fmt: skip
 
 
 def _inside(need: tuple, held: tuple, exact: bool) -> bool:

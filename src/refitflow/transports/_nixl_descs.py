@@ -120,10 +120,13 @@ def describe(
 ) -> dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]]:
     """Per (peer, local mem, remote mem): coalesced local and remote Nx3 descriptor arrays of ``reads``.
 
-    One Python pass over the reads (validation and addresses), the rest in numpy.
+    One Python pass over the reads (validation and addresses), the rest in numpy; a strided read
+    expands to one descriptor per run here.
     """
     n = len(reads)
-    rows: list[tuple[int, int, int, int, int]] = []  # remote addr, region, devid, local addr, nbytes
+    rows: list[
+        tuple[int, int, int, int, int, int, int]
+    ] = []  # remote addr, region, devid, local addr, nbytes, stride, count
     groups: dict[tuple[str, str], list[int]] = {}
     for i, r in enumerate(reads):
         regions = regions_of.get(r.peer)
@@ -131,12 +134,12 @@ def describe(
         if info is None:
             why = "is not connected" if regions is None else f"has no region {r.region}"
             raise TransportError(f"nixl peer {r.peer!r} {why}")
-        if r.offset < 0 or r.offset + r.nbytes > info.nbytes or r.dst.nbytes != r.nbytes:
-            raise TransportError(f"read [{r.offset}, +{r.nbytes}) outside region {r.region} of {r.peer!r}")
-        rows.append((info.addr + r.offset, r.region, info.devid, r.dst.data_ptr(), r.nbytes))
+        if r.offset < 0 or r.offset + r.extent > info.nbytes or r.dst.nbytes != r.total:
+            raise TransportError(f"read [{r.offset}, +{r.extent}) outside region {r.region} of {r.peer!r}")
+        rows.append((info.addr + r.offset, r.region, info.devid, r.dst.data_ptr(), r.nbytes, r.stride, r.count))
         groups.setdefault((r.peer, info.mem), []).append(i)
-    raddr, rkey, rdev, laddr, nbytes = np.array(rows, dtype=np.uint64).reshape(n, 5).T
-    lpos = index.locate(laddr, nbytes) if n else np.empty(0, dtype=np.int64)
+    raddr, rkey, rdev, laddr, nbytes, stride, count = np.array(rows, dtype=np.uint64).reshape(n, 7).T
+    lpos = index.locate(laddr, nbytes * count) if n else np.empty(0, dtype=np.int64)
     ldev = np.array([i.devid for i in index.infos], dtype=np.uint64)[lpos]
     lvram = np.array([i.mem == "VRAM" for i in index.infos], dtype=bool)[lpos]
     out = {}
@@ -144,9 +147,25 @@ def describe(
         idx = np.asarray(members, dtype=np.int64)
         for lmem, sel in (("DRAM", idx[~lvram[idx]]), ("VRAM", idx[lvram[idx]])):
             if len(sel):
-                la, ra, nb, first = coalesce(laddr[sel], raddr[sel], nbytes[sel], lpos[sel], rkey[sel])
-                out[(agent, lmem, rmem)] = (descs(la, nb, ldev[sel][first]), descs(ra, nb, rdev[sel][first]))
+                la, ra, nb, lk, rk, ld, rd = _expand(laddr[sel], raddr[sel], nbytes[sel], stride[sel], count[sel],
+                                                     lpos[sel], rkey[sel], ldev[sel], rdev[sel])  # fmt: skip
+                la, ra, nb, first = coalesce(la, ra, nb, lk, rk)
+                out[(agent, lmem, rmem)] = (descs(la, nb, ld[first]), descs(ra, nb, rd[first]))
     return out
+
+
+def _expand(
+    laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray, stride: np.ndarray, count: np.ndarray, *keys: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """One entry per run: a strided read's runs land back to back locally, ``stride`` apart remotely."""
+    if not len(count) or int(count.max()) <= 1:
+        return (laddr, raddr, nbytes, *keys)
+    reps = count.astype(np.int64)
+    starts = np.cumsum(reps) - reps
+    k = (np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(starts, reps)).astype(np.uint64)
+    nb = np.repeat(nbytes, reps)
+    return (np.repeat(laddr, reps) + k * nb, np.repeat(raddr, reps) + k * np.repeat(stride, reps), nb,
+            *(np.repeat(x, reps) for x in keys))  # fmt: skip
 
 
 def stripe(larr: np.ndarray, rarr: np.ndarray, k: int, min_bytes: int) -> list[tuple[np.ndarray, np.ndarray]]:

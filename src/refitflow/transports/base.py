@@ -21,13 +21,27 @@ __all__ = ["Read", "Transport", "as_bytes"]
 
 @dataclass(frozen=True, slots=True)
 class Read:
-    """One contiguous byte range from one source region into one local buffer."""
+    """``count`` byte ranges of ``nbytes`` from one source region, ``stride`` bytes apart, landing back
+    to back in one local buffer (a column slice of many rows is one strided read; transports expand it).
+    """
 
     peer: str
     region: int
     offset: int
-    nbytes: int
-    dst: torch.Tensor  # contiguous uint8 view of exactly nbytes, inside registered local memory
+    nbytes: int  # per run
+    dst: torch.Tensor  # contiguous uint8 view of exactly nbytes * count, inside registered local memory
+    stride: int = 0  # source bytes from one run's start to the next (count > 1)
+    count: int = 1
+
+    @property
+    def total(self) -> int:
+        """Bytes landed."""
+        return self.nbytes * self.count
+
+    @property
+    def extent(self) -> int:
+        """Source bytes spanned, from the first run's start to the last run's end."""
+        return (self.count - 1) * self.stride + self.nbytes if self.count else 0
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

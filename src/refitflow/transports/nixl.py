@@ -10,7 +10,9 @@ deregistration, invalidates what was prepared against it.
 
 ``num_agents > 1`` stripes each read across that many agents of this process, one thread each
 (NIXL-NOTES: ≈1.7× one agent over cma; bench/nixl_bench.py here: 1.4×, 256 MiB, 2 shared cores);
-peers only ever see the first agent, the only one with a progress thread.
+peers only ever see the first agent, the only one with a progress thread. End to end with strict
+verification it did not pay on 2 cores (``bench/nixl_ratio.py --agents 2``: raw READs faster, refits
+not — hashing needs the second core), so the default stays one agent.
 
 Registered tensors are referenced for as long as they are registered: NIXL over cma does not
 enforce remote deregistration, so memory a peer may still read must not be freed and reused.
@@ -181,17 +183,19 @@ class NixlTransport(Transport):
         t0 = time.perf_counter()
         if self._index is None:
             self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
-        for (peer, lmem, rmem), (larr, rarr) in self._describe(reads, key).items():
+        for (peer, lmem, rmem), (larr, rarr) in (await self._describe(reads, key)).items():
             if not self._peers[peer].loaded:
                 self.prep_seconds += time.perf_counter() - t0
                 await self._load(peer)  # connection set-up, not counted as descriptor preparation
                 t0 = time.perf_counter()
             parts = stripe(larr, rarr, len(self._agents), _MIN_STRIPE)
             ckeys = [None if key is None else (key, peer, lmem, rmem, i) for i in range(len(parts))]
-            prepared = [
-                self._prepare(ck, self._agents[i], peer, lmem, rmem, la, ra)
-                for i, (ck, (la, ra)) in enumerate(zip(ckeys, parts, strict=True))
-            ]
+            prepared = []
+            for i, (ck, (la, ra)) in enumerate(zip(ckeys, parts, strict=True)):
+                hit = self._lookup(ck, peer, la, ra)
+                if hit is None and len(la) > 256:  # thousands of descriptors take milliseconds: off the loop
+                    hit = await anyio.to_thread.run_sync(self._prepare, ck, self._agents[i], peer, lmem, rmem, la, ra)
+                prepared.append(hit or self._prepare(ck, self._agents[i], peer, lmem, rmem, la, ra))
             self.prep_seconds += time.perf_counter() - t0
             try:
                 if len(prepared) == 1:
@@ -214,8 +218,10 @@ class NixlTransport(Transport):
                     self._release(p)
             t0 = time.perf_counter()
 
-    def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Any:
-        """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object."""
+    async def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Any:
+        """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object.
+
+        Describing is one Python pass over the reads: many of them are described off the event loop."""
         state = (self._local_epoch, tuple((a, p.epoch) for a, p in self._peers.items()))
         cached = self._described.get(key) if key is not None else None
         if cached is not None and cached[0] is reads and cached[1] == state:
@@ -223,7 +229,11 @@ class NixlTransport(Transport):
             return cached[2]
         regions = {agent: peer.regions for agent, peer in self._peers.items()}
         assert self._index is not None
-        groups = describe([r for r in reads if r.nbytes], regions, self._index)
+        todo = [r for r in reads if r.nbytes]
+        if len(todo) > 256:
+            groups = await anyio.to_thread.run_sync(describe, todo, regions, self._index)
+        else:
+            groups = describe(todo, regions, self._index)
         if key is not None:
             self._described[key] = (reads, state, groups)
             while len(self._described) > self._cache_size:
@@ -235,16 +245,11 @@ class NixlTransport(Transport):
         larr: np.ndarray, rarr: np.ndarray,
     ) -> _Prepared:  # fmt: skip
         """The cached transfer for these exact arrays, or a freshly prepared one (cached under ``ckey``)."""
+        hit = self._lookup(ckey, peer, larr, rarr)
+        if hit is not None:
+            return hit
         epochs = (self._peers[peer].epoch, self._local_epoch)
         variants = self._cache.get(ckey, []) if ckey is not None else []
-        for p in variants:
-            same = (p.larr is larr and p.rarr is rarr) or (
-                np.array_equal(p.larr, larr) and np.array_equal(p.rarr, rarr)
-            )
-            if p.epochs == epochs and same:
-                if ckey is not None:
-                    self._cache.move_to_end(ckey)
-                return p
         handles: list[Any] = []
         try:
             with nx.lock, nx.translated("descriptor preparation"):
@@ -267,6 +272,20 @@ class NixlTransport(Transport):
                 for old in self._cache.popitem(last=False)[1]:
                     self._release(old)
         return prepared
+
+    def _lookup(self, ckey: CacheKey | None, peer: str, larr: np.ndarray, rarr: np.ndarray) -> _Prepared | None:
+        """The transfer prepared under ``ckey`` for these exact arrays and the current epochs, if any."""
+        if ckey is None:
+            return None
+        epochs = (self._peers[peer].epoch, self._local_epoch)
+        for p in self._cache.get(ckey, []):
+            same = (p.larr is larr and p.rarr is rarr) or (
+                np.array_equal(p.larr, larr) and np.array_equal(p.rarr, rarr)
+            )
+            if p.epochs == epochs and same:
+                self._cache.move_to_end(ckey)
+                return p
+        return None
 
     async def _transfer(self, prepared: _Prepared, peer: str) -> None:
         """Post the READ off the event loop; poll a pending one with growing sleeps (no spinning)."""

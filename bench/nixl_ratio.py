@@ -1,0 +1,84 @@
+"""Refit vs raw NIXL READ of the same bytes, interleaved in one run (fair on a shared machine).
+
+    python bench/nixl_ratio.py [--size-mb 512] [--tensors 174] [--rounds 6] [--agents 1] [--mode in_place]
+
+A publisher process (NIXL, xxh3 digests) and this receiver process. Each round: one raw READ of every
+shard into the destination (one ``NixlTransport.read``, prepared once, replayed), then one strict-verify
+refit of a new version; both with ``--agents`` receiver agents (reads striped over them). Prints each
+pair and the ratio of the medians and of the bests. GB/s = 10^9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # a benchmark script, like the CLI, may set the environment
+os.environ.setdefault("UCX_LOG_LEVEL", "error")
+
+import anyio
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "transports"))
+
+from _nixl_peer import Peer
+
+import refitflow as rf
+from refitflow.transports.base import Read, as_bytes
+from refitflow.transports.nixl import NixlTransport
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=float, default=512)
+    ap.add_argument("--tensors", type=int, default=174)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--agents", type=int, default=1)
+    ap.add_argument("--mode", default="in_place")
+    a = ap.parse_args()
+    numel = int(a.size_mb * 2**20 / 4 / a.tensors)
+    spec = {"tensors": a.tensors, "numel": numel, "model": "bench"}
+    dst = {f"layers.{i}.weight": torch.zeros(numel + i % 7) for i in range(a.tensors)}
+    nbytes = sum(t.nbytes for t in dst.values())
+    print(f"{a.tensors} fp32 tensors, {nbytes / 1e9:.3f} GB, mode {a.mode}, receiver agents {a.agents}, strict verify")
+    registry, identity = rf.Registry(), rf.Identity(model="bench")
+    raw_t, refit_t = [], []
+    async with Peer(spec) as peer:
+        first = await peer.publish(1, 1)
+        raw = NixlTransport(num_agents=a.agents)
+        transport = NixlTransport(num_agents=a.agents)
+        try:
+            async with rf.Receiver(dst, registry, identity=identity, transport=transport, mode=a.mode) as recv:
+                for t in dst.values():
+                    raw.register(t)
+                raw.connect(first.source)
+                reads = [Read(first.source.agent, s.region, s.offset, s.nbytes, as_bytes(dst[s.name]))
+                         for s in first.shards]  # fmt: skip
+                await raw.read(reads, key="all")  # prepare and wire up
+                await registry.publish(first)
+                await recv.refit(1)  # plan, descriptors, wire-up
+                for v in range(2, a.rounds + 2):
+                    t0 = time.perf_counter()
+                    await raw.read(reads, key="all")
+                    raw_t.append(time.perf_counter() - t0)
+                    await registry.publish(await peer.publish(v, v))
+                    r = await recv.refit(v)
+                    refit_t.append(r.seconds)
+                    verify_ms = r.stages["verify"].seconds * 1e3
+                    print(f"round {v - 1}: raw READ {nbytes / raw_t[-1] / 1e9:6.2f} GB/s, refit {r.gbps:6.2f} GB/s "
+                          f"(ratio {raw_t[-1] / r.seconds:4.2f}); verify busy {verify_ms:.0f} ms")  # fmt: skip
+        finally:
+            await raw.aclose()
+    med = statistics.median(raw_t) / statistics.median(refit_t)
+    best = min(raw_t) / min(refit_t)
+    raw_best, refit_best = nbytes / min(raw_t) / 1e9, nbytes / min(refit_t) / 1e9
+    print(f"refit / raw READ: median {med:.2f}, best {best:.2f} (raw best {raw_best:.2f} GB/s, "
+          f"refit best {refit_best:.2f} GB/s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    anyio.run(main)

@@ -1,0 +1,190 @@
+"""What verify and commit need for one bucket, computed once when the plan is built.
+
+A plan is replayed for every version with the same layout, so everything that depends only on the
+layout is decided here, not per refit: which digest units each piece holds (``core.digests.units_of``)
+and where their bytes land, as arrays; the index of each unit's digest in the version's digest
+vector (every source's shards' digests one after another, ``digest_vector``); and the elements each
+bucket credits to each parameter. Verify then hashes and compares arrays; commit adds arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from refitflow.core.digests import Tiling, unit_count, units_array, units_of
+from refitflow.core.types import Publication
+from refitflow.layouts.boxes import Box, volume
+from refitflow.stages._context import breathe
+
+__all__ = ["Checks", "Credits", "Land", "Mix", "Stream", "build_checks", "build_credits", "digest_index",
+           "digest_vector"]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Land:
+    """Where a piece's bytes are after pull: a parameter's target (direct) or the bucket's staging."""
+
+    param: str | None  # None: the staging lease
+    offset: int  # byte offset of the piece in that buffer
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """A piece whose units are computed from its whole box: mix64 sums, or xxh3 tiles gathered."""
+
+    land: int
+    tiling: Tiling
+    box: Box
+    want: np.ndarray  # digest-vector index of each unit, in ``units_of`` order
+    covered: np.ndarray  # bytes of each unit this piece holds
+    total: np.ndarray  # bytes of each whole unit
+    check: np.ndarray  # bool: the units this piece can check (or add to)
+    name: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """An xxh3 unit split over pieces (a tile larger than a bucket): hashed in order, across buckets."""
+
+    land: int
+    lo: int
+    hi: int
+    want: int
+    start: int
+    total: int
+    name: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    lands: tuple[Land, ...]
+    names: tuple[str, ...]  # the tensors of this bucket's pieces (for errors)
+    # whole xxh3 units contiguous where they landed: one hash call each
+    land_of: np.ndarray
+    lo: np.ndarray  # byte offsets in the landing buffer
+    hi: np.ndarray
+    want: np.ndarray
+    name_of: np.ndarray
+    streams: tuple[Stream, ...]
+    mixes: tuple[Mix, ...]  # mix64 pieces, and xxh3 pieces whose whole tiles are strided (gathered)
+    whole_bytes: int  # bytes the whole units of ``land_of``/``mixes`` verify
+
+
+def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[Tiling, int]]:
+    """(source, tensor) → (its digest geometry, offset of its first digest in ``digest_vector(pub)``)."""
+    out, at = {}, 0
+    for i, m in enumerate(pub.sources):
+        for s in m.shards:
+            t = s.tiling
+            out[(i, s.name)] = (t, at)
+            at += t.count
+    return out
+
+
+def digest_vector(pub: Publication) -> np.ndarray:
+    """Every digest of the publication as native uint64, in ``digest_index`` order (decoded once)."""
+    raw = b"".join(s.digest_bytes for m in pub.sources for s in m.shards)
+    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+_FEW = 8  # pieces of at most this many units are listed in Python, others with numpy
+
+
+class _Fast:
+    """Whole contiguous xxh3 units, gathered from Python scalars and numpy arrays, in plan order."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.scalars: list[tuple[int, int, int, int, int]] = []  # land, lo, hi, want, name
+
+    def flush(self) -> None:
+        if self.scalars:
+            self.parts.append(tuple(np.array(c, dtype=np.int64) for c in zip(*self.scalars, strict=True)))
+            self.scalars = []
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        self.flush()
+        if not self.parts:
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
+        return tuple(np.concatenate(c) for c in zip(*self.parts, strict=True))
+
+
+def build_checks(
+    pieces: Iterable[tuple[int, str, Box, Land]], index: Mapping[tuple[int, str], tuple[Tiling, int]]
+) -> Checks:
+    """The checks of one bucket's pieces: ``(source, tensor, box, landing)`` each, in plan order."""
+    lands: list[Land] = []
+    names: list[str] = []
+    fast = _Fast()
+    streams: list[Stream] = []
+    mixes: list[Mix] = []
+    whole_bytes = 0
+    for source, tensor, box, land in pieces:
+        breathe()
+        t, base = index[(source, tensor)]
+        k, n = len(lands), len(names)
+        lands.append(land)
+        names.append(tensor)
+        if t.algo == "xxh3" and t.count == 1 and land.nbytes == t.nbytes:  # the whole shard, one digest
+            fast.scalars.append((k, land.offset, land.offset + land.nbytes, base, n))
+            whole_bytes += land.nbytes
+            continue
+        if t.algo == "xxh3" and unit_count(t, box) <= _FEW:
+            units = units_of(t, box)
+            if not any(u.mode == 2 for u in units):
+                for u in units:
+                    a = land.offset + u.lo
+                    if u.mode == 1 and u.covered == u.total:
+                        fast.scalars.append((k, a, a + u.covered, base + u.slot, n))
+                        whole_bytes += u.total
+                    elif u.mode == 1:
+                        streams.append(Stream(k, a, a + u.covered, base + u.slot, u.start, u.total, n))
+                continue
+        ua = units_array(t, box)
+        whole = ua.covered == ua.total
+        if t.algo == "xxh3" and whole.all() and (ua.mode == 1).all():  # the common case: every unit whole
+            fast.flush()
+            lo = land.offset + ua.lo
+            fast.parts.append((np.full(len(lo), k), lo, lo + ua.covered, base + ua.slot, np.full(len(lo), n)))
+            whole_bytes += int(ua.total.sum())
+            continue
+        if t.algo == "mix64" or (ua.mode == 2).any():
+            check = ua.mode == (1 if t.algo == "mix64" else 2)
+            mixes.append(Mix(k, t, box, base + ua.slot, ua.covered, ua.total, check, n))
+            whole_bytes += int(ua.total[check & whole].sum())
+            if t.algo == "mix64":
+                continue
+        sel = (ua.mode == 1) & whole
+        fast.flush()
+        lo = land.offset + ua.lo[sel]
+        fast.parts.append((np.full(len(lo), k), lo, lo + ua.covered[sel], base + ua.slot[sel], np.full(len(lo), n)))
+        whole_bytes += int(ua.total[sel].sum())
+        for p in np.flatnonzero((ua.mode == 1) & ~whole).tolist():
+            a = land.offset + int(ua.lo[p])
+            streams.append(Stream(k, a, a + int(ua.covered[p]), base + int(ua.slot[p]), int(ua.start[p]),
+                                  int(ua.total[p]), n))  # fmt: skip
+    land_of, lo, hi, want, name_of = fast.arrays()
+    return Checks(tuple(lands), tuple(names), land_of, lo, hi, want, name_of, tuple(streams), tuple(mixes),
+                  whole_bytes)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Credits:
+    """The elements one bucket writes into each parameter (commit adds them: O(1) Python per bucket)."""
+
+    params: tuple[str, ...]  # the plan's parameters (shared by every bucket)
+    idx: np.ndarray  # positions in ``params``
+    counts: np.ndarray
+
+
+def build_credits(boxes: Iterable[tuple[str, Box]], position: Mapping[str, int], params: tuple[str, ...]) -> Credits:
+    idx: list[int] = []
+    counts: list[int] = []
+    for param, dbox in boxes:
+        idx.append(position[param])
+        counts.append(volume(dbox))
+    return Credits(params, np.array(idx, dtype=np.int64), np.array(counts, dtype=np.int64))

@@ -1,0 +1,166 @@
+"""The digest scheme: mix64 against a plain-Python reading of its definition, same bytes → same digests on
+every device, sums over tiles, the units a landed box holds, and the publisher's tile geometry."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refitflow.core.digests import (
+    Tiling,
+    _hash_ranges_bounced,
+    choose_tiling,
+    frame,
+    hash_ranges,
+    mix64_box,
+    shard_digests,
+    unit_count,
+    units_array,
+    units_of,
+)
+from refitflow.core.dtypes import _BY_NAME
+
+M64 = (1 << 64) - 1
+# every device this machine has: the same code runs on each (CPU here; CUDA where one is visible)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _fmix(z: int) -> int:
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & M64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & M64
+    return z ^ (z >> 31)
+
+
+def _reference_mix64(data: bytes, shape: tuple[int, ...], item: int) -> int:
+    """The module docstring's definition, word by word in plain Python."""
+    cols = shape[-1] if shape else 1
+    rows = math.prod(shape[:-1]) if shape else 1
+    row = cols * item
+    words = -(-row // 8)
+    total = 0
+    for r in range(rows):
+        padded = data[r * row : (r + 1) * row] + bytes(words * 8 - row)
+        for j in range(words):
+            w = int.from_bytes(padded[8 * j : 8 * j + 8], "little")
+            total = (total + _fmix(w ^ ((r * words + j) * 0x9E3779B97F4A7C15 & M64))) & M64
+    return total
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", sorted(_BY_NAME.values(), key=str))
+@pytest.mark.parametrize("shape", [(), (5,), (7, 3), (2, 3, 5), (4, 16)])
+def test_mix64_is_its_definition_for_every_dtype_and_odd_row(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = _random(shape, dtype)
+    whole = Tiling("mix64", shape, dtype.itemsize, 0, 0)
+    want = _reference_mix64(x.reshape(-1).view(torch.uint8).numpy().tobytes(), shape, dtype.itemsize)
+    assert int(shard_digests(x, whole)[0]) == want
+    tiles = Tiling("mix64", shape, dtype.itemsize, *choose_tiling(shape, dtype.itemsize))
+    assert int(shard_digests(x, tiles).astype(object).sum()) & M64 == want  # the tiles sum to the whole
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["xxh3", "mix64"])
+@pytest.mark.parametrize("dtype", sorted(_BY_NAME.values(), key=str))
+def test_the_same_bytes_give_the_same_digests_on_every_device(device: str, algo: str, dtype: torch.dtype) -> None:
+    shape = (130, 2048 // dtype.itemsize)  # wide enough for 8 column ranges
+    x = _random(shape, dtype, seed=3)
+    t = Tiling(algo, shape, dtype.itemsize, *choose_tiling(shape, dtype.itemsize))
+    assert t.nc == 8 and t.nr == 3
+    on_cpu = shard_digests(x, t)
+    assert np.array_equal(shard_digests(x.to(device), t), on_cpu)
+    # the same bytes under another dtype of the same width: the same digests
+    twin = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert np.array_equal(shard_digests(x.view(twin).to(device), t), on_cpu)
+
+
+def test_any_changed_byte_changes_the_mix64_digest() -> None:
+    x = _random((3, 10), torch.bfloat16, seed=1)
+    t = Tiling("mix64", (3, 10), 2, 0, 0)
+    base = int(shard_digests(x, t)[0])
+    raw = x.view(torch.uint8)
+    for i in range(raw.numel()):
+        flipped = raw.clone().reshape(-1)
+        flipped[i] ^= 1 << (i % 8)
+        assert int(shard_digests(flipped.view(torch.bfloat16).reshape(3, 10), t)[0]) != base, i
+
+
+def test_a_tile_is_the_sum_of_any_split_of_it() -> None:
+    x = _random((130, 1024), torch.bfloat16, seed=2)
+    t = Tiling("mix64", x.shape, 2, 64, 128)
+    digests = shard_digests(x, t)
+    top = mix64_box(x[64:100, 128:384].contiguous(), t, ((64, 100), (128, 384)))
+    bottom = mix64_box(x[100:128, 128:384].contiguous(), t, ((100, 128), (128, 384)))
+    assert np.array_equal(top + bottom, digests[[t.nc + 1, t.nc + 2]])
+
+
+def test_xxh3_digests_are_of_contiguous_tiles_then_of_row_blocks() -> None:
+    x = _random((130, 1024), torch.bfloat16, seed=4)
+    t = Tiling("xxh3", x.shape, 2, *choose_tiling(x.shape, 2))
+    d = shard_digests(x, t)
+    assert t.row_digests and t.count == 3 * 8 + 3
+    tile = x[64:128, 128:256].contiguous().view(torch.uint8).numpy().tobytes()
+    assert int(d[t.nc + 1]) == xxhash.xxh3_64_intdigest(tile)
+    rows = x[128:130].contiguous().view(torch.uint8).numpy().tobytes()
+    assert int(d[t.tiles + 2]) == xxhash.xxh3_64_intdigest(rows)
+
+
+def test_device_bytes_hash_through_a_bounded_bounce_buffer() -> None:
+    buf = _random((5000,), torch.uint8, seed=5)
+    lo = np.array([0, 10, 100, 3000, 2999], dtype=np.int64)
+    hi = np.array([10, 4000, 101, 5000, 3001], dtype=np.int64)
+    want = hash_ranges(buf, lo, hi)  # the CPU path: memoryviews, no copy
+    got = _hash_ranges_bounced(buf, lo, hi, np.empty(5, dtype=np.uint64), bounce_bytes=512)
+    assert np.array_equal(got, want)
+
+
+def test_wide_rows_are_cut_in_eight_word_aligned_column_ranges() -> None:
+    assert choose_tiling((14336, 4096), 2) == (64, 512)  # gate_proj: 8 ranges of 1 KiB
+    assert choose_tiling((4096, 14336), 2) == (64, 1792)  # down_proj
+    assert choose_tiling((64, 64), 2) == (64, 64)  # too narrow: whole rows
+    assert choose_tiling((1 << 24,), 2) == (1, 1 << 21)  # 1-D: 4 MiB ranges
+    assert choose_tiling((8, 1 << 22), 4) == (1, 1 << 19)  # 2 MiB ranges of huge rows
+    for tp in (1, 2, 4, 8):  # every TP slice of a row-parallel weight is whole tiles
+        t = Tiling("xxh3", (4096, 14336), 2, 64, 1792)
+        width = 14336 // tp
+        assert all(t.aligned(((0, 4096), (r * width, (r + 1) * width))) == ((0, 4096), (r * width, (r + 1) * width))
+                   for r in range(tp))  # fmt: skip
+
+
+@st.composite
+def _case(draw: st.DrawFn) -> tuple[Tiling, tuple[tuple[int, int], ...]]:
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 40), min_size=ndim, max_size=ndim)))
+    item = draw(st.sampled_from([1, 2, 4, 8]))
+    algo = draw(st.sampled_from(["xxh3", "mix64"]))
+    rows = shape[-2] if ndim >= 2 else 1
+    cols = shape[-1] if ndim else 1
+    tile_rows = draw(st.integers(0, rows))
+    w = max(1, 8 // item)
+    tile_cols = draw(st.sampled_from(sorted({cols, *range(w, cols, w)}))) if tile_rows else 0
+    box = tuple((a, draw(st.integers(a + 1, n))) for n in shape for a in [draw(st.integers(0, n - 1))])
+    return Tiling(algo, shape, item, tile_rows, tile_cols), box
+
+
+@settings(max_examples=300, deadline=None)
+@given(_case())
+def test_units_listed_with_numpy_are_the_units_listed_in_python(case) -> None:
+    t, box = case
+    small = units_of(t, box)
+    big = units_array(t, box)
+    assert len(small) == unit_count(t, box) == len(big.slot)
+    for field in ("slot", "covered", "total", "lo", "start", "mode"):
+        assert [getattr(u, field) for u in small] == getattr(big, field).tolist(), field
+    planes, r0, r1, c0, c1 = frame(t, box)
+    if t.tile_rows and all(u.mode for u in small):  # every byte of the box belongs to exactly one unit
+        assert sum(u.covered for u in small) == len(planes) * (r1 - r0) * (c1 - c0) * t.item
