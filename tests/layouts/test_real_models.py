@@ -17,9 +17,9 @@ from refitflow.layouts.wire import layout_metadata
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8)
 
 
-def _model(kind: str, kv_heads: int, seed: int = 0) -> torch.nn.Module:
+def _model(kind: str, kv_heads: int, seed: int = 0, **config) -> torch.nn.Module:
     torch.manual_seed(seed)
-    common = BASE | {"num_key_value_heads": kv_heads, "tie_word_embeddings": False}
+    common = BASE | {"num_key_value_heads": kv_heads, "tie_word_embeddings": False} | config
     if kind == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif kind == "qwen2":
@@ -33,28 +33,37 @@ def _model(kind: str, kv_heads: int, seed: int = 0) -> torch.nn.Module:
 
 
 async def _refit(
-    trainer: torch.nn.Module, train: tuple[int, int], infer: tuple[int, int], tamper=None, **options
+    trainer: torch.nn.Module,
+    train: tuple[int, int],
+    infer: tuple[int, int],
+    tamper=None,
+    fill: float = 0.0,
+    train_options: dict | None = None,
+    infer_options: dict | None = None,
+    **options,
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict], list[rf.RefitResult]]:
     """Publish the trainer Megatron-sharded at (tp, ep); refit fused ranks at (tp, ep); return them.
 
     ``tamper(shards)``: called with each trainer rank's published tensors after publishing.
+    ``fill``: what the receivers' tensors hold before the refit; ``*_options``: the layouts' keywords.
     """
+    train_options, infer_options = train_options or {}, infer_options or {}
     d = hf.dims_from_config(trainer.config)
     canon = to_canonical([(hf.layout(d), trainer.state_dict())], canonical_shapes(d))
     registry, ident = rf.Registry(), rf.Identity(model="tiny", layout="megatron")
     (ttp, tep), (itp, iep) = train, infer
     tpars = [Parallel(tp=ttp, tp_rank=r % ttp, ep=tep, ep_rank=r // ttp) for r in range(ttp * tep)]
     ipars = [Parallel(tp=itp, tp_rank=r % itp, ep=iep, ep_rank=r // itp) for r in range(itp * iep)]
-    maps = [fused.layout(d, p) for p in ipars]
-    ranks = [{n: torch.zeros(lt.shape) for n, lt in m.items()} for m in maps]
+    maps = [fused.layout(d, p, **infer_options) for p in ipars]
+    ranks = [{n: torch.full(lt.shape, fill) for n, lt in m.items()} for m in maps]
     results = []
     async with contextlib.AsyncExitStack() as stack:
         for r, p in enumerate(tpars):
-            meta = layout_metadata("megatron", d, p)
+            meta = layout_metadata("megatron", d, p, **train_options)
             pub = await stack.enter_async_context(
                 rf.Publisher(registry, identity=ident, rank=r, world_size=len(tpars), metadata=meta)
             )
-            shards = from_canonical(megatron.layout(d, p), canon)
+            shards = from_canonical(megatron.layout(d, p, **train_options), canon)
             await pub.publish(1, shards)
             if tamper is not None:
                 tamper(shards)

@@ -174,10 +174,10 @@ def to_canonical(
 
 
 def from_canonical(layout: LayoutMap, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Build one rank's local tensors from canonical tensors (fresh, contiguous)."""
+    """Build one rank's local tensors from canonical tensors (fresh, contiguous; unmapped padding is zero)."""
     out = {}
     for name, local in layout.items():
-        t = torch.empty(local.shape, dtype=next(iter(canonical.values())).dtype)
+        t = torch.zeros(local.shape, dtype=next(iter(canonical.values())).dtype)
         for seg in local.segments:
             k = len(seg.cbox) - len(seg.lbox)
             t[_index(seg.lbox)] = canonical[seg.canonical][_index(seg.cbox)][(0,) * k]

@@ -1,15 +1,21 @@
-"""Fused inference layout (vLLM-style, receiver side): any TP, EP for experts."""
+"""Fused inference layout (vLLM-style, receiver side): any TP, EP for experts.
+
+vLLM pads the vocabulary of ``VocabParallelEmbedding`` / ``ParallelLMHead`` to a multiple of 64
+(``DEFAULT_VOCAB_PADDING_SIZE``) and splits the padded rows evenly over TP; the padding rows map to nothing.
+"""
 
 from __future__ import annotations
 
 from refitflow.layouts.canonical import LayoutMap, ModelDims
-from refitflow.layouts.rules import Parallel, Table, build
+from refitflow.layouts.rules import Parallel, Table, build, pad
 
-__all__ = ["LAYER", "TOP", "layout"]
+__all__ = ["LAYER", "TOP", "VOCAB_PADDING", "layout", "padded_vocab"]
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 TOP: Table = {
-    "model.embed_tokens.weight": ("col", ("model.embed_tokens.weight",)),
-    "lm_head.weight": ("col", ("lm_head.weight",)),
+    "model.embed_tokens.weight": ("vocab", ("model.embed_tokens.weight",)),
+    "lm_head.weight": ("vocab", ("lm_head.weight",)),
     "model.norm.weight": ("rep", ("model.norm.weight",)),
 }
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -29,5 +35,11 @@ LAYER: Table = {
 }
 
 
-def layout(d: ModelDims, par: Parallel) -> LayoutMap:
-    return build(TOP, LAYER, "model.layers", d, par)
+def padded_vocab(vocab: int, vocab_padding: int = VOCAB_PADDING) -> int:
+    """The rows of vLLM's padded embedding (before the TP split): ``vocab`` rounded up to ``vocab_padding``."""
+    return pad(vocab, vocab_padding)
+
+
+def layout(d: ModelDims, par: Parallel, *, vocab_padding: int = VOCAB_PADDING) -> LayoutMap:
+    """This rank's vLLM parameters; ``vocab_padding`` is the model's ``padding_size`` (1: no padding)."""
+    return build(TOP, LAYER, "model.layers", d, par, vocab_rows=padded_vocab(d.vocab, vocab_padding))

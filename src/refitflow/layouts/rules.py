@@ -3,8 +3,10 @@
 A table is data: ``{local suffix: (kind, (canonical suffixes...))}``. Kinds:
 
 - ``rep``: the whole canonical tensor (replicated on every rank).
-- ``col``: the canonicals' TP slices on axis 0, one after another (column-parallel, vocab-parallel,
-  fused gate/up).
+- ``col``: the canonicals' TP slices on axis 0, one after another (column-parallel, fused gate/up).
+- ``vocab``: vocab-parallel rows of a *padded* vocabulary (embeddings, LM head): the local tensor is
+  this rank's ``rows / tp`` of the padded size; only the rows below the real vocabulary are mapped,
+  the padding rows are nobody's (never read, never written, not counted by coverage).
 - ``row``: the canonical's TP slice on axis 1 (row-parallel ``o_proj``/``down_proj``).
 - ``qkv_grouped``: Megatron's interleaved QKV: per query group of this rank, its query heads, one
   key head, one value head.
@@ -21,9 +23,9 @@ from dataclasses import dataclass
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
-from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, canonical_shapes, concat
+from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, Segment, canonical_shapes, concat
 
-__all__ = ["Parallel", "Table", "build"]
+__all__ = ["Parallel", "Table", "build", "pad"]
 
 Table = dict[str, tuple[str, tuple[str, ...]]]
 
@@ -90,7 +92,20 @@ def _qkv(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Par
     return concat([rows(q, h0, h1 - h0), rows(k, k0, kn), rows(v, k0, kn)])
 
 
-def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int) -> LocalTensor:
+def _vocab(name: str, shape: tuple[int, ...], padded: int, par: Parallel) -> LocalTensor:
+    """This rank's rows of the padded vocabulary; the real rows among them are mapped, the rest is padding."""
+    lo, hi = _part(padded, par.tp, par.tp_rank, f"padded vocabulary of {name}")
+    real = min(hi, shape[0]) - lo
+    local = (hi - lo, *shape[1:])
+    if real <= 0:  # all padding (a small vocabulary over many ranks)
+        return LocalTensor(local, ())
+    cbox = _with(full(shape), 0, (lo, lo + real))
+    return LocalTensor(local, (Segment(name, cbox, _with(full(local), 0, (0, real))),))
+
+
+def _rule(
+    kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int, vocab_rows: int
+) -> LocalTensor:
     if kind == "rep":
         return concat([(names[0], full(shapes[names[0]]))])
     if kind == "col":
@@ -98,6 +113,8 @@ def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Pa
     if kind == "row":
         n = names[0]
         return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))])
+    if kind == "vocab":
+        return _vocab(names[0], shapes[names[0]], vocab_rows, par)
     if kind.startswith("qkv"):
         return _qkv(kind, names, shapes, d, par)
     e0, e1 = _part(d.experts, par.ep, par.ep_rank, "experts")
@@ -113,22 +130,35 @@ def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Pa
     return concat(parts, axis=1)
 
 
-def build(top: Table, layer: Table, prefix: str, d: ModelDims, par: Parallel) -> LayoutMap:
+def pad(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    if multiple < 1:
+        raise ConfigError(f"a padding multiple must be at least 1, not {multiple}")
+    return -(-n // multiple) * multiple
+
+
+def build(
+    top: Table, layer: Table, prefix: str, d: ModelDims, par: Parallel, *, vocab_rows: int | None = None
+) -> LayoutMap:
     """One rank's layout map: ``top`` entries once, ``layer`` entries per layer under ``prefix.{i}.``.
 
     Entries whose canonical tensors the model lacks (no bias, tied head, dense vs MoE) are skipped.
+    ``vocab_rows``: the padded vocabulary the ``vocab`` entries are split from (default: no padding).
     """
     shapes = canonical_shapes(d)
+    rows = d.vocab if vocab_rows is None else vocab_rows
+    if rows < d.vocab:
+        raise ConfigError(f"the padded vocabulary ({rows}) is smaller than the vocabulary ({d.vocab})")
     out: LayoutMap = {}
     per_rank = d.experts // par.ep if d.experts else 0
     for local, (kind, names) in top.items():
         if all(n in shapes for n in names):
-            out[local] = _rule(kind, names, shapes, d, par, 0)
+            out[local] = _rule(kind, names, shapes, d, par, 0, rows)
     for i in range(d.layers):
         for suffix, (kind, names) in layer.items():
             full_names = tuple(f"model.layers.{i}.{n}" for n in names)
             if not all(n in shapes for n in full_names):
                 continue
             for j in range(per_rank) if "{j}" in suffix else [0]:
-                out[f"{prefix}.{i}.{suffix.format(j=j)}"] = _rule(kind, full_names, shapes, d, par, j)
+                out[f"{prefix}.{i}.{suffix.format(j=j)}"] = _rule(kind, full_names, shapes, d, par, j, rows)
     return out

@@ -55,11 +55,10 @@ class Ledger:
         if self.last_begun is not None and version <= self.last_begun:
             raise VersionError(f"version must increase: last begun on this rank was {self.last_begun}", version=version)
         self.last_begun = version
-        expected = {n: t.numel() for n, t in self.destination.params.items()}
         txn = Transaction(
             version=version,
             revision=revision,
-            coverage=CoverageTracker(expected),
+            coverage=CoverageTracker(self.destination.expected),
             fence_before=self.fence.state,
             fence_reason_before=self.fence.reason,
         )

@@ -38,7 +38,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
                     if s.param not in ctx.landing.derived:
                         continue
                     assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
-                    if assembled[s.param] == ctx.landing.params[s.param].numel():  # complete: quantise
+                    if assembled[s.param] == ctx.landing.expected[s.param]:  # complete: quantise
                         ctx.attempt.mark_written()
                         await anyio.to_thread.run_sync(_quantize, ctx, s.param)
                         scale = ctx.landing.derived[s.param]
