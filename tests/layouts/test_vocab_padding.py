@@ -15,7 +15,7 @@ from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata, resolve
 from refitflow.stages._fp8 import dequantize, scale_name, scale_shape
-from tests.layouts.test_real_models import _logits, _model, _refit
+from tests.layouts._models import _logits, _model, _refit
 
 D = ModelDims(vocab=200, hidden=64, layers=1, heads=8, kv_heads=2, head_dim=8, ffn=96)
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"

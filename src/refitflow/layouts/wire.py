@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from refitflow.core.errors import ConfigError, ManifestError
-from refitflow.layouts import fused, hf, megatron
+from refitflow.layouts import fused, hf, megatron, sglang
 from refitflow.layouts.canonical import LayoutMap, ModelDims, canonical_shapes
 from refitflow.layouts.rules import Parallel
 
@@ -21,8 +21,9 @@ __all__ = ["LAYOUTS", "layout_metadata", "resolve"]
 LAYOUTS: dict[str, Callable[..., LayoutMap]] = {
     "megatron": megatron.layout,
     "fused": fused.layout,
+    "sglang": sglang.layout,
     "hf": lambda d, par, **options: hf.layout(d, **options),
-    "hf_legacy": lambda d, par, **options: hf.layout(d, legacy_experts=True, **options),
+    "hf_legacy": lambda d, par, **options: hf.layout(d, experts="mixtral", **options),
 }
 
 
