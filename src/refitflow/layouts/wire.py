@@ -5,10 +5,11 @@ The receiver recomputes the publisher's segments from the same tables, so the ma
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import asdict
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from refitflow.core.errors import ConfigError, ManifestError
@@ -18,25 +19,30 @@ from refitflow.layouts.rules import Parallel
 
 __all__ = ["LAYOUTS", "layout_metadata", "resolve"]
 
+
+def _hf(d: ModelDims, par: Parallel, *, experts: str = "fused") -> LayoutMap:
+    return hf.layout(d, experts=experts)
+
+
 LAYOUTS: dict[str, Callable[..., LayoutMap]] = {
     "megatron": megatron.layout,
     "fused": fused.layout,
     "sglang": sglang.layout,
-    "hf": lambda d, par, **options: hf.layout(d, **options),
-    "hf_legacy": lambda d, par, **options: hf.layout(d, experts="mixtral", **options),
+    "hf": _hf,
+    "hf_legacy": partial(_hf, experts="mixtral"),
 }
 
 
 def layout_metadata(name: str, dims: ModelDims, par: Parallel, **options: Any) -> dict[str, str]:
     """The manifest metadata that names this rank's layout; ``options`` are the layout function's keywords
-    (``vocab_divisible_by=``, ``vocab_padding=``...), checked here by building the layout once."""
+    (``vocab_divisible_by=``, ``spec=``, ``experts=``, ``vocab_padding=``...)."""
     if name not in LAYOUTS:
         raise ManifestError(f"unknown layout {name!r}; known: {sorted(LAYOUTS)}")
     doc: dict[str, Any] = {"name": name, "dims": asdict(dims), "par": asdict(par)}
     if options:
         doc["options"] = options
-    try:  # a bad option fails here, at the publisher, not at every receiver
-        LAYOUTS[name](dims, par, **options)
+    try:  # an unknown option fails here, at the publisher, not at every receiver
+        inspect.signature(LAYOUTS[name]).bind(dims, par, **options)
     except TypeError as exc:
         raise ConfigError(f"layout {name!r} does not take these options: {exc}") from exc
     return {"layout": json.dumps(doc, sort_keys=True, separators=(",", ":"))}
