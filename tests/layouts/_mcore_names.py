@@ -21,20 +21,23 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import socket
 import sys
 
-CASES = {  # name: (tp, ep, the ModelDims the test compares against, megatron config)
-    "gqa_dense_tp2": (2, 1, dict(vocab=200, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8, ffn=96,
+DEEPSEEK = dict(vocab=200, hidden=64, layers=3, heads=8, kv_heads=8, head_dim=16, ffn=96, dense_layers=1, experts=8,
+                expert_ffn=32, shared_ffn=32, router_bias=True, q_lora_rank=48, kv_lora_rank=32, rope_dim=8,
+                v_head_dim=16)  # fmt: skip
+CASES = {  # name: (tp, ep, pp, layers in the first pipeline stage, the ModelDims the test compares against)
+    "gqa_dense_tp2": (2, 1, 1, None, dict(vocab=200, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8, ffn=96,
                                  qkv_bias=True, qk_norm=True)),
-    "qwen3_moe_tp2_ep2": (2, 2, dict(vocab=200, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8,
+    "qwen3_moe_tp2_ep2": (2, 2, 1, None, dict(vocab=200, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8,
                                      qk_norm=True, experts=8, expert_ffn=32)),
-    "deepseek_tp2_ep2": (2, 2, dict(vocab=200, hidden=64, layers=3, heads=8, kv_heads=8, head_dim=16, ffn=96,
-                                    dense_layers=1, experts=8, expert_ffn=32, shared_ffn=32, router_bias=True,
-                                    q_lora_rank=48, kv_lora_rank=32, rope_dim=8, v_head_dim=16)),
+    "deepseek_tp2_ep2": (2, 2, 1, None, DEEPSEEK),
+    "deepseek_pp2_ep2": (1, 2, 2, 1, DEEPSEEK),  # stages of 1 and 2 layers
 }  # fmt: skip
 
 
-def _config(d: dict, tp: int, ep: int):
+def _config(d: dict, tp: int, ep: int, pp: int, first: int | None):
     import torch
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -48,6 +51,9 @@ def _config(d: dict, tp: int, ep: int):
         add_bias_linear=False,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        num_layers_in_first_pipeline_stage=first,
+        pipeline_dtype=torch.float32 if pp > 1 else None,
         params_dtype=torch.float32,
         qk_layernorm=d.get("qk_norm", False) or "kv_lora_rank" in d,
     )
@@ -85,7 +91,7 @@ def _rank(rank: int, world: int, case: str, port: int, out: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
-    tp, ep, d = CASES[case]
+    tp, ep, pp, first, d = CASES[case]
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.cuda.current_device = lambda: "cpu"  # stand-in 1 (see the module docstring)
@@ -93,8 +99,11 @@ def _rank(rank: int, world: int, case: str, port: int, out: mp.Queue) -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    cfg = _config(d, tp, ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
+    )
+    cfg = _config(d, tp, ep, pp, first)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     if "kv_lora_rank" in d:  # stand-in 2
         import megatron.core.transformer.multi_latent_attention as mla
@@ -114,12 +123,15 @@ def _rank(rank: int, world: int, case: str, port: int, out: mp.Queue) -> None:
         max_sequence_length=64,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
     )
     params = {n: list(t.shape) for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
     out.put(
         {
             "rank": rank,
             "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": pp_rank,
             "ep_rank": ps.get_expert_model_parallel_rank(),
             "expert_tp": ps.get_expert_tensor_parallel_world_size(),
             "expert_tp_rank": ps.get_expert_tensor_parallel_rank(),
@@ -134,15 +146,20 @@ def main() -> None:
 
     result: dict = {"megatron_core": version("megatron-core"), "spec": "local", "cases": {}}
     ctx = mp.get_context("spawn")
-    for k, (case, (tp, ep, d)) in enumerate(CASES.items()):
+    for case, (tp, ep, pp, first, d) in CASES.items():
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, tp * ep, case, 29650 + k, queue)) for r in range(tp * ep)]
+        world = tp * ep * pp  # expert TP = TP (the default): EP spans the data-parallel ranks
+        with socket.socket() as sock:  # a free port for this case's rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = [ctx.Process(target=_rank, args=(r, world, case, port, queue)) for r in range(world)]
         for p in procs:
             p.start()
         ranks = sorted((queue.get(timeout=300) for _ in procs), key=lambda r: r["rank"])
         for p in procs:
             p.join(60)
-        result["cases"][case] = {"tp": tp, "ep": ep, "dims": d, "ranks": ranks}
+        stages = None if first is None else [first, d["layers"] - first]
+        result["cases"][case] = {"tp": tp, "ep": ep, "pp": pp, "pp_layers": stages, "dims": d, "ranks": ranks}
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

@@ -3,9 +3,10 @@
 ``mcore_names.json`` holds every rank's parameter names and shapes of tiny GPT models that
 megatron-core 0.16.1 built on the CPU over gloo (local spec; regenerate with ``_mcore_names.py``):
 a dense GQA model at TP 2, a Qwen3-MoE-shaped one and a DeepSeek-V3-shaped one (latent attention,
-a dense first layer, shared experts, router expert bias) at TP 2 × EP 2, vocabulary 200 padded to
-256. The Transformer Engine spec cannot be built without CUDA; its names are the local ones renamed
-by the rules below, each taken from megatron-core's source (file:line in megatron-core 0.16.1).
+a dense first layer, shared experts, router expert bias) at TP 2 × EP 2, and the DeepSeek one at
+PP 2 (stages of 1 and 2 layers) × EP 2; vocabulary 200 padded to 256. The Transformer Engine spec
+cannot be built without CUDA; its names are the local ones renamed by the rules below, each taken
+from megatron-core's source (file:line in megatron-core 0.16.1).
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ CASES = sorted(DATA["cases"])
 def _places(case: str) -> list[tuple[ModelDims, Parallel, dict]]:
     c = DATA["cases"][case]
     d = ModelDims(**c["dims"])
-    return [(d, Parallel(tp=c["tp"], tp_rank=r["tp_rank"], ep=c["ep"], ep_rank=r["ep_rank"]), r) for r in c["ranks"]]
+    return [
+        (
+            d,
+            Parallel(
+                tp=c["tp"], tp_rank=r["tp_rank"], ep=c["ep"], ep_rank=r["ep_rank"], pp=c["pp"], pp_rank=r["pp_rank"]
+            ),
+            r,
+        )
+        for r in c["ranks"]
+    ]
+
+
+def _layout(case: str, d: ModelDims, par: Parallel, **options) -> dict:
+    return megatron.layout(d, par, pp_layers=DATA["cases"][case]["pp_layers"], **options)
 
 
 def _shapes(layout: dict) -> dict[str, list[int]]:
@@ -34,7 +48,7 @@ def _shapes(layout: dict) -> dict[str, list[int]]:
 
 def test_the_pinned_names_come_from_megatron_core_0_16() -> None:
     assert DATA["megatron_core"] == "0.16.1" and DATA["spec"] == "local"
-    assert CASES == ["deepseek_tp2_ep2", "gqa_dense_tp2", "qwen3_moe_tp2_ep2"]
+    assert CASES == ["deepseek_pp2_ep2", "deepseek_tp2_ep2", "gqa_dense_tp2", "qwen3_moe_tp2_ep2"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -42,7 +56,7 @@ def test_local_spec_names_and_shapes_are_megatron_cores(case: str) -> None:
     for d, par, rank in _places(case):
         # Megatron-core's default expert TP is TP (model_parallel_config.py:413)
         assert (par.etp, par.etp_rank) == (rank["expert_tp"], rank["expert_tp_rank"])
-        assert _shapes(megatron.layout(d, par, spec="local")) == rank["params"]
+        assert _shapes(_layout(case, d, par, spec="local")) == rank["params"]
 
 
 MLA_NORMS = {
@@ -84,7 +98,7 @@ def _te(params: dict[str, list[int]], d: ModelDims, tp: int, grouped: bool) -> d
 def test_transformer_engine_spec_names_follow_megatron_cores_source(case: str, experts: str) -> None:
     for d, par, rank in _places(case):
         want = _te(rank["params"], d, par.tp, grouped=experts == "grouped")
-        got = _shapes(megatron.layout(d, par, experts=experts))  # spec="te" is the default
+        got = _shapes(_layout(case, d, par, experts=experts))  # spec="te" is the default
         assert got == want
     if case == "deepseek_tp2_ep2":  # the renames above did apply
         assert "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight" in got

@@ -11,16 +11,21 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from refitflow.layouts import fused
+from refitflow.layouts import Parallel, fused
 from refitflow.layouts.boxes import volume
 from tests.layouts._models import _model, _refit, assert_same_logits
 
 
-def _vllm(tp: int, expert_parallel: bool = False, dp: int = 1) -> list:
+def _vllm(tp: int, expert_parallel: bool = False, dp: int = 1, pp: int = 1) -> list:
     return [
-        fused.parallel(tp=tp, tp_rank=r % tp, dp=dp, dp_rank=r // tp, expert_parallel=expert_parallel)
-        for r in range(tp * dp)
-    ]
+        fused.parallel(tp=tp, tp_rank=r % tp, dp=dp, dp_rank=r // tp % dp, expert_parallel=expert_parallel, pp=pp,
+                       pp_rank=r // (tp * dp))
+        for r in range(tp * dp * pp)
+    ]  # fmt: skip
+
+
+def _megatron_pp(tp: int, pp: int) -> list:
+    return [Parallel(tp=tp, tp_rank=r % tp, pp=pp, pp_rank=r // tp) for r in range(tp * pp)]
 
 
 GROUPED = {"experts": "grouped"}
@@ -39,6 +44,9 @@ CASES = [  # (kind, kv heads, trainer (tp, ep), receivers, trainer layout option
     ("deepseek_v3", 8, (2, 2), _vllm(1), {}, "fused"),
     ("deepseek_v3", 8, (2, 2), (2, 1), {"spec": "local"}, "sglang"),
     ("deepseek_v2", 8, (2, 2), _vllm(2, expert_parallel=True), {}, "fused"),
+    # pipeline stages: Megatron [1, 2] layers (numbered per stage) into vLLM's split [2, 1] (global numbers)
+    ("deepseek_v3", 8, _megatron_pp(2, 2), _vllm(2, expert_parallel=True, pp=2), {"pp_layers": [1, 2]}, "fused"),
+    ("qwen3_moe", 2, _megatron_pp(1, 2), _vllm(2), {"experts": "grouped"}, "fused"),
 ]
 
 

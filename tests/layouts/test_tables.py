@@ -218,4 +218,34 @@ def test_model_dims_refuse_inconsistent_shapes() -> None:
         from refitflow.layouts.rules import Tables, build
 
         norm = ("rep", ("input_layernorm.weight",))
-        build(Tables(top={}, attention={"norm": norm}, dense={"norm": norm}), "x", D, Parallel())
+        build(Tables(first={}, last={}, attention={"norm": norm}, dense={"norm": norm}), "x", D, Parallel())
+
+
+def test_layout_for_reads_a_config_and_names_mixtrals_moe_block() -> None:
+    import transformers as tf
+
+    mixtral = tf.MixtralConfig(vocab_size=200, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=8, num_key_value_heads=2, num_local_experts=4)  # fmt: skip
+    got = fused.layout_for(mixtral, Parallel(tp=2, tp_rank=1))
+    assert got[L + "block_sparse_moe.experts.w13_weight"].shape == (4, 32, 64)
+    assert L + "block_sparse_moe.gate.weight" in got and L + "mlp.experts.w13_weight" not in got
+    assert got["model.embed_tokens.weight"].shape == (128, 64)  # 200 → 256 rows, 128 per rank
+    deepseek = tf.DeepseekV3Config(vocab_size=200, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=16, first_k_dense_replace=1, intermediate_size=96)  # fmt: skip
+    assert L + "self_attn.fused_qkv_a_proj_with_mqa.weight" in sglang.layout_for(deepseek, Parallel(tp=2))
+
+
+def test_pipeline_stages_split_layers_as_vllm_and_megatron_do() -> None:
+    # vLLM get_pp_indices: 61 layers over 16 stages: 3 each, the 13 left one each on stages 2..14
+    assert fused.pp_split(61, 16) == (3, 3, *[4] * 13, 3) and fused.pp_split(3, 2) == (2, 1)
+    d = ModelDims(vocab=128, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8, ffn=96)
+    last = fused.layout(d, Parallel(pp=2, pp_rank=1))
+    assert sorted(n for n in last if not n.startswith("model.layers.2.")) == ["lm_head.weight", "model.norm.weight"]
+    first = megatron.layout(d, Parallel(pp=2, pp_rank=0), pp_layers=[1, 2])  # Megatron numbers layers per stage
+    second = megatron.layout(d, Parallel(pp=2, pp_rank=1), pp_layers=[1, 2])
+    assert "embedding.word_embeddings.weight" in first and "decoder.layers.1.mlp.linear_fc2.weight" not in first
+    qkv = second["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert {s.canonical.split(".self_attn")[0] for s in qkv.segments} == {"model.layers.2"}
+    with pytest.raises(ConfigError, match=r"layers over pipeline stages \(3\) is not divisible by 2"):
+        megatron.layout(d, Parallel(pp=2))  # 3 layers are not even over 2 stages: say how

@@ -15,7 +15,7 @@ from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata, resolve
 from refitflow.stages._fp8 import dequantize, scale_name, scale_shape
-from tests.layouts._models import _logits, _model, _refit
+from tests.layouts._models import _logits, _model, _refit, assert_same_logits
 
 D = ModelDims(vocab=200, hidden=64, layers=1, heads=8, kv_heads=2, head_dim=8, ffn=96)
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -131,3 +131,13 @@ async def test_a_float8_padded_lm_head_is_quantised_once_its_real_rows_arrived()
     want = canon[HEAD][128:200].float()
     assert ((deq[:72] - want).abs() <= want.abs() * 2**-4 + 1e-6).all()
     assert (deq[72:] == 0).all()  # padding rows are quantised from zero, never from stale bytes
+
+
+@pytest.mark.asyncio
+async def test_a_rank_whose_vocabulary_rows_are_all_padding_refits() -> None:
+    trainer = _model("llama", 2, vocab_size=200)  # vLLM TP 8: 256 rows, 32 per rank; rank 7 holds [224, 256)
+    with anyio.fail_after(60):
+        ranks, maps, results = await _refit(trainer, (2, 1), (8, 1), fill=7.0)
+    assert maps[7][EMBED].segments == () and (ranks[7][EMBED] == 7.0).all()
+    assert [r.version for r in results] == [1] * 8
+    assert_same_logits(trainer, "llama", maps, ranks, kv_heads=2, vocab_size=200)

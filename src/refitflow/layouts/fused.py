@@ -12,6 +12,10 @@ the config).
 
 vLLM pads the vocabulary of ``VocabParallelEmbedding`` / ``ParallelLMHead`` to a multiple of 64
 (``DEFAULT_VOCAB_PADDING_SIZE``) and splits the padded rows evenly over TP; the padding rows map to nothing.
+
+Pipeline parallel (``par.pp``): layers keep their global index; the split is vLLM's ``get_pp_indices``
+(even, the remainder one each on the stages before the last) unless ``pp_layers`` gives it
+(``VLLM_PP_LAYER_PARTITION``); embeddings on the first stage, the final norm and LM head on the last.
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ from refitflow.layouts.canonical import LayoutMap, ModelDims
 from refitflow.layouts.hf import dims_from_config
 from refitflow.layouts.rules import Parallel, Table, Tables, build, pad
 
-__all__ = ["MOE_MODULE", "VOCAB_PADDING", "layout", "layout_for", "padded_vocab", "parallel", "tables"]
+__all__ = ["MOE_MODULE", "VOCAB_PADDING", "layout", "layout_for", "padded_vocab", "parallel", "pp_split", "tables"]
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 MOE_MODULE = {"mixtral": "block_sparse_moe"}  # model_type -> the MoE block's name, where it is not "mlp"
 
 _A = "self_attn."
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-TOP: Table = {
-    "model.embed_tokens.weight": ("vocab", ("model.embed_tokens.weight",)),
+FIRST: Table = {"model.embed_tokens.weight": ("vocab", ("model.embed_tokens.weight",))}
+LAST: Table = {
     "lm_head.weight": ("vocab", ("lm_head.weight",)),
     "model.norm.weight": ("rep", ("model.norm.weight",)),
 }
@@ -79,7 +83,7 @@ def tables(d: ModelDims, *, moe_module: str = "mlp", mla_q_lora: Table = MLA_Q_L
     """The fused tables for this model (``moe_module``: the MoE block's name; ``mla_q_lora``: SGLang's names)."""
     moe = {k.replace("mlp.", moe_module + ".", 1): v for k, v in MOE.items()}
     mla = mla_q_lora if d.q_lora_rank else MLA_Q_PROJ
-    return Tables(top=TOP, layer=LAYER, attention=ATTENTION, mla=mla, dense=DENSE, moe=moe)
+    return Tables(first=FIRST, last=LAST, layer=LAYER, attention=ATTENTION, mla=mla, dense=DENSE, moe=moe)
 
 
 def padded_vocab(vocab: int, vocab_padding: int = VOCAB_PADDING) -> int:
@@ -87,20 +91,47 @@ def padded_vocab(vocab: int, vocab_padding: int = VOCAB_PADDING) -> int:
     return pad(vocab, vocab_padding)
 
 
-def layout(d: ModelDims, par: Parallel, *, vocab_padding: int = VOCAB_PADDING, moe_module: str = "mlp") -> LayoutMap:
+def pp_split(layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM's layers per pipeline stage (``get_pp_indices``): even, the remainder one each on the stages
+    before the last, counting back from the second-to-last."""
+    stages = [layers // pp] * pp
+    for i in range(2, layers % pp + 2):
+        stages[-i] += 1
+    return tuple(stages)
+
+
+def layout(
+    d: ModelDims,
+    par: Parallel,
+    *,
+    vocab_padding: int = VOCAB_PADDING,
+    moe_module: str = "mlp",
+    pp_layers: tuple[int, ...] | list[int] | None = None,
+) -> LayoutMap:
     """This rank's vLLM parameters; ``vocab_padding`` is the model's ``padding_size`` (1: no padding)."""
     rows = padded_vocab(d.vocab, vocab_padding)
-    return build(tables(d, moe_module=moe_module), "model.layers", d, par, vocab_rows=rows)
+    stages = pp_split(d.layers, par.pp) if pp_layers is None else tuple(pp_layers)
+    return build(tables(d, moe_module=moe_module), "model.layers", d, par, vocab_rows=rows, stages=stages)
 
 
-def parallel(*, tp: int, tp_rank: int, dp: int = 1, dp_rank: int = 0, expert_parallel: bool = False) -> Parallel:
+def parallel(
+    *,
+    tp: int,
+    tp_rank: int,
+    dp: int = 1,
+    dp_rank: int = 0,
+    expert_parallel: bool = False,
+    pp: int = 1,
+    pp_rank: int = 0,
+) -> Parallel:
     """A vLLM worker's place (``FusedMoEParallelConfig.make``): attention, dense MLPs and the vocabulary
     are split over ``tp``; the experts over ``tp × dp`` ranks — tensor-parallel without expert
-    parallelism, whole experts (expert TP 1) with it."""
+    parallelism, whole experts (expert TP 1) with it; layers over ``pp`` stages."""
     flat, rank = tp * dp, dp_rank * tp + tp_rank
+    stage = {"pp": pp, "pp_rank": pp_rank}
     if expert_parallel and flat > 1:
-        return Parallel(tp=tp, tp_rank=tp_rank, ep=flat, ep_rank=rank, expert_tp=1)
-    return Parallel(tp=tp, tp_rank=tp_rank, expert_tp=flat, expert_tp_rank=rank)
+        return Parallel(tp=tp, tp_rank=tp_rank, ep=flat, ep_rank=rank, expert_tp=1, **stage)
+    return Parallel(tp=tp, tp_rank=tp_rank, expert_tp=flat, expert_tp_rank=rank, **stage)
 
 
 def layout_for(config: Any, par: Parallel, *, vocab_padding: int = VOCAB_PADDING) -> LayoutMap:

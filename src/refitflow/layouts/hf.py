@@ -41,8 +41,8 @@ def layout(d: ModelDims, *, experts: str = "fused") -> LayoutMap:
         raise ConfigError(f"unknown HF experts naming {experts!r}; known: {sorted(EXPERTS)}")
     top: Table = {n: ("rep", (n,)) for n in canonical_shapes(d) if not n.startswith("model.layers.")}
     names = {n for i in range(d.layers) for n in layer_shapes(d, i) if n not in _PLAIN}
-    return build(Tables(top=top, layer={n: ("rep", (n,)) for n in sorted(names)}, moe=EXPERTS[experts]),
-                 "model.layers", d, Parallel())  # fmt: skip
+    layer: Table = {n: ("rep", (n,)) for n in sorted(names)}
+    return build(Tables(first=top, last={}, layer=layer, moe=EXPERTS[experts]), "model.layers", d, Parallel())
 
 
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")

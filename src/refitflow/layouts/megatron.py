@@ -14,6 +14,12 @@ Megatron's default: ``local_experts.{j}.linear_fc{1,2}.weight``) or ``"grouped"`
 
 Megatron pads the vocabulary to a multiple of ``make-vocab-size-divisible-by`` × TP (default 128 × TP):
 the embedding and output layer hold the padded rows, which map to nothing.
+
+Pipeline parallel (``par.pp``): stage ``pp_rank`` holds its layers numbered from 0 (``decoder.layers.0``
+is the stage's first layer), the embedding on the first stage, the final norm and output layer on the
+last; layers are split evenly unless ``pp_layers`` (layers per stage) says otherwise
+(``num_layers_in_first_pipeline_stage`` / ``..._last_...`` / a custom layout). Virtual pipeline
+stages, and a tied output layer on a later stage than the embedding, are not modelled.
 """
 
 from __future__ import annotations
@@ -24,14 +30,14 @@ from refitflow.core.errors import ConfigError
 from refitflow.layouts.canonical import LayoutMap, ModelDims
 from refitflow.layouts.rules import Parallel, Table, Tables, build, pad
 
-__all__ = ["EXPERTS", "SPECS", "VOCAB_DIVISIBLE_BY", "layout", "padded_vocab"]
+__all__ = ["EXPERTS", "FIRST", "LAST", "SPECS", "VOCAB_DIVISIBLE_BY", "layout", "padded_vocab"]
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
 
 _A, _M = "self_attention.", "mlp."
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-TOP: Table = {
-    "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
+FIRST: Table = {"embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))}
+LAST: Table = {
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
     "decoder.final_layernorm.weight": ("rep", ("model.norm.weight",)),
 }
@@ -87,14 +93,16 @@ EXPERTS: dict[str, Table] = {
 }
 SPECS: dict[str, Tables] = {
     "te": Tables(
-        top=TOP,
+        first=FIRST,
+        last=LAST,
         attention={_A + "linear_qkv.layer_norm_weight": ("rep", ("input_layernorm.weight",))} | _ATTENTION,
         mla=_INPUT_NORM | _MLA | _MLA_TE,
         dense={_M + "linear_fc1.layer_norm_weight": ("rep", ("post_attention_layernorm.weight",))} | _DENSE,
         moe=_MOE,
     ),
     "local": Tables(
-        top=TOP,
+        first=FIRST,
+        last=LAST,
         attention=_INPUT_NORM | _ATTENTION,
         mla=_INPUT_NORM | _MLA | _MLA_LOCAL,
         dense=_PRE_MLP_NORM | _DENSE,
@@ -115,11 +123,16 @@ def layout(
     spec: str = "te",
     experts: str = "sequential",
     vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+    pp_layers: tuple[int, ...] | list[int] | None = None,
 ) -> LayoutMap:
     """This rank's Megatron-core parameters (``spec``: ``"te"`` or ``"local"``; ``experts``: ``"sequential"``
     or ``"grouped"``); expert TP is ``par.expert_tp``, TP when unset (Megatron-core's default)."""
+    if d.tied and par.pp > 1:
+        raise ConfigError("a tied output layer under pipeline parallelism is not modelled")
     if spec not in SPECS or experts not in EXPERTS:
         raise ConfigError(f"unknown Megatron spec {spec!r} or experts {experts!r}: {sorted(SPECS)}, {sorted(EXPERTS)}")
     tables = SPECS[spec]
     tables = replace(tables, moe=tables.moe | EXPERTS[experts])
-    return build(tables, "decoder.layers", d, par, vocab_rows=padded_vocab(d.vocab, par.tp, vocab_divisible_by))
+    rows = padded_vocab(d.vocab, par.tp, vocab_divisible_by)
+    stages = None if pp_layers is None else tuple(pp_layers)
+    return build(tables, "decoder.layers", d, par, vocab_rows=rows, stages=stages, local_index=True)

@@ -18,8 +18,10 @@ tensors the model lacks (no bias, tied head, no shared experts) is skipped. Kind
 - ``expert_col`` / ``expert_row``: one expert's 2-D tensor (the local suffix holds ``{j}``, the
   local expert index), expert-TP sliced the same way.
 
-A layout is a ``Tables``: top-level entries, and per-layer entries by part — every layer, the
-attention (grouped-query or latent), the MLP (dense or experts) — chosen per layer from ``ModelDims``.
+A layout is a ``Tables``: the first pipeline stage's entries (embeddings), the last stage's (final
+norm, LM head), and per-layer entries by part — every layer, the attention (grouped-query or latent),
+the MLP (dense or experts) — chosen per layer from ``ModelDims``. A pipeline stage holds a range of
+layers (``stages``: layers per stage), named by their global index or, Megatron's way, from 0 per stage.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
 from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, Segment, canonical_shapes, concat
 
-__all__ = ["Parallel", "Table", "Tables", "build", "expert_range", "pad"]
+__all__ = ["Parallel", "Table", "Tables", "build", "expert_range", "pad", "stage_range"]
 
 Table = dict[str, tuple[str, tuple[str, ...]]]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
-    """One rank's place: tensor parallel, expert parallel, and expert tensor parallel (default: tp).
+    """One rank's place: tensor, expert, expert tensor (default: tp) and pipeline parallel.
 
     The expert-TP rank is ``tp_rank % expert_tp`` unless ``expert_tp_rank`` says otherwise (vLLM
     flattens the experts' TP over its data-parallel ranks, so there it can exceed ``tp``).
@@ -49,9 +51,11 @@ class Parallel:
     ep_rank: int = 0
     expert_tp: int | None = None
     expert_tp_rank: int | None = None
+    pp: int = 1
+    pp_rank: int = 0
 
     def __post_init__(self) -> None:
-        if not (0 <= self.tp_rank < self.tp and 0 <= self.ep_rank < self.ep):
+        if not (0 <= self.tp_rank < self.tp and 0 <= self.ep_rank < self.ep and 0 <= self.pp_rank < self.pp):
             raise ConfigError(f"parallel ranks outside their sizes: {self}")
         if self.expert_tp_rank is None and self.tp % self.etp:
             raise ConfigError("expert_tp must divide tp (or give expert_tp_rank)")
@@ -69,9 +73,11 @@ class Parallel:
 
 @dataclass(frozen=True, kw_only=True)
 class Tables:
-    """A layout's tables: ``top`` once; per layer ``layer``, then its attention part, then its MLP part."""
+    """A layout's tables: ``first``/``last`` on the first/last pipeline stage; per layer ``layer``, then its
+    attention part, then its MLP part."""
 
-    top: Table
+    first: Table  # embeddings
+    last: Table  # final norm, LM head
     layer: Table = field(default_factory=dict)  # every layer
     attention: Table = field(default_factory=dict)  # grouped-query / multi-head attention
     mla: Table = field(default_factory=dict)  # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
@@ -101,6 +107,16 @@ def expert_range(experts: int, ep: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(experts, ep)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+def stage_range(stages: tuple[int, ...] | None, d: ModelDims, par: Parallel) -> tuple[int, int]:
+    """The layers ``[start, stop)`` of this rank's pipeline stage (``stages``: layers per stage; None: even)."""
+    if stages is None:
+        stages = (_part(d.layers, par.pp, 0, "layers over pipeline stages")[1],) * par.pp
+    if len(stages) != par.pp or sum(stages) != d.layers or min(stages) < 0:
+        raise ConfigError(f"pipeline stages {list(stages)} do not split {d.layers} layers over {par.pp} stages")
+    start = sum(stages[: par.pp_rank])
+    return start, start + stages[par.pp_rank]
 
 
 def _part(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
@@ -184,10 +200,21 @@ def _rule(
     raise ConfigError(f"unknown layout rule kind {kind!r}")
 
 
-def build(tables: Tables, prefix: str, d: ModelDims, par: Parallel, *, vocab_rows: int | None = None) -> LayoutMap:
-    """One rank's layout map: ``tables.top`` once, each layer's tables under ``prefix.{i}.``.
+def build(
+    tables: Tables,
+    prefix: str,
+    d: ModelDims,
+    par: Parallel,
+    *,
+    vocab_rows: int | None = None,
+    stages: tuple[int, ...] | None = None,
+    local_index: bool = False,
+) -> LayoutMap:
+    """One rank's layout map: ``tables.first``/``last`` on the first/last stage, each of the stage's
+    layers under ``prefix.{i}.`` (``i`` global, or counted from the stage's first layer: ``local_index``).
 
     ``vocab_rows``: the padded vocabulary the ``vocab`` entries are split from (default: no padding).
+    ``stages``: layers per pipeline stage (default: an even split).
     """
     shapes = canonical_shapes(d)
     rows = d.vocab if vocab_rows is None else vocab_rows
@@ -203,14 +230,17 @@ def build(tables: Tables, prefix: str, d: ModelDims, par: Parallel, *, vocab_row
             raise ConfigError(f"two table entries make the local tensor {local!r}")
         out[local] = lt
 
-    for local, (kind, names) in tables.top.items():
+    top = (tables.first if par.pp_rank == 0 else {}) | (tables.last if par.pp_rank == par.pp - 1 else {})
+    for local, (kind, names) in top.items():
         if all(n in shapes for n in names):
             add(local, _rule(kind, names, shapes, d, par, 0, rows))
-    for i in range(d.layers):
+    start, stop = stage_range(stages, d, par)
+    for i in range(start, stop):
+        at = f"{prefix}.{i - start if local_index else i}."
         for suffix, (kind, names) in tables.of_layer(d, i).items():
             full_names = tuple(f"model.layers.{i}.{n}" for n in names)
             if not all(n in shapes for n in full_names):
                 continue
             for j in range(e1 - e0) if "{j}" in suffix else [0]:
-                add(f"{prefix}.{i}.{suffix.format(j=j)}", _rule(kind, full_names, shapes, d, par, j, rows))
+                add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))
     return out

@@ -10,11 +10,14 @@ Attention-DP (``--enable-dp-attention``, attention TP smaller than TP) is not mo
 
 from __future__ import annotations
 
+from typing import Any
+
 from refitflow.layouts import fused
 from refitflow.layouts.canonical import LayoutMap, ModelDims
+from refitflow.layouts.hf import dims_from_config
 from refitflow.layouts.rules import Parallel, Table, build, pad
 
-__all__ = ["MLA_Q_LORA", "VOCAB_PADDING", "layout", "padded_vocab"]
+__all__ = ["MLA_Q_LORA", "VOCAB_PADDING", "layout", "layout_for", "padded_vocab"]
 
 VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
 _FUSED, _SGLANG = "self_attn.fused_qkv_a_proj.weight", "self_attn.fused_qkv_a_proj_with_mqa.weight"
@@ -27,7 +30,23 @@ def padded_vocab(vocab: int, tp: int, vocab_padding: int = VOCAB_PADDING) -> int
     return rows if rows % tp == 0 else pad(vocab, vocab_padding * tp)
 
 
-def layout(d: ModelDims, par: Parallel, *, vocab_padding: int = VOCAB_PADDING, moe_module: str = "mlp") -> LayoutMap:
-    """This rank's SGLang parameters (``moe_module``: ``block_sparse_moe`` for Mixtral)."""
+def layout(
+    d: ModelDims,
+    par: Parallel,
+    *,
+    vocab_padding: int = VOCAB_PADDING,
+    moe_module: str = "mlp",
+    pp_layers: tuple[int, ...] | list[int] | None = None,
+) -> LayoutMap:
+    """This rank's SGLang parameters (``moe_module``: ``block_sparse_moe`` for Mixtral; pipeline stages
+    split as vLLM splits them unless ``pp_layers`` says otherwise)."""
     tables = fused.tables(d, moe_module=moe_module, mla_q_lora=MLA_Q_LORA)
-    return build(tables, "model.layers", d, par, vocab_rows=padded_vocab(d.vocab, par.tp, vocab_padding))
+    rows = padded_vocab(d.vocab, par.tp, vocab_padding)
+    stages = fused.pp_split(d.layers, par.pp) if pp_layers is None else tuple(pp_layers)
+    return build(tables, "model.layers", d, par, vocab_rows=rows, stages=stages)
+
+
+def layout_for(config: Any, par: Parallel, *, vocab_padding: int = VOCAB_PADDING) -> LayoutMap:
+    """The SGLang layout of a model from its HF config and this rank's place."""
+    moe_module = fused.MOE_MODULE.get(config.model_type, "mlp")
+    return layout(dims_from_config(config), par, vocab_padding=vocab_padding, moe_module=moe_module)

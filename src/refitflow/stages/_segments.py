@@ -132,12 +132,15 @@ def _gap(canon: str, need: Box, got: list[Box], version: int) -> PlanError:
 def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[str, str], exact: bool) -> list[Copy]:
     """Every box copy the receiver needs, in destination order; every check done before returning.
 
-    ``exact``: the receiver holds whole tensors (trivial layout), so shapes must match exactly.
+    ``exact``: the receiver holds whole tensors (trivial layout), so shapes must match exactly and every
+    published name must be one of its parameters.
     """
     held, shapes = _published(pub, aliases)
     needed = {seg.canonical for lt in dest.values() for seg in lt.segments}
+    # a receiver of whole tensors must know every published name; one with a layout holds a part of the
+    # model (a pipeline stage, a rank whose vocabulary rows are all padding) and needs only its own
     unknown = sorted(n for n in held if n not in needed)
-    if unknown:
+    if unknown and exact:
         raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
     missing = sorted(p for p, lt in dest.items() if any(s.canonical not in held for s in lt.segments))
     if missing:
