@@ -20,13 +20,24 @@ Pipeline parallel (``par.pp``): layers keep their global index; the split is vLL
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from refitflow.layouts.canonical import LayoutMap, ModelDims
 from refitflow.layouts.hf import dims_from_config
 from refitflow.layouts.rules import Parallel, Table, Tables, build, pad
 
-__all__ = ["MOE_MODULE", "VOCAB_PADDING", "layout", "layout_for", "padded_vocab", "parallel", "pp_split", "tables"]
+__all__ = [
+    "MOE_MODULE",
+    "VOCAB_PADDING",
+    "build_fused",
+    "layout",
+    "layout_for",
+    "padded_vocab",
+    "parallel",
+    "pp_split",
+    "tables",
+]
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 MOE_MODULE = {"mixtral": "block_sparse_moe"}  # model_type -> the MoE block's name, where it is not "mlp"
@@ -109,9 +120,15 @@ def layout(
     pp_layers: tuple[int, ...] | list[int] | None = None,
 ) -> LayoutMap:
     """This rank's vLLM parameters; ``vocab_padding`` is the model's ``padding_size`` (1: no padding)."""
-    rows = padded_vocab(d.vocab, vocab_padding)
+    return build_fused(tables(d, moe_module=moe_module), d, par, padded_vocab(d.vocab, vocab_padding), pp_layers)
+
+
+def build_fused(
+    t: Tables, d: ModelDims, par: Parallel, vocab_rows: int, pp_layers: tuple[int, ...] | list[int] | None
+) -> LayoutMap:
+    """A fused-names layout (vLLM, SGLang): global layer numbers, vLLM's stage split unless given."""
     stages = pp_split(d.layers, par.pp) if pp_layers is None else tuple(pp_layers)
-    return build(tables(d, moe_module=moe_module), "model.layers", d, par, vocab_rows=rows, stages=stages)
+    return build(t, "model.layers", d, par, vocab_rows=vocab_rows, stages=stages)
 
 
 def parallel(
@@ -134,7 +151,10 @@ def parallel(
     return Parallel(tp=tp, tp_rank=tp_rank, expert_tp=flat, expert_tp_rank=rank, **stage)
 
 
-def layout_for(config: Any, par: Parallel, *, vocab_padding: int = VOCAB_PADDING) -> LayoutMap:
-    """The fused layout of a vLLM model from its HF config (``model_config.hf_config``) and place."""
+def layout_for(
+    config: Any, par: Parallel, *, vocab_padding: int = VOCAB_PADDING, make: Callable[..., LayoutMap] = layout
+) -> LayoutMap:
+    """The fused layout of a vLLM model from its HF config (``model_config.hf_config``) and place
+    (``make``: ``sglang.layout`` for SGLang's names)."""
     moe_module = MOE_MODULE.get(config.model_type, "mlp")
-    return layout(dims_from_config(config), par, vocab_padding=vocab_padding, moe_module=moe_module)
+    return make(dims_from_config(config), par, vocab_padding=vocab_padding, moe_module=moe_module)

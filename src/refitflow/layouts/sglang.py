@@ -14,8 +14,7 @@ from typing import Any
 
 from refitflow.layouts import fused
 from refitflow.layouts.canonical import LayoutMap, ModelDims
-from refitflow.layouts.hf import dims_from_config
-from refitflow.layouts.rules import Parallel, Table, build, pad
+from refitflow.layouts.rules import Parallel, Table, pad
 
 __all__ = ["MLA_Q_LORA", "VOCAB_PADDING", "layout", "layout_for", "padded_vocab"]
 
@@ -41,12 +40,9 @@ def layout(
     """This rank's SGLang parameters (``moe_module``: ``block_sparse_moe`` for Mixtral; pipeline stages
     split as vLLM splits them unless ``pp_layers`` says otherwise)."""
     tables = fused.tables(d, moe_module=moe_module, mla_q_lora=MLA_Q_LORA)
-    rows = padded_vocab(d.vocab, par.tp, vocab_padding)
-    stages = fused.pp_split(d.layers, par.pp) if pp_layers is None else tuple(pp_layers)
-    return build(tables, "model.layers", d, par, vocab_rows=rows, stages=stages)
+    return fused.build_fused(tables, d, par, padded_vocab(d.vocab, par.tp, vocab_padding), pp_layers)
 
 
 def layout_for(config: Any, par: Parallel, *, vocab_padding: int = VOCAB_PADDING) -> LayoutMap:
     """The SGLang layout of a model from its HF config and this rank's place."""
-    moe_module = fused.MOE_MODULE.get(config.model_type, "mlp")
-    return layout(dims_from_config(config), par, vocab_padding=vocab_padding, moe_module=moe_module)
+    return fused.layout_for(config, par, vocab_padding=vocab_padding, make=layout)
