@@ -141,3 +141,15 @@ async def test_a_rank_whose_vocabulary_rows_are_all_padding_refits() -> None:
     assert maps[7][EMBED].segments == () and (ranks[7][EMBED] == 7.0).all()
     assert [r.version for r in results] == [1] * 8
     assert_same_logits(trainer, "llama", maps, ranks, kv_heads=2, vocab_size=200)
+
+
+def test_a_float8_parameter_that_is_all_padding_expects_nothing_not_even_its_scale() -> None:
+    from refitflow.pipeline.destination import ApplyMode, Destination
+
+    layout = fused.layout(D, Parallel(tp=8, tp_rank=7))  # rows [224, 256): all padding
+    tensors = {n: torch.zeros(lt.shape) for n, lt in layout.items()}
+    tensors[HEAD] = torch.zeros(layout[HEAD].shape, dtype=torch.float8_e4m3fn)
+    tensors[scale_name(HEAD)] = torch.zeros(scale_shape(layout[HEAD].shape))
+    dest = Destination(tensors, ApplyMode.IN_PLACE, layout)
+    assert dest.expected[HEAD] == dest.expected[scale_name(HEAD)] == 0
+    assert dest.expected[EMBED] == 0 and dest.expected["model.norm.weight"] == 64

@@ -77,6 +77,9 @@ class Destination:
         self.expected: dict[str, int] = {n: t.numel() for n, t in self.params.items()}
         for n, lt in (self.layout or {}).items():
             self.expected[n] = sum(volume(seg.lbox) for seg in lt.segments)
+        for n, scale in self.derived.items():  # a float8 parameter that is all padding is never quantised
+            if not self.expected[n]:
+                self.expected[scale] = 0
         # a copy of the serving version, not empty memory: its pages are resident before the first refit
         # writes them (no page faults inside a refit), and it never holds anything but a complete version
         self.shadows: dict[str, torch.Tensor] = (
