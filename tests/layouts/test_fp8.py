@@ -13,7 +13,7 @@ from refitflow.layouts import Parallel, canonical_shapes, fused, hf, megatron
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata
 from refitflow.stages._fp8 import dequantize, scale_name, scale_shape
-from tests.layouts.test_real_models import _logits, _model
+from tests.layouts._models import _logits, _model
 
 
 def _fp8(name: str) -> bool:

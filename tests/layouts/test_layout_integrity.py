@@ -9,7 +9,7 @@ import torch
 import refitflow as rf
 from refitflow.layouts import canonical_shapes, hf
 from refitflow.layouts.canonical import from_canonical, to_canonical
-from tests.layouts.test_real_models import _model, _refit
+from tests.layouts._models import _model, _refit
 
 
 @pytest.mark.asyncio

@@ -1,107 +1,75 @@
-"""Real transformers models: Megatron-sharded trainers refit fused inference ranks at another TP, bit-exactly."""
+"""Real transformers models: Megatron-sharded trainers refit inference ranks at another TP/EP, bit-exactly.
+
+Families: Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE (qk norms, experts, no shared experts), DeepSeek-V3 /
+Kimi-K2 shaped (latent attention, a dense first layer, then 8 experts with a shared expert and a router
+bias), DeepSeek-V2 shaped (latent attention without a q LoRA rank). The trainer publishes bf16 Megatron
+layouts (Transformer Engine names unless said otherwise); receivers hold fp32 vLLM (or SGLang) layouts.
+"""
 
 from __future__ import annotations
 
-import contextlib
-
 import anyio
 import pytest
-import torch
-import transformers as tf
 
-import refitflow as rf
-from refitflow.layouts import Parallel, canonical_shapes, fused, hf, megatron
-from refitflow.layouts.canonical import from_canonical, to_canonical
-from refitflow.layouts.wire import layout_metadata
-
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8)
+from refitflow.layouts import Parallel, fused
+from refitflow.layouts.boxes import volume
+from tests.layouts._models import _model, _refit, assert_same_logits
 
 
-def _model(kind: str, kv_heads: int, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    common = BASE | {"num_key_value_heads": kv_heads, "tie_word_embeddings": False}
-    if kind == "llama":
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
-    elif kind == "qwen2":
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
-    elif kind == "qwen3":
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common | {"head_dim": 8}))
-    else:
-        cfg = tf.MixtralConfig(**common | {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2})
-        model = tf.MixtralForCausalLM(cfg)
-    return model.to(torch.bfloat16).eval()
+def _vllm(tp: int, expert_parallel: bool = False, dp: int = 1, pp: int = 1) -> list:
+    return [
+        fused.parallel(tp=tp, tp_rank=r % tp, dp=dp, dp_rank=r // tp % dp, expert_parallel=expert_parallel, pp=pp,
+                       pp_rank=r // (tp * dp))
+        for r in range(tp * dp * pp)
+    ]  # fmt: skip
 
 
-async def _refit(
-    trainer: torch.nn.Module, train: tuple[int, int], infer: tuple[int, int], tamper=None, **options
-) -> tuple[list[dict[str, torch.Tensor]], list[dict], list[rf.RefitResult]]:
-    """Publish the trainer Megatron-sharded at (tp, ep); refit fused ranks at (tp, ep); return them.
-
-    ``tamper(shards)``: called with each trainer rank's published tensors after publishing.
-    """
-    d = hf.dims_from_config(trainer.config)
-    canon = to_canonical([(hf.layout(d), trainer.state_dict())], canonical_shapes(d))
-    registry, ident = rf.Registry(), rf.Identity(model="tiny", layout="megatron")
-    (ttp, tep), (itp, iep) = train, infer
-    tpars = [Parallel(tp=ttp, tp_rank=r % ttp, ep=tep, ep_rank=r // ttp) for r in range(ttp * tep)]
-    ipars = [Parallel(tp=itp, tp_rank=r % itp, ep=iep, ep_rank=r // itp) for r in range(itp * iep)]
-    maps = [fused.layout(d, p) for p in ipars]
-    ranks = [{n: torch.zeros(lt.shape) for n, lt in m.items()} for m in maps]
-    results = []
-    async with contextlib.AsyncExitStack() as stack:
-        for r, p in enumerate(tpars):
-            meta = layout_metadata("megatron", d, p)
-            pub = await stack.enter_async_context(
-                rf.Publisher(registry, identity=ident, rank=r, world_size=len(tpars), metadata=meta)
-            )
-            shards = from_canonical(megatron.layout(d, p), canon)
-            await pub.publish(1, shards)
-            if tamper is not None:
-                tamper(shards)
-        for m, tensors in zip(maps, ranks, strict=True):
-            async with rf.Receiver(tensors, registry, identity=ident, layout=m, **options) as recv:
-                results.append(await recv.refit(1, timeout=10))
-    return ranks, [dict(m) for m in maps], results
+def _megatron_pp(tp: int, pp: int) -> list:
+    return [Parallel(tp=tp, tp_rank=r % tp, pp=pp, pp_rank=r // tp) for r in range(tp * pp)]
 
 
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.arange(32).reshape(2, 16) % 128
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-CASES = [
-    ("llama", 2, (2, 1), (4, 1)),
-    ("llama", 4, (4, 1), (1, 1)),
-    ("llama", 2, (1, 1), (2, 1)),
-    ("qwen2", 2, (2, 1), (4, 1)),
-    ("qwen3", 2, (2, 1), (1, 1)),
-    ("mixtral", 2, (1, 2), (2, 1)),
-    ("mixtral", 2, (2, 2), (1, 2)),
+GROUPED = {"experts": "grouped"}
+CASES = [  # (kind, kv heads, trainer (tp, ep), receivers, trainer layout options, receiver layout)
+    ("llama", 2, (2, 1), (4, 1), {}, "fused"),
+    ("llama", 4, (4, 1), (1, 1), {}, "fused"),
+    ("llama", 2, (1, 1), (2, 1), {"spec": "local"}, "fused"),
+    ("qwen2", 2, (2, 1), (4, 1), {}, "fused"),
+    ("qwen3", 2, (2, 1), (1, 1), {}, "fused"),
+    ("mixtral", 2, (1, 2), (2, 1), {}, "fused"),
+    ("mixtral", 2, (2, 2), (1, 2), GROUPED, "fused"),
+    ("qwen3_moe", 2, (2, 2), _vllm(4, expert_parallel=True), GROUPED, "fused"),
+    ("qwen3_moe", 2, (2, 2), _vllm(2), {"spec": "local"}, "fused"),
+    ("qwen3_moe", 2, (2, 2), _vllm(2, dp=2), {}, "fused"),  # experts TP-split over tp × dp = 4
+    ("deepseek_v3", 8, (2, 2), _vllm(4, expert_parallel=True), GROUPED, "fused"),
+    ("deepseek_v3", 8, (2, 2), _vllm(1), {}, "fused"),
+    ("deepseek_v3", 8, (2, 2), (2, 1), {"spec": "local"}, "sglang"),
+    ("deepseek_v2", 8, (2, 2), _vllm(2, expert_parallel=True), {}, "fused"),
+    # pipeline stages: Megatron [1, 2] layers (numbered per stage) into vLLM's split [2, 1] (global numbers)
+    ("deepseek_v3", 8, _megatron_pp(2, 2), _vllm(2, expert_parallel=True, pp=2), {"pp_layers": [1, 2]}, "fused"),
+    ("qwen3_moe", 2, _megatron_pp(1, 2), _vllm(2), {"experts": "grouped"}, "fused"),
 ]
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("kind", "kv", "train", "infer"), CASES)
-async def test_megatron_trainer_refits_fused_ranks_bit_exactly(kind: str, kv: int, train, infer) -> None:
+@pytest.mark.parametrize(("kind", "kv", "train", "infer", "options", "receiver"), CASES)
+async def test_megatron_trainer_refits_inference_ranks_bit_exactly(kind, kv, train, infer, options, receiver) -> None:
     trainer = _model(kind, kv)
-    with anyio.fail_after(30):
-        ranks, maps, results = await _refit(trainer, train, infer)
-    d = hf.dims_from_config(trainer.config)
-    canon = to_canonical(list(zip(maps, ranks, strict=True)), canonical_shapes(d))
-    fresh = _model(kind, kv, seed=1).float()
-    assert not torch.equal(_logits(fresh), _logits(trainer.float()))
-    fresh.load_state_dict(from_canonical(hf.layout(d), canon), strict=True)
-    assert torch.equal(_logits(fresh), _logits(trainer.float()))
+    with anyio.fail_after(60):
+        ranks, maps, results = await _refit(trainer, train, infer, train_options=options, receiver=receiver)
+    assert_same_logits(trainer, kind, maps, ranks, kv_heads=kv)
     assert all(r.unverified_bytes == 0 for r in results)  # verify="strict": every pulled block checked
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("kind", "kv", "train", "infer"), [CASES[0], CASES[4]])
-async def test_each_inference_rank_pulls_exactly_its_slice(kind: str, kv: int, train, infer) -> None:
+@pytest.mark.parametrize(("kind", "kv", "train", "infer", "options", "receiver"), [CASES[0], CASES[4], *CASES[7:11]])
+async def test_each_inference_rank_pulls_exactly_its_slice(kind, kv, train, infer, options, receiver) -> None:
     trainer = _model(kind, kv)
-    with anyio.fail_after(30):
-        ranks, _, results = await _refit(trainer, train, infer, verify="pulled")
-    for tensors, result in zip(ranks, results, strict=True):
-        ideal = sum(t.numel() for t in tensors.values()) * 2  # bf16 source bytes of this rank's slice
-        assert result.nbytes == result.ideal_bytes == ideal
+    with anyio.fail_after(60):
+        # min_run_bytes=0: read even 16-byte column runs as such (by default they read their enclosing rows)
+        ranks, maps, results = await _refit(
+            trainer, train, infer, train_options=options, receiver=receiver, verify="pulled", min_run_bytes=0
+        )
+    for tensors, layout, result in zip(ranks, maps, results, strict=True):
+        mapped = sum(volume(s.lbox) for lt in layout.values() for s in lt.segments)
+        assert mapped <= sum(t.numel() for t in tensors.values())  # less only by vocabulary padding
+        assert result.nbytes == result.ideal_bytes == 2 * mapped  # bf16 source bytes of this rank's slice

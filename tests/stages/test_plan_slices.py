@@ -77,6 +77,16 @@ def test_overlapping_shards_are_a_plan_error() -> None:
         _plan(_pub((0, 2048), (1000, 4096)), 0, 0, 4096)
 
 
+def test_an_overlap_among_hundreds_of_disjoint_shards_is_found() -> None:
+    # 256 shards of 16 rows (like one stacked tensor's per-expert boxes), and one straddling two of them
+    ranges = [(16 * k, 16 * k + 16) for k in range(256)]
+    with pytest.raises(rf.PlanError, match=r"overlapping shards on axis 0 at \[1000, 1008\)"):
+        _plan(_pub(*ranges, (1000, 1100)), 0, 0, 4096)
+    with pytest.raises(rf.PlanError, match=r"overlapping shards on axis 0 at \[4000, 4001\)"):
+        _plan(_pub((0, 4001), *ranges[250:]), 0, 0, 4096)  # a long early shard meets a late one
+    assert _plan(_pub(*ranges), 0, 0, 4096).ideal_bytes == 4096 * ROW
+
+
 def test_column_slice_reads_only_its_columns_as_strided_reads() -> None:
     plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 256, 512, max_strided_runs=1000)
     reads = [r for b in plan.buckets for r in b.reads]

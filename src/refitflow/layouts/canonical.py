@@ -1,7 +1,8 @@
 """Canonical space: the unfused, unsharded tensors every layout maps its local parameters onto.
 
-Canonical names are the HF names of an unfused model (``q_proj``, ``gate_proj``, ...), with the MoE
-experts as stacked 3-D tensors ``mlp.experts.{gate,up}`` (E, F, H) and ``mlp.experts.down`` (E, H, F).
+Canonical names are the HF names of an unfused model (``q_proj``, ``gate_proj``, ``q_a_proj``,
+``kv_b_proj``, ``shared_experts.gate_proj``, ...), with the MoE experts as stacked 3-D tensors
+``mlp.experts.{gate,up}`` (E, F, H) and ``mlp.experts.down`` (E, H, F).
 A *layout map* says, for each local parameter of one rank, its shape and the boxes of canonical
 tensors it holds (``Segment``). Everything else (plans, reassembly) is box algebra on these maps.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "canonical_shapes",
     "concat",
     "from_canonical",
+    "layer_shapes",
     "sliced",
     "to_canonical",
 ]
@@ -32,7 +34,16 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDims:
-    """The model dimensions a layout table needs (a decoder-only transformer, dense or MoE)."""
+    """The model dimensions a layout table needs (a decoder-only transformer, dense or MoE).
+
+    Attention is grouped-query (``heads``, ``kv_heads``, ``head_dim``) or, when ``kv_lora_rank`` is set,
+    multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): then ``head_dim`` is the per-head q/k width
+    without rotary embedding (``qk_nope_head_dim``), ``rope_dim`` the rotary part, ``v_head_dim`` the
+    value width, and ``q_lora_rank`` 0 means queries are projected straight from the hidden state.
+    A MoE model's first ``dense_layers`` layers have a dense MLP of width ``ffn``; the others have
+    ``experts`` experts of width ``expert_ffn``, optional shared experts (total width ``shared_ffn``) and
+    an optional router score-correction bias (``router_bias``, DeepSeek-V3's ``e_score_correction_bias``).
+    """
 
     vocab: int
     hidden: int
@@ -40,18 +51,42 @@ class ModelDims:
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: int = 0  # dense MLP width (0: MoE)
+    ffn: int = 0  # dense MLP width (every layer of a dense model; the first dense_layers of a MoE model)
     experts: int = 0
     expert_ffn: int = 0
+    dense_layers: int = 0
+    shared_ffn: int = 0
+    router_bias: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
     tied: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if bool(self.ffn) == bool(self.experts):
-            raise ConfigError("a model has either a dense MLP (ffn) or experts (experts, expert_ffn)")
+        if not self.experts and (not self.ffn or self.dense_layers or self.shared_ffn or self.router_bias):
+            raise ConfigError("a dense model has an MLP width (ffn) and no dense_layers, shared_ffn or router_bias")
+        if self.experts and (not self.expert_ffn or bool(self.ffn) != bool(self.dense_layers)):
+            raise ConfigError("a MoE model has expert_ffn, and ffn exactly when it has leading dense_layers")
+        if not 0 <= self.dense_layers <= self.layers:
+            raise ConfigError(f"dense_layers ({self.dense_layers}) must be within the {self.layers} layers")
+        if self.mla and (self.kv_heads != self.heads or not self.rope_dim or not self.v_head_dim):
+            raise ConfigError("latent attention (kv_lora_rank) needs kv_heads == heads, rope_dim and v_head_dim")
+        if not self.mla and (self.q_lora_rank or self.rope_dim or self.v_head_dim):
+            raise ConfigError("q_lora_rank, rope_dim and v_head_dim belong to latent attention (set kv_lora_rank)")
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)."""
+        return self.kv_lora_rank > 0
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` has experts (a MoE model's layers after its leading dense ones)."""
+        return self.experts > 0 and i >= self.dense_layers
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -79,9 +114,69 @@ class LocalTensor:
 LayoutMap = dict[str, LocalTensor]
 
 
+def _attention(d: ModelDims) -> dict[str, tuple[int, ...]]:
+    """One layer's attention tensors, without the ``model.layers.N.`` prefix."""
+    a = "self_attn."
+    if d.mla:
+        qk = d.head_dim + d.rope_dim
+        out: dict[str, tuple[int, ...]] = {
+            a + "kv_a_proj_with_mqa.weight": (d.kv_lora_rank + d.rope_dim, d.hidden),
+            a + "kv_a_layernorm.weight": (d.kv_lora_rank,),
+            a + "kv_b_proj.weight": (d.heads * (d.head_dim + d.v_head_dim), d.kv_lora_rank),
+            a + "o_proj.weight": (d.hidden, d.heads * d.v_head_dim),
+        }
+        if d.q_lora_rank:
+            return out | {
+                a + "q_a_proj.weight": (d.q_lora_rank, d.hidden),
+                a + "q_a_layernorm.weight": (d.q_lora_rank,),
+                a + "q_b_proj.weight": (d.heads * qk, d.q_lora_rank),
+            }
+        return out | {a + "q_proj.weight": (d.heads * qk, d.hidden)}
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = {
+        a + "q_proj.weight": (q, d.hidden),
+        a + "k_proj.weight": (kv, d.hidden),
+        a + "v_proj.weight": (kv, d.hidden),
+        a + "o_proj.weight": (d.hidden, q),
+    }
+    if d.qkv_bias:
+        out |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+    if d.qk_norm:
+        out |= {a + "q_norm.weight": (d.head_dim,), a + "k_norm.weight": (d.head_dim,)}
+    return out
+
+
+def _mlp(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (width, hidden),
+        prefix + "up_proj.weight": (width, hidden),
+        prefix + "down_proj.weight": (hidden, width),
+    }
+
+
+def _moe(d: ModelDims) -> dict[str, tuple[int, ...]]:
+    e, f = d.experts, d.expert_ffn
+    out: dict[str, tuple[int, ...]] = {
+        "mlp.gate.weight": (e, d.hidden),
+        "mlp.experts.gate": (e, f, d.hidden),
+        "mlp.experts.up": (e, f, d.hidden),
+        "mlp.experts.down": (e, d.hidden, f),
+    }
+    if d.router_bias:
+        out["mlp.gate.e_score_correction_bias"] = (e,)
+    if d.shared_ffn:
+        out |= _mlp("mlp.shared_experts.", d.shared_ffn, d.hidden)
+    return out
+
+
+def layer_shapes(d: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
+    """The canonical tensors of layer ``i``, without the ``model.layers.N.`` prefix."""
+    norms = {"input_layernorm.weight": (d.hidden,), "post_attention_layernorm.weight": (d.hidden,)}
+    return norms | _attention(d) | (_moe(d) if d.moe_layer(i) else _mlp("mlp.", d.ffn, d.hidden))
+
+
 def canonical_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor of the model and its shape."""
-    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (d.vocab, d.hidden),
         "model.norm.weight": (d.hidden,),
@@ -89,37 +184,7 @@ def canonical_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
     if not d.tied:
         out["lm_head.weight"] = (d.vocab, d.hidden)
     for i in range(d.layers):
-        p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": (d.hidden,),
-            p + "post_attention_layernorm.weight": (d.hidden,),
-            p + "self_attn.q_proj.weight": (q, d.hidden),
-            p + "self_attn.k_proj.weight": (kv, d.hidden),
-            p + "self_attn.v_proj.weight": (kv, d.hidden),
-            p + "self_attn.o_proj.weight": (d.hidden, q),
-        }
-        if d.qkv_bias:
-            out |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
-        if d.qk_norm:
-            out |= {p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,)}
-        if d.ffn:
-            out |= {
-                p + "mlp.gate_proj.weight": (d.ffn, d.hidden),
-                p + "mlp.up_proj.weight": (d.ffn, d.hidden),
-                p + "mlp.down_proj.weight": (d.hidden, d.ffn),
-            }
-        else:
-            e, f = d.experts, d.expert_ffn
-            out |= {
-                p + "mlp.gate.weight": (e, d.hidden),
-                p + "mlp.experts.gate": (e, f, d.hidden),
-                p + "mlp.experts.up": (e, f, d.hidden),
-                p + "mlp.experts.down": (e, d.hidden, f),
-            }
+        out |= {f"model.layers.{i}.{n}": shape for n, shape in layer_shapes(d, i).items()}
     return out
 
 
@@ -174,10 +239,10 @@ def to_canonical(
 
 
 def from_canonical(layout: LayoutMap, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Build one rank's local tensors from canonical tensors (fresh, contiguous)."""
+    """Build one rank's local tensors from canonical tensors (fresh, contiguous; unmapped padding is zero)."""
     out = {}
     for name, local in layout.items():
-        t = torch.empty(local.shape, dtype=next(iter(canonical.values())).dtype)
+        t = torch.zeros(local.shape, dtype=next(iter(canonical.values())).dtype)
         for seg in local.segments:
             k = len(seg.cbox) - len(seg.lbox)
             t[_index(seg.lbox)] = canonical[seg.canonical][_index(seg.cbox)][(0,) * k]

@@ -1,11 +1,15 @@
-"""Turn a layout table (local name → rule kind + canonical names) into one rank's layout map.
+"""Turn layout tables (local name → rule kind + canonical names) into one rank's layout map.
 
-A table is data: ``{local suffix: (kind, (canonical suffixes...))}``. Kinds:
+A table is data: ``{local suffix: (kind, (canonical suffixes...))}``. An entry whose canonical
+tensors the model lacks (no bias, tied head, no shared experts) is skipped. Kinds:
 
-- ``rep``: the whole canonical tensor (replicated on every rank).
-- ``col``: the canonicals' TP slices on axis 0, one after another (column-parallel, vocab-parallel,
-  fused gate/up).
+- ``rep``: the whole canonical tensor (replicated on every rank); several canonicals are laid one
+  after another on axis 0 (vLLM's replicated ``fused_qkv_a_proj``).
+- ``col``: the canonicals' TP slices on axis 0, one after another (column-parallel, fused gate/up).
 - ``row``: the canonical's TP slice on axis 1 (row-parallel ``o_proj``/``down_proj``).
+- ``vocab``: vocab-parallel rows of a *padded* vocabulary (embeddings, LM head): the local tensor is
+  this rank's ``rows / tp`` of the padded size; only the rows below the real vocabulary are mapped,
+  the padding rows are nobody's (never read, never written, not counted by coverage).
 - ``qkv_grouped``: Megatron's interleaved QKV: per query group of this rank, its query heads, one
   key head, one value head.
 - ``qkv_flat``: vLLM's ``[q; k; v]`` of this rank's heads (kv heads replicated when TP > kv heads).
@@ -13,36 +17,50 @@ A table is data: ``{local suffix: (kind, (canonical suffixes...))}``. Kinds:
   slice of axis 1 (the canonicals one after another) / axis 2.
 - ``expert_col`` / ``expert_row``: one expert's 2-D tensor (the local suffix holds ``{j}``, the
   local expert index), expert-TP sliced the same way.
+
+A layout is a ``Tables``: the first pipeline stage's entries (embeddings), the last stage's (final
+norm, LM head), and per-layer entries by part — every layer, the attention (grouped-query or latent),
+the MLP (dense or experts) — chosen per layer from ``ModelDims``. A pipeline stage holds a range of
+layers (``stages``: layers per stage), named by their global index or, Megatron's way, from 0 per stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
-from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, canonical_shapes, concat
+from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, Segment, canonical_shapes, concat
 
-__all__ = ["Parallel", "Table", "build"]
+__all__ = ["Parallel", "Table", "Tables", "build", "expert_range", "pad", "stage_range"]
 
 Table = dict[str, tuple[str, tuple[str, ...]]]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
-    """One rank's place: tensor parallel, expert parallel, and expert tensor parallel (default: tp)."""
+    """One rank's place: tensor, expert, expert tensor (default: tp) and pipeline parallel.
+
+    The expert-TP rank is ``tp_rank % expert_tp`` unless ``expert_tp_rank`` says otherwise (vLLM
+    flattens the experts' TP over its data-parallel ranks, so there it can exceed ``tp``).
+    """
 
     tp: int = 1
     tp_rank: int = 0
     ep: int = 1
     ep_rank: int = 0
     expert_tp: int | None = None
+    expert_tp_rank: int | None = None
+    pp: int = 1
+    pp_rank: int = 0
 
     def __post_init__(self) -> None:
-        if not (0 <= self.tp_rank < self.tp and 0 <= self.ep_rank < self.ep):
+        if not (0 <= self.tp_rank < self.tp and 0 <= self.ep_rank < self.ep and 0 <= self.pp_rank < self.pp):
             raise ConfigError(f"parallel ranks outside their sizes: {self}")
-        if self.tp % self.etp:
-            raise ConfigError("expert_tp must divide tp")
+        if self.expert_tp_rank is None and self.tp % self.etp:
+            raise ConfigError("expert_tp must divide tp (or give expert_tp_rank)")
+        if not 0 <= self.etp_rank < self.etp:
+            raise ConfigError(f"expert_tp_rank outside expert_tp: {self}")
 
     @property
     def etp(self) -> int:
@@ -50,7 +68,55 @@ class Parallel:
 
     @property
     def etp_rank(self) -> int:
-        return self.tp_rank % self.etp
+        return self.tp_rank % self.etp if self.expert_tp_rank is None else self.expert_tp_rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tables:
+    """A layout's tables: ``first``/``last`` on the first/last pipeline stage; per layer ``layer``, then its
+    attention part, then its MLP part."""
+
+    first: Table  # embeddings
+    last: Table  # final norm, LM head
+    layer: Table = field(default_factory=dict)  # every layer
+    attention: Table = field(default_factory=dict)  # grouped-query / multi-head attention
+    mla: Table = field(default_factory=dict)  # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+    dense: Table = field(default_factory=dict)  # a dense MLP
+    moe: Table = field(default_factory=dict)  # experts, router, shared experts
+
+    def of_layer(self, d: ModelDims, i: int) -> Table:
+        parts = (self.layer, self.mla if d.mla else self.attention, self.moe if d.moe_layer(i) else self.dense)
+        merged = {k: v for part in parts for k, v in part.items()}
+        if len(merged) < sum(map(len, parts)):
+            raise ConfigError(f"two table entries make the same local name in layer {i}")
+        return merged
+
+
+def pad(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    if multiple < 1:
+        raise ConfigError(f"a padding multiple must be at least 1, not {multiple}")
+    return -(-n // multiple) * multiple
+
+
+def expert_range(experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """This EP rank's experts ``[start, stop)``: contiguous, the first ``experts % ep`` ranks one more.
+
+    vLLM's ``linear`` placement; Megatron's (which requires ``ep`` to divide ``experts``) when even.
+    """
+    base, extra = divmod(experts, ep)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def stage_range(stages: tuple[int, ...] | None, d: ModelDims, par: Parallel) -> tuple[int, int]:
+    """The layers ``[start, stop)`` of this rank's pipeline stage (``stages``: layers per stage; None: even)."""
+    if stages is None:
+        stages = (_part(d.layers, par.pp, 0, "layers over pipeline stages")[1],) * par.pp
+    if len(stages) != par.pp or sum(stages) != d.layers or min(stages) < 0:
+        raise ConfigError(f"pipeline stages {list(stages)} do not split {d.layers} layers over {par.pp} stages")
+    start = sum(stages[: par.pp_rank])
+    return start, start + stages[par.pp_rank]
 
 
 def _part(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
@@ -90,17 +156,19 @@ def _qkv(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Par
     return concat([rows(q, h0, h1 - h0), rows(k, k0, kn), rows(v, k0, kn)])
 
 
-def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int) -> LocalTensor:
-    if kind == "rep":
-        return concat([(names[0], full(shapes[names[0]]))])
-    if kind == "col":
-        return concat([(n, _with(full(shapes[n]), 0, _part(shapes[n][0], par.tp, par.tp_rank, n))) for n in names])
-    if kind == "row":
-        n = names[0]
-        return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))])
-    if kind.startswith("qkv"):
-        return _qkv(kind, names, shapes, d, par)
-    e0, e1 = _part(d.experts, par.ep, par.ep_rank, "experts")
+def _vocab(name: str, shape: tuple[int, ...], padded: int, par: Parallel) -> LocalTensor:
+    """This rank's rows of the padded vocabulary; the real rows among them are mapped, the rest is padding."""
+    lo, hi = _part(padded, par.tp, par.tp_rank, f"padded vocabulary of {name}")
+    real = min(hi, shape[0]) - lo
+    local = (hi - lo, *shape[1:])
+    if real <= 0:  # all padding (a small vocabulary over many ranks)
+        return LocalTensor(local, ())
+    cbox = _with(full(shape), 0, (lo, lo + real))
+    return LocalTensor(local, (Segment(name, cbox, _with(full(local), 0, (0, real))),))
+
+
+def _experts(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int) -> LocalTensor:
+    e0, e1 = expert_range(d.experts, par.ep, par.ep_rank)
     if kind.startswith("expert_"):
         e0, e1 = e0 + j, e0 + j + 1
     axis = 1 if kind.endswith("col") else 2
@@ -113,22 +181,66 @@ def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Pa
     return concat(parts, axis=1)
 
 
-def build(top: Table, layer: Table, prefix: str, d: ModelDims, par: Parallel) -> LayoutMap:
-    """One rank's layout map: ``top`` entries once, ``layer`` entries per layer under ``prefix.{i}.``.
+def _rule(
+    kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int, vocab_rows: int
+) -> LocalTensor:
+    if kind == "rep":
+        return concat([(n, full(shapes[n])) for n in names])
+    if kind == "col":
+        return concat([(n, _with(full(shapes[n]), 0, _part(shapes[n][0], par.tp, par.tp_rank, n))) for n in names])
+    if kind == "row":
+        n = names[0]
+        return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))])
+    if kind == "vocab":
+        return _vocab(names[0], shapes[names[0]], vocab_rows, par)
+    if kind.startswith("qkv"):
+        return _qkv(kind, names, shapes, d, par)
+    if kind.startswith("expert"):
+        return _experts(kind, names, shapes, d, par, j)
+    raise ConfigError(f"unknown layout rule kind {kind!r}")
 
-    Entries whose canonical tensors the model lacks (no bias, tied head, dense vs MoE) are skipped.
+
+def build(
+    tables: Tables,
+    prefix: str,
+    d: ModelDims,
+    par: Parallel,
+    *,
+    vocab_rows: int | None = None,
+    stages: tuple[int, ...] | None = None,
+    local_index: bool = False,
+) -> LayoutMap:
+    """One rank's layout map: ``tables.first``/``last`` on the first/last stage, each of the stage's
+    layers under ``prefix.{i}.`` (``i`` global, or counted from the stage's first layer: ``local_index``).
+
+    ``vocab_rows``: the padded vocabulary the ``vocab`` entries are split from (default: no padding).
+    ``stages``: layers per pipeline stage (default: an even split).
     """
     shapes = canonical_shapes(d)
+    rows = d.vocab if vocab_rows is None else vocab_rows
+    if rows < d.vocab:
+        raise ConfigError(f"the padded vocabulary ({rows}) is smaller than the vocabulary ({d.vocab})")
+    if d.mla:  # latent attention splits whole heads over TP (q_b_proj, kv_b_proj, o_proj)
+        _part(d.heads, par.tp, par.tp_rank, "attention heads")
+    e0, e1 = expert_range(d.experts, par.ep, par.ep_rank)
     out: LayoutMap = {}
-    per_rank = d.experts // par.ep if d.experts else 0
+
+    def add(local: str, lt: LocalTensor) -> None:
+        if local in out:
+            raise ConfigError(f"two table entries make the local tensor {local!r}")
+        out[local] = lt
+
+    top = (tables.first if par.pp_rank == 0 else {}) | (tables.last if par.pp_rank == par.pp - 1 else {})
     for local, (kind, names) in top.items():
         if all(n in shapes for n in names):
-            out[local] = _rule(kind, names, shapes, d, par, 0)
-    for i in range(d.layers):
-        for suffix, (kind, names) in layer.items():
+            add(local, _rule(kind, names, shapes, d, par, 0, rows))
+    start, stop = stage_range(stages, d, par)
+    for i in range(start, stop):
+        at = f"{prefix}.{i - start if local_index else i}."
+        for suffix, (kind, names) in tables.of_layer(d, i).items():
             full_names = tuple(f"model.layers.{i}.{n}" for n in names)
             if not all(n in shapes for n in full_names):
                 continue
-            for j in range(per_rank) if "{j}" in suffix else [0]:
-                out[f"{prefix}.{i}.{suffix.format(j=j)}"] = _rule(kind, full_names, shapes, d, par, j)
+            for j in range(e1 - e0) if "{j}" in suffix else [0]:
+                add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))
     return out

@@ -1,35 +1,51 @@
-"""A layout in a manifest: ``metadata["layout"]`` = compact JSON (name, dims, parallel place).
+"""A layout in a manifest: ``metadata["layout"]`` = compact JSON (name, dims, parallel place, options).
 
 The receiver recomputes the publisher's segments from the same tables, so the manifest stays small.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Callable
 from dataclasses import asdict
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Any
 
-from refitflow.core.errors import ManifestError
-from refitflow.layouts import fused, hf, megatron
+from refitflow.core.errors import ConfigError, ManifestError
+from refitflow.layouts import fused, hf, megatron, sglang
 from refitflow.layouts.canonical import LayoutMap, ModelDims, canonical_shapes
 from refitflow.layouts.rules import Parallel
 
 __all__ = ["LAYOUTS", "layout_metadata", "resolve"]
 
-LAYOUTS = {
+
+def _hf(d: ModelDims, par: Parallel, *, experts: str = "fused") -> LayoutMap:
+    return hf.layout(d, experts=experts)
+
+
+LAYOUTS: dict[str, Callable[..., LayoutMap]] = {
     "megatron": megatron.layout,
     "fused": fused.layout,
-    "hf": lambda d, par: hf.layout(d),
-    "hf_legacy": lambda d, par: hf.layout(d, legacy_experts=True),
+    "sglang": sglang.layout,
+    "hf": _hf,
+    "hf_legacy": partial(_hf, experts="mixtral"),
 }
 
 
-def layout_metadata(name: str, dims: ModelDims, par: Parallel) -> dict[str, str]:
-    """The manifest metadata that names this rank's layout."""
+def layout_metadata(name: str, dims: ModelDims, par: Parallel, **options: Any) -> dict[str, str]:
+    """The manifest metadata that names this rank's layout; ``options`` are the layout function's keywords
+    (``vocab_divisible_by=``, ``spec=``, ``experts=``, ``vocab_padding=``...)."""
     if name not in LAYOUTS:
         raise ManifestError(f"unknown layout {name!r}; known: {sorted(LAYOUTS)}")
-    text = json.dumps({"name": name, "dims": asdict(dims), "par": asdict(par)}, sort_keys=True, separators=(",", ":"))
-    return {"layout": text}
+    doc: dict[str, Any] = {"name": name, "dims": asdict(dims), "par": asdict(par)}
+    if options:
+        doc["options"] = options
+    try:  # an unknown option fails here, at the publisher, not at every receiver
+        inspect.signature(LAYOUTS[name]).bind(dims, par, **options)
+    except TypeError as exc:
+        raise ConfigError(f"layout {name!r} does not take these options: {exc}") from exc
+    return {"layout": json.dumps(doc, sort_keys=True, separators=(",", ":"))}
 
 
 @lru_cache(maxsize=64)
@@ -39,6 +55,6 @@ def resolve(text: str) -> tuple[LayoutMap, dict[str, tuple[int, ...]]]:
         d = json.loads(text)
         build = LAYOUTS[d["name"]]
         dims = ModelDims(**d["dims"])
-        return build(dims, Parallel(**d["par"])), canonical_shapes(dims)
+        return build(dims, Parallel(**d["par"]), **d.get("options", {})), canonical_shapes(dims)
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"bad layout metadata: {type(exc).__name__}: {exc}") from exc

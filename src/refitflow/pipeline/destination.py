@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from refitflow.core.errors import ConfigError
+from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.pipeline.device import devices_of
 
@@ -83,6 +84,14 @@ class Destination:
             )
             if wrong:
                 raise ConfigError(f"the parameters do not match the layout (names or shapes): {wrong[:20]}")
+        # the elements a version writes into each parameter: those its layout maps (padding rows are
+        # nobody's: never written, never counted missing), every element without a layout
+        self.expected: dict[str, int] = {n: t.numel() for n, t in self.params.items()}
+        for n, lt in (self.layout or {}).items():
+            self.expected[n] = sum(volume(seg.lbox) for seg in lt.segments)
+        for n, scale in self.derived.items():  # a float8 parameter that is all padding is never quantised
+            if not self.expected[n]:
+                self.expected[scale] = 0
         # a copy of the serving version, not empty memory: its pages are resident before the first refit
         # writes them (no page faults inside a refit), and it never holds anything but a complete version
         self.shadows: dict[str, torch.Tensor] = (
@@ -97,10 +106,13 @@ class Destination:
         return self.params[name].detach()
 
     def assembly(self, name: str) -> torch.Tensor:
-        """An fp32 buffer a float8 parameter is assembled in before it is quantised (made on first use)."""
+        """An fp32 buffer a float8 parameter is assembled in before it is quantised (made on first use).
+
+        Elements the layout does not map (padding) are quantised from zero."""
         if name not in self._assemblies:
-            p = self.params[name]
-            self._assemblies[name] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            t = self.params[name]
+            make = torch.empty if self.expected[name] == t.numel() else torch.zeros  # padding rows: zeros
+            self._assemblies[name] = make(t.shape, dtype=torch.float32, device=t.device)
         return self._assemblies[name]
 
     def release_assembly(self, name: str) -> torch.Tensor:

@@ -49,7 +49,6 @@ class Ledger:
         self.committed_revision: str | None = None
         self.open: Transaction | None = None
         self.first_failure: str | None = None  # the first failure since the last commit
-        self._expected_numel: dict[str, int] | None = None
 
     def begin(self, version: int, revision: str) -> Transaction:
         if self.open is not None:
@@ -60,7 +59,7 @@ class Ledger:
         txn = Transaction(
             version=version,
             revision=revision,
-            coverage=CoverageTracker(self._expected()),
+            coverage=CoverageTracker(self.destination.expected),
             fence_before=self.fence.state,
             fence_reason_before=self.fence.reason,
         )
@@ -68,12 +67,6 @@ class Ledger:
         if self.destination.mode is ApplyMode.IN_PLACE:
             self.fence.set(FenceState.UPDATING, f"writing version {version} in place")
         return txn
-
-    def _expected(self) -> dict[str, int]:
-        """The elements every destination parameter must receive (computed once: shapes never change)."""
-        if self._expected_numel is None:
-            self._expected_numel = {n: t.numel() for n, t in self.destination.params.items()}
-        return self._expected_numel
 
     def prepare(self, txn: Transaction) -> None:
         """Everything verified, nothing visible yet."""

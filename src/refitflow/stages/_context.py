@@ -95,6 +95,8 @@ class Landing(Protocol):
 
     @property
     def derived(self) -> Mapping[str, str]: ...
+    @property
+    def expected(self) -> Mapping[str, int]: ...  # elements each parameter receives (its layout's, else all)
 
     @property
     def generation(self) -> int: ...

@@ -93,15 +93,21 @@ def _choose(reps: list[Held], load: SourceLoad) -> Held:
 
 
 def _check_overlap(canon: str, boxes: list[Box], version: int) -> None:
-    for a in range(len(boxes)):
-        for b in range(a + 1, len(boxes)):
-            common = intersect(boxes[a], boxes[b])
+    """Distinct boxes must not meet: a sweep along dim 0 compares only boxes whose rows overlap
+    (hundreds of per-expert boxes of one stacked tensor would otherwise be compared pairwise)."""
+    active: list[Box] = []  # boxes whose dim-0 range reaches the current one's start
+    for box in sorted(boxes, key=lambda b: b[0] if b else (0, 1)):
+        if box:
+            active = [a for a in active if a[0][1] > box[0][0]]
+        for other in active:
+            common = intersect(other, box)
             if common is not None:
                 axis = next((k for k, (x, y) in enumerate(common) if (x, y) != (0, 0)), 0)
-                diff = [k for k in range(len(common)) if boxes[a][k] != boxes[b][k]]
+                diff = [k for k in range(len(common)) if other[k] != box[k]]
                 axis = diff[0] if diff else axis
                 lo, hi = common[axis]
                 raise PlanError(f"overlapping shards on axis {axis} at [{lo}, {hi})", tensor=canon, version=version)
+        active.append(box)
 
 
 def _gap(canon: str, need: Box, got: list[Box], version: int) -> PlanError:
@@ -126,12 +132,15 @@ def _gap(canon: str, need: Box, got: list[Box], version: int) -> PlanError:
 def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[str, str], exact: bool) -> list[Copy]:
     """Every box copy the receiver needs, in destination order; every check done before returning.
 
-    ``exact``: the receiver holds whole tensors (trivial layout), so shapes must match exactly.
+    ``exact``: the receiver holds whole tensors (trivial layout), so shapes must match exactly and every
+    published name must be one of its parameters.
     """
     held, shapes = _published(pub, aliases)
     needed = {seg.canonical for lt in dest.values() for seg in lt.segments}
+    # a receiver of whole tensors must know every published name; one with a layout holds a part of the
+    # model (a pipeline stage, a rank whose vocabulary rows are all padding) and needs only its own
     unknown = sorted(n for n in held if n not in needed)
-    if unknown:
+    if unknown and exact:
         raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
     missing = sorted(p for p, lt in dest.items() if any(s.canonical not in held for s in lt.segments))
     if missing:

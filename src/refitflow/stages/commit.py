@@ -52,7 +52,7 @@ async def credit(ctx: StageContext, work: Work, assembled: dict[str, int]) -> No
         derived = tuple(s for p in b.pieces for s in p.scatters if s.param in ctx.landing.derived)
     for s in derived:  # float8: quantise a parameter once every box of it is assembled
         assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
-        if assembled[s.param] == ctx.landing.params[s.param].numel():
+        if assembled[s.param] == ctx.landing.expected[s.param]:  # every mapped element (padding excluded)
             ctx.attempt.mark_written()
             await anyio.to_thread.run_sync(_quantize, ctx, s.param)
             scale = ctx.landing.derived[s.param]

@@ -1,0 +1,110 @@
+"""Planning time for a Kimi-K2-shaped model: a Megatron trainer at EP 8 into vLLM ranks at EP 16.
+
+    python bench/kimi_plan_bench.py [--layers 61] [--experts 384] [--receiver tp16|dp16] [--ranks 0,15]
+
+No weights: the trainer's shards are shape-only ``ShardSpec``s (block digests of the publisher's block
+sizes, zero bytes) and the receiver's parameters are meta tensors, so a 1-T-parameter model plans in
+little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 folded on 8 ranks
+(expert TP 1: rank r holds attention slice r and experts 48r..48r+47). Receivers: vLLM, experts on
+16 EP ranks (expert TP 1) with attention TP 16 (``tp16``) or attention data-parallel (``dp16``:
+TP 1 × DP 16). For each receiver rank asked for it prints the time to build its plan (cold: layouts
+resolved and cached on first use, which the first rank pays), the box copies, buckets, reads and
+bytes, against the bytes of its slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import time
+
+import torch
+
+import refitflow as rf
+from refitflow.api.publisher import block_rows
+from refitflow.core.dtypes import itemsize
+from refitflow.layouts import ModelDims, Parallel, fused, megatron
+from refitflow.layouts.wire import layout_metadata, resolve
+from refitflow.pipeline.config import ReceiverConfig
+from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.stages.plan import build_plan
+
+
+def kimi_k2(layers: int, experts: int) -> ModelDims:
+    """Kimi-K2's shapes (moonshotai/Kimi-K2-Instruct config.json), with ``layers`` and ``experts`` adjustable."""
+    return ModelDims(
+        vocab=163840, hidden=7168, layers=layers, heads=64, kv_heads=64, head_dim=128, ffn=18432, dense_layers=1,
+        experts=experts, expert_ffn=2048, shared_ffn=2048, router_bias=True, q_lora_rank=1536, kv_lora_rank=512,
+        rope_dim=64, v_head_dim=128,
+    )  # fmt: skip
+
+
+def _spec(name: str, shape: tuple[int, ...], dtype: str = "bfloat16") -> rf.ShardSpec:
+    rows = block_rows(shape, itemsize(dtype))
+    count = max(1, -(-(shape[0] if shape else 1) // rows))
+    blocks = base64.b64encode(bytes(8 * count)).decode()
+    return rf.ShardSpec(
+        name=name, dtype=dtype, global_shape=shape, axis=None, start=0, stop=shape[0] if shape else 1,
+        digest="0" * 16, region=0, block_rows=rows, blocks=blocks,
+    )  # fmt: skip
+
+
+def publication(d: ModelDims, tp: int, ep: int) -> tuple[rf.Publication, float]:
+    """The trainer's publication (shape-only) and the seconds its layouts took to build."""
+    ident = rf.Identity(model="kimi-k2", layout="megatron")
+    manifests, seconds = [], 0.0
+    world = max(tp, ep)
+    for r in range(world):
+        par = Parallel(tp=tp, tp_rank=r % tp, ep=ep, ep_rank=r % ep, expert_tp=1)
+        t0 = time.perf_counter()
+        meta = layout_metadata("megatron", d, par, experts="grouped")
+        layout = megatron.layout(d, par, experts="grouped")
+        seconds += time.perf_counter() - t0
+        shards = tuple(_spec(n, lt.shape) for n, lt in layout.items())
+        src = rf.SourceAddress(transport="loopback", agent=f"trainer-{r}")
+        manifests.append(
+            rf.Manifest(identity=ident, version=1, rank=r, world_size=world, source=src, shards=shards, metadata=meta)
+        )
+    return rf.Publication(identity=ident, version=1, manifests=tuple(manifests)), seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--train-tp", type=int, default=8)
+    ap.add_argument("--train-ep", type=int, default=8)
+    ap.add_argument("--receiver", choices=["tp16", "dp16"], default="tp16")
+    ap.add_argument("--ranks", default="0,15")
+    a = ap.parse_args()
+    d = kimi_k2(a.layers, a.experts)
+    t0 = time.perf_counter()
+    pub, layout_s = publication(d, a.train_tp, a.train_ep)
+    shards = sum(len(m.shards) for m in pub.manifests)
+    print(f"Kimi-K2 shape: {d.layers} layers, {d.experts} experts, {pub.nbytes / 1e12:.2f} TB bf16; "
+          f"trainer Megatron TE grouped TP {a.train_tp} x EP {a.train_ep} (expert TP 1): {len(pub.manifests)} "
+          f"ranks, {shards:,} shards; publication built in {time.perf_counter() - t0:.1f} s "
+          f"(trainer layouts {layout_s:.1f} s)")  # fmt: skip
+    limits = ReceiverConfig().limits
+    for r in (int(x) for x in a.ranks.split(",")):
+        tp, tp_rank, dp, dp_rank = (16, r, 1, 0) if a.receiver == "tp16" else (1, 0, 16, r)
+        par = fused.parallel(tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, expert_parallel=True)
+        t0 = time.perf_counter()
+        layout = fused.layout(d, par)
+        layout_s = time.perf_counter() - t0
+        params = {n: torch.empty(lt.shape, dtype=torch.bfloat16, device="meta") for n, lt in layout.items()}
+        dest = Destination(params, ApplyMode.IN_PLACE, layout)
+        cold = resolve.cache_info().currsize == 0
+        t0 = time.perf_counter()
+        plan = build_plan(pub, dest, limits)
+        plan_s = time.perf_counter() - t0
+        reads = sum(len(b.reads) for b in plan.buckets)
+        copies = sum(len(p.scatters) for b in plan.buckets for p in b.pieces)
+        print(f"vLLM EP 16 {a.receiver} rank {r:>2}: {len(layout):>5} params, layout {layout_s * 1e3:6.1f} ms, "
+              f"plan {plan_s:6.2f} s{' (cold: resolves the trainer layouts)' if cold else ''}; "
+              f"{copies:>6,} box copies, {len(plan.buckets):>5} buckets, {reads:>7,} reads, "
+              f"{plan.nbytes / 1e9:6.2f} GB pulled for a {plan.ideal_bytes / 1e9:6.2f} GB slice")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
