@@ -79,7 +79,7 @@ def _qkv(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Par
         parts = []
         for g in range(g0, g1):
             parts += [rows(q, g * qpg, qpg), rows(k, g, 1), rows(v, g, 1)]
-        return concat(parts)
+        return concat(parts, shapes=shapes)
     h0, h1 = _part(d.heads, par.tp, par.tp_rank, "attention heads")
     if par.tp >= d.kv_heads:
         _part(par.tp, d.kv_heads, 0, "tp over kv heads")
@@ -87,17 +87,19 @@ def _qkv(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Par
     else:
         k0, k1 = _part(d.kv_heads, par.tp, par.tp_rank, "kv heads")
         kn = k1 - k0
-    return concat([rows(q, h0, h1 - h0), rows(k, k0, kn), rows(v, k0, kn)])
+    return concat([rows(q, h0, h1 - h0), rows(k, k0, kn), rows(v, k0, kn)], shapes=shapes)
 
 
 def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int) -> LocalTensor:
     if kind == "rep":
-        return concat([(names[0], full(shapes[names[0]]))])
+        return concat([(names[0], full(shapes[names[0]]))], shapes=shapes)
     if kind == "col":
-        return concat([(n, _with(full(shapes[n]), 0, _part(shapes[n][0], par.tp, par.tp_rank, n))) for n in names])
+        return concat(
+            [(n, _with(full(shapes[n]), 0, _part(shapes[n][0], par.tp, par.tp_rank, n))) for n in names], shapes=shapes
+        )
     if kind == "row":
         n = names[0]
-        return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))])
+        return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))], shapes=shapes)
     if kind.startswith("qkv"):
         return _qkv(kind, names, shapes, d, par)
     e0, e1 = _part(d.experts, par.ep, par.ep_rank, "experts")
@@ -109,8 +111,8 @@ def _rule(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Pa
         box = _with(full(shapes[n]), 0, (e0, e1))
         parts.append((n, _with(box, axis, _part(shapes[n][axis], par.etp, par.etp_rank, n))))
     if kind.startswith("expert_"):
-        return concat(parts, axis=0, drop=1)
-    return concat(parts, axis=1)
+        return concat(parts, axis=0, drop=1, shapes=shapes)
+    return concat(parts, axis=1, shapes=shapes)
 
 
 def build(top: Table, layer: Table, prefix: str, d: ModelDims, par: Parallel) -> LayoutMap:

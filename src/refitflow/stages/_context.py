@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,7 +64,9 @@ class Attempt(Protocol):
 
 
 class Discovery(Protocol):
-    async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication: ...
+    async def wait_complete(
+        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None
+    ) -> Publication: ...
 
 
 @dataclass(frozen=True, kw_only=True)
