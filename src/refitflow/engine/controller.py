@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError
 from refitflow.core.wire import decode, encode
+from refitflow.registry.security import ClientSecurity
 
 __all__ = ["Controller", "EngineResult", "RankReport"]
 
@@ -50,11 +51,14 @@ class EngineResult:
 class Controller:
     """Drives the engines' ranks through ``EngineAgent``s at the given addresses."""
 
-    def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0) -> None:
+    def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0,
+                 security: ClientSecurity | None = None) -> None:  # fmt: skip
+        """``security``: CURVE for every agent socket (the agents' ``rf.ServerSecurity`` from the same key set)."""
         if not engines or any(not ranks for ranks in engines.values()):
             raise ConfigError("a controller needs at least one engine, each with at least one rank address")
         self.engines = {name: list(ranks) for name, ranks in engines.items()}
         self.slack_s = slack_s  # beyond the refit timeout: the vote, the commit, the reply
+        self.security = security
         # command ids double as vote attempt ids: they increase across controller restarts too
         self._ids = itertools.count(time.time_ns() // 1000)
 
@@ -92,15 +96,18 @@ class Controller:
                 async with anyio.create_task_group() as tg:
                     for name, ranks in self.engines.items():
                         for i, address in enumerate(ranks):
-                            tg.start_soon(_ask, context, address, command, replies[name], i)
+                            tg.start_soon(_ask, context, self.security, address, command, replies[name], i)
         finally:
             context.destroy(linger=0)
         return replies
 
 
-async def _ask(context: zmq.asyncio.Context, address: str, command: dict[str, Any], into: list[Any], i: int) -> None:
+async def _ask(context: zmq.asyncio.Context, security: ClientSecurity | None, address: str, command: dict[str, Any],
+               into: list[Any], i: int) -> None:  # fmt: skip
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if security is not None:
+        security.apply(sock)
     try:
         sock.connect(address)
         await sock.send(encode(command))
