@@ -31,7 +31,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ConfigError
+from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.core.wire import decode, encode
 from refitflow.engine.commitment import Kind, Message, Node
 from refitflow.engine.vote import Ballot, Decision, Verdict
@@ -64,7 +64,10 @@ def decode_vote(data: bytes, *, group: str, rank: int, size: int) -> Message:
     """A peer's message to ``rank``, checked field by field; ``ValueError`` for anything else."""
     if len(data) > MAX_FRAME:
         raise ValueError(f"a {len(data)}-byte frame is not a vote message")
-    m = decode(data)
+    try:
+        m = decode(data)
+    except ManifestError as exc:
+        raise ValueError(str(exc)) from exc
     if not isinstance(m, dict) or m.get("g") != group:
         raise ValueError(f"not a message of vote group {group!r}")
     kind = Kind(str(m.get("k")))
