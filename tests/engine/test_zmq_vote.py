@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import anyio
 import pytest
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.vote import Ballot, Decision, Verdict
 from refitflow.engine.zmq_vote import ZmqVote
-
-
-def _addresses(n: int) -> list[str]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
-    return out
+from tests.conftest import free_addresses
 
 
 async def _vote(channels: list[ZmqVote], ballots: dict[int, Ballot], timeout: float) -> dict[int, Verdict]:
@@ -36,7 +26,7 @@ async def _vote(channels: list[ZmqVote], ballots: dict[int, Ballot], timeout: fl
 
 @pytest.mark.asyncio
 async def test_every_rank_learns_the_one_verdict_and_a_silent_peer_aborts_the_attempt() -> None:
-    addrs = _addresses(3)
+    addrs = free_addresses(3)
     channels = [ZmqVote(r, addrs, settle_s=2) for r in range(3)]
     try:
         with anyio.fail_after(30):
@@ -54,7 +44,7 @@ async def test_every_rank_learns_the_one_verdict_and_a_silent_peer_aborts_the_at
 
 @pytest.mark.asyncio
 async def test_a_ballot_for_a_later_attempt_waits_for_it_and_an_earlier_one_never_commits() -> None:
-    addrs = _addresses(2)
+    addrs = free_addresses(2)
     a, b = ZmqVote(0, addrs), ZmqVote(1, addrs)
     try:
         with anyio.fail_after(30):

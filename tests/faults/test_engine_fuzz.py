@@ -11,7 +11,6 @@ the vote and the agent go on working.
 from __future__ import annotations
 
 import json
-import socket
 from unittest.mock import ANY
 
 import anyio
@@ -28,7 +27,7 @@ from refitflow.engine.agent import parse_command
 from refitflow.engine.commitment import Kind, Message, Node
 from refitflow.engine.vote import Ballot, Decision, Verdict
 from refitflow.engine.zmq_vote import decode_vote, encode_vote
-from tests.conftest import mlp
+from tests.conftest import free_addresses, mlp
 
 
 def _json(value: object) -> bytes:
@@ -140,15 +139,6 @@ def test_a_participant_keeps_the_first_verdict_it_learns(sequence: list[Message]
     assert {a: (v.decision, v.version) for a, v in node.known.items()} == first
 
 
-def _addresses(n: int) -> list[str]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
-    return out
-
-
 GARBAGE = [
     b"", b"not json", b"[]", b"{}", b"null", orjson.dumps({"g": "engine", "k": "ballot"}),
     orjson.dumps({"g": "engine", "k": "decision", "a": 1, "r": 1, "d": ["commit", None, ""]}),
@@ -161,14 +151,14 @@ GARBAGE = [
 
 @pytest.mark.asyncio
 async def test_garbage_on_the_live_sockets_is_never_counted_or_obeyed(ident, registry) -> None:
-    vote_address, agent_address = _addresses(2)
+    vote_address, agent_address = free_addresses(2)
     ctx = zmq.asyncio.Context()
     try:
         with anyio.fail_after(30):
             async with (
                 rf.Publisher(registry, identity=ident) as pub,
                 rf.Receiver(mlp(2), registry, identity=ident) as recv,
-                rf.ZmqVote(0, [vote_address, _addresses(1)[0]], resend_s=0.05) as channel,
+                rf.ZmqVote(0, [vote_address, free_addresses(1)[0]], resend_s=0.05) as channel,
                 anyio.create_task_group() as tg,
             ):
                 await pub.publish(1, dict(mlp(1).named_parameters()))

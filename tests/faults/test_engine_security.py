@@ -8,7 +8,6 @@ an unknown key never completes the handshake, so nothing it sends reaches the pr
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import anyio
@@ -23,16 +22,7 @@ from refitflow.core.wire import encode
 from refitflow.engine.commitment import Kind, Message
 from refitflow.engine.vote import Ballot, Decision, Verdict
 from refitflow.engine.zmq_vote import encode_vote
-from tests.conftest import mlp
-
-
-def _addresses(n: int) -> list[str]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
-    return out
+from tests.conftest import free_addresses, mlp
 
 
 def _keys(tmp_path: Path) -> tuple[rf.ServerSecurity, rf.ClientSecurity, Path]:
@@ -62,7 +52,7 @@ def _intruders(ctx: zmq.asyncio.Context, kind: int, address: str, tmp_path: Path
 @pytest.mark.asyncio
 async def test_a_forged_ballot_or_verdict_is_never_counted(tmp_path: Path) -> None:
     server, client, intruder = _keys(tmp_path)
-    addrs = _addresses(3)
+    addrs = free_addresses(3)
     ranks = [rf.ZmqVote(r, addrs, server_security=server, client_security=client) for r in range(3)]
     ctx = zmq.asyncio.Context()
     try:
@@ -99,7 +89,7 @@ async def test_a_forged_ballot_or_verdict_is_never_counted(tmp_path: Path) -> No
 @pytest.mark.asyncio
 async def test_forged_refit_and_stop_commands_are_never_obeyed(tmp_path: Path, ident, registry) -> None:
     server, client, intruder = _keys(tmp_path)
-    [vote_address, agent_address] = _addresses(2)
+    [vote_address, agent_address] = free_addresses(2)
     ctx = zmq.asyncio.Context()
     try:
         with anyio.fail_after(40):

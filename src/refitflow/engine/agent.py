@@ -25,9 +25,9 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ManifestError
-from refitflow.core.wire import decode, encode
+from refitflow.core.wire import encode
 from refitflow.engine.member import EngineMember
+from refitflow.engine.vote import decode_object
 from refitflow.registry.security import ServerSecurity, warn_if_exposed
 
 __all__ = ["EngineAgent", "parse_command"]
@@ -40,13 +40,8 @@ _OPS = ("refit", "status", "stop")
 
 def parse_command(frame: bytes) -> dict[str, Any]:
     """A command, checked field by field (``ValueError`` for anything else)."""
-    if len(frame) > MAX_COMMAND:
-        raise ValueError(f"a {len(frame)}-byte command")
-    try:
-        m = decode(frame)
-    except ManifestError as exc:
-        raise ValueError(str(exc)) from exc
-    if not isinstance(m, dict) or m.get("op") not in _OPS:
+    m = decode_object(frame, MAX_COMMAND, "command")
+    if m.get("op") not in _OPS:
         raise ValueError(f"unknown command {str(m)[:60]!r}")
     if type(m.get("id")) is not int or not 0 <= m["id"] < 1 << 63:
         raise ValueError("a command id is a non-negative integer")

@@ -30,14 +30,14 @@ import anyio.to_thread
 
 from refitflow.core.errors import ConfigError
 from refitflow.core.wire import decode, encode
-from refitflow.engine.vote import Ballot, Decision, Verdict, decide, why
+from refitflow.engine.vote import AttemptIds, Ballot, Decision, Verdict, decide, why
 
 __all__ = ["GlooVote"]
 
 log = logging.getLogger(__name__)
 
 
-class GlooVote:
+class GlooVote(AttemptIds):
     """``VoteChannel`` over the c10d store of ``group`` (default: the world group), or over ``store``."""
 
     def __init__(self, group: Any = None, *, store: Any = None, name: str = "refitflow-vote",
@@ -54,23 +54,10 @@ class GlooVote:
         self.store = store if store is not None else group.get_group_store()
         self.name = name
         self.poll_s = poll_s
-        self._attempt = 0
-        self._next: int | None = None
         self._calls = anyio.CapacityLimiter(1)  # at most one store call (and one abandoned thread) at a time
 
-    @property
-    def attempt(self) -> int:
-        return self._attempt
-
-    def set_attempt(self, attempt: int) -> None:
-        """The id of the next vote (must increase): a driver's command id keeps ranks in step."""
-        if attempt <= self._attempt:
-            raise ConfigError(f"vote attempt {attempt} does not increase (last was {self._attempt})")
-        self._next = attempt
-
     async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
-        attempt = self._next if self._next is not None else self._attempt + 1
-        self._attempt, self._next = attempt, None
+        attempt = self._begin_attempt()
         deadline = time.monotonic() + timeout
         try:
             with anyio.fail_after(max(timeout, 0.0)):

@@ -18,9 +18,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["Ballot", "Decision", "Verdict", "VoteChannel", "decide", "why"]
+from refitflow.core.errors import ConfigError, ManifestError
+from refitflow.core.wire import decode
+
+__all__ = ["AttemptIds", "Ballot", "Decision", "Verdict", "VoteChannel", "decide", "decode_object", "why"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +93,39 @@ class VoteChannel(Protocol):
     async def resolve(self, attempt: int, timeout: float) -> Verdict:
         """Learn the verdict of an earlier ``attempt`` this rank is in doubt about (IN_DOUBT: still unknown)."""
         ...
+
+
+class AttemptIds:
+    """Attempt ids of a channel: they count votes, or a driver sets the next one (it must increase)."""
+
+    _attempt = 0
+    _next: int | None = None
+
+    @property
+    def attempt(self) -> int:
+        """The id of the last attempt this rank voted in."""
+        return self._attempt
+
+    def set_attempt(self, attempt: int) -> None:
+        """The id of the next vote (must increase): a driver's command id keeps ranks in step."""
+        if attempt <= self._attempt:
+            raise ConfigError(f"vote attempt {attempt} does not increase (last was {self._attempt})")
+        self._next = attempt
+
+    def _begin_attempt(self) -> int:
+        attempt = self._next if self._next is not None else self._attempt + 1
+        self._attempt, self._next = attempt, None
+        return attempt
+
+
+def decode_object(frame: bytes, limit: int, what: str) -> dict[str, Any]:
+    """A JSON object of at most ``limit`` bytes from a peer (``ValueError`` for anything else)."""
+    if len(frame) > limit:
+        raise ValueError(f"a {len(frame)}-byte frame is not a {what}")
+    try:
+        m = decode(frame)
+    except ManifestError as exc:
+        raise ValueError(str(exc)) from exc
+    if not isinstance(m, dict):
+        raise ValueError(f"a {what} is a JSON object")
+    return m

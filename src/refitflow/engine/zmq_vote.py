@@ -31,10 +31,10 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ConfigError, ManifestError
-from refitflow.core.wire import decode, encode
+from refitflow.core.errors import ConfigError
+from refitflow.core.wire import encode
 from refitflow.engine.commitment import Kind, Message, Node
-from refitflow.engine.vote import Ballot, Decision, Verdict
+from refitflow.engine.vote import AttemptIds, Ballot, Decision, Verdict, decode_object
 from refitflow.registry.security import ClientSecurity, ServerSecurity, warn_if_exposed
 
 __all__ = ["ZmqVote", "decode_vote", "encode_vote"]
@@ -62,13 +62,8 @@ def _int(value: Any, lo: int, hi: int) -> int:
 
 def decode_vote(data: bytes, *, group: str, rank: int, size: int) -> Message:
     """A peer's message to ``rank``, checked field by field; ``ValueError`` for anything else."""
-    if len(data) > MAX_FRAME:
-        raise ValueError(f"a {len(data)}-byte frame is not a vote message")
-    try:
-        m = decode(data)
-    except ManifestError as exc:
-        raise ValueError(str(exc)) from exc
-    if not isinstance(m, dict) or m.get("g") != group:
+    m = decode_object(data, MAX_FRAME, "vote message")
+    if m.get("g") != group:
         raise ValueError(f"not a message of vote group {group!r}")
     kind = Kind(str(m.get("k")))
     attempt = _int(m.get("a"), 0, 1 << 63)
@@ -95,7 +90,7 @@ def decode_vote(data: bytes, *, group: str, rank: int, size: int) -> Message:
     return Message(kind, attempt, sender, rank, ballot=ballot, verdict=verdict)
 
 
-class ZmqVote:
+class ZmqVote(AttemptIds):
     """``VoteChannel`` over ZMQ: ``addresses[i]`` is rank ``i``'s ``tcp://host:port`` (or ``ipc://``)."""
 
     def __init__(
@@ -147,23 +142,11 @@ class ZmqVote:
         except BaseException:
             self._teardown(0)
             raise
-        self._attempt = 0  # the last attempt this rank voted in
-        self._next: int | None = None
         self._changed = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._deadline: tuple[int, float] | None = None  # the coordinator's own attempt and its deadline
         self.dropped = 0  # messages refused (malformed, foreign, too large)
         self.closed = False
-
-    @property
-    def attempt(self) -> int:
-        return self._attempt
-
-    def set_attempt(self, attempt: int) -> None:
-        """The id of the next vote (must increase): a driver's command id keeps ranks in step."""
-        if attempt <= self._attempt:
-            raise ConfigError(f"vote attempt {attempt} does not increase (last was {self._attempt})")
-        self._next = attempt
 
     def start(self) -> None:
         """Start answering peers (done by the first vote or resolve, and by ``async with``)."""
@@ -174,8 +157,7 @@ class ZmqVote:
 
     async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
         self.start()
-        attempt = self._next if self._next is not None else self._attempt + 1
-        self._attempt, self._next = attempt, None
+        attempt = self._begin_attempt()
         if self.node.register is not None:
             self._deadline = (attempt, time.monotonic() + timeout)
         self._send(self.node.vote(attempt, ballot))
