@@ -50,9 +50,12 @@ FAULTS = ("publisher_kill", "publisher_stall", "registry_restart", "receiver_kil
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:
-    """The trainer's tensors at ``version`` (deterministic; bf16 into fp32 ranks: staged and cast)."""
+    """The trainer's tensors at ``version`` (deterministic; bf16 into fp32 ranks: staged and cast).
+
+    4 MB in 64 KiB of staging: a refit takes a while, so faults land inside it.
+    """
     g = torch.Generator().manual_seed(version)
-    return {f"layer{i}.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16) for i in range(4)}
+    return {f"layer{i}.weight": torch.randn(512, 512, generator=g).to(torch.bfloat16) for i in range(8)}
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -287,7 +290,7 @@ async def _one(tg: anyio.abc.TaskGroup, version: int, fault: str, rng: random.Ra
         inner.start_soon(refit)
         if fault == "concurrent_refits":
             inner.start_soon(refit)
-        await anyio.sleep(rng.uniform(0.05, 0.4))  # somewhere in the refit
+        await anyio.sleep(rng.uniform(0.0, 0.8))  # somewhere in the refit (or just before it)
         if fault == "publisher_kill":
             await trainer.kill()
         elif fault == "publisher_stall":
