@@ -140,6 +140,7 @@ class Child:
     def __init__(self, *args: str) -> None:
         self.args = args
         self.proc: Process | None = None
+        self.pids: list[int] = []  # every process started for this role
         self.lines: list[dict[str, Any]] = []
         self._new = anyio.Event()  # set at each line
 
@@ -149,6 +150,7 @@ class Child:
         self.proc = await anyio.open_process([sys.executable, "-m", "bench.soak", "--role", *self.args],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                              env=env)  # fmt: skip
+        self.pids.append(self.proc.pid)
         ready = anyio.Event()
         tg.start_soon(self._read, self.proc, ready)
         with anyio.fail_after(60):
@@ -205,15 +207,12 @@ def _rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def _children() -> list[int]:
-    mine, out = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == mine and fields[0] != "Z":
-                    out.append(int(entry))
-    return out
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 async def soak(seed: int, versions: int, faults: list[str] | None = None) -> dict[str, Any]:
@@ -263,7 +262,7 @@ async def soak(seed: int, versions: int, faults: list[str] | None = None) -> dic
                 for child in (*ranks, trainer, reg):
                     await child.kill()
             tg.cancel_scope.cancel()
-    counts["leaked_processes"] = len(_children())
+    counts["leaked_processes"] = sum(_alive(pid) for child in (reg, trainer, *ranks) for pid in child.pids)
     return counts
 
 
