@@ -9,6 +9,7 @@ deselected, and the header and the summary say which and why (never a silent ski
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 
 import pytest
@@ -112,6 +113,16 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def same(model: torch.nn.Module | dict, expected: dict[str, torch.Tensor]) -> bool:
     got = dict(model.named_parameters()) if isinstance(model, torch.nn.Module) else model
     return set(got) == set(expected) and all(torch.equal(got[n].detach(), expected[n]) for n in expected)
+
+
+def free_addresses(n: int) -> list[str]:
+    """``n`` loopback TCP addresses free a moment ago."""
+    out = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            out.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
+    return out
 
 
 @pytest.fixture

@@ -24,8 +24,9 @@ from refitflow.core.errors import (
 from refitflow.core.types import Identity, Manifest, Publication, ShardSpec, SourceAddress
 from refitflow.engine.agent import EngineAgent
 from refitflow.engine.controller import Controller, EngineResult, RankReport
+from refitflow.engine.gloo_vote import GlooVote
 from refitflow.engine.member import EngineMember, EngineOutcome
-from refitflow.engine.vote import Ballot, Decision, GlooVote, VoteChannel
+from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
 from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
@@ -93,6 +94,7 @@ __all__ = [
     "StreamSender",
     "Transport",
     "TransportError",
+    "Verdict",
     "VersionError",
     "VoteChannel",
     "ZmqVote",

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 import anyio
 import torch
 
 import refitflow as rf
+from refitflow.engine.gloo_vote import GlooVote
 from refitflow.engine.member import EngineMember
-from refitflow.engine.vote import Ballot, GlooVote, VoteChannel
+from refitflow.engine.vote import Ballot, Verdict, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
 from tests.conftest import FailAt, mlp, params, same
 
@@ -21,9 +23,12 @@ class DieBeforeVote:
     """Killed mid-vote: prepared, never votes."""
 
     def __init__(self, channel: VoteChannel) -> None:
-        self.rank, self.size = channel.rank, channel.size
+        self.rank, self.size, self.attempt = channel.rank, channel.size, 0
 
-    async def exchange(self, ballot: Ballot, timeout: float) -> list[Ballot | None]:
+    async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
+        os._exit(3)
+
+    async def resolve(self, attempt: int, timeout: float) -> Verdict:
         os._exit(3)
 
 
@@ -50,8 +55,7 @@ async def _rank(rank: int, scenario: str, mode: str, channel: VoteChannel) -> di
             "fence": recv.fence.state.value,
             "serves_new": same(server, new),
             "serves_old": same(server, old),
-            "began": [b.began if b else None for b in outcome.ballots],
-            "ballots": [repr(b) for b in outcome.ballots],
+            "reason": outcome.reason,
         }
 
 
@@ -75,7 +79,11 @@ def run_rank(rank: int, ports: list[int], scenario: str, mode: str, kind: str, q
     except BaseException as exc:
         queue.put((rank, {"error": repr(exc)}))
     if isinstance(channel, ZmqVote):
-        channel.close()  # lets a last queued ack leave
+        channel.close()  # lets a last queued verdict leave
+    elif isinstance(channel, GlooVote) and scenario != "killed":  # rank 0 hosts the store: leave together
+        channel.store.add("left", 1)
+        while channel.rank == 0 and int(channel.store.add("left", 0)) < channel.size:
+            time.sleep(0.05)
     queue.close()
     queue.join_thread()  # flush before leaving without running the group's destructor
     os._exit(0)  # the group may be broken (a peer died): do not wait in its destructor

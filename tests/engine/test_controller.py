@@ -65,9 +65,20 @@ async def test_a_failing_rank_fails_only_its_engine_and_nothing_commits_there() 
 
 
 @pytest.mark.asyncio
-async def test_a_rank_that_dies_mid_refit_fails_its_engine_within_the_deadline() -> None:
+async def test_a_coordinator_that_dies_mid_refit_fails_its_engine_and_leaves_its_peer_in_doubt() -> None:
     results, status = await _run({"a": ["die", "clean"], "b": ["clean", "clean"]})
     assert results["b"].committed and not results["a"].committed, results
     dead, alive = results["a"].ranks
-    assert "no answer" in (dead.error or "") and not alive.committed and alive.decision == "abort", results["a"]
+    # the coordinator (rank 0) died: the live rank voted ready and cannot learn a verdict, so it stays
+    # in doubt — its version prepared, unseen, its fence closed — rather than guess
+    assert "no answer" in (dead.error or "") and not alive.committed and alive.decision == "in_doubt", results["a"]
     assert status["a"][0] is None and status["a"][1]["committed_version"] is None, status
+    assert status["a"][1]["fence"] == "updating" and status["a"][1]["in_doubt"] is not None, status
+
+
+@pytest.mark.asyncio
+async def test_a_participant_that_dies_mid_refit_aborts_its_engine_at_the_coordinators_deadline() -> None:
+    results, status = await _run({"a": ["clean", "die"]})
+    alive, dead = results["a"].ranks
+    assert "no answer" in (dead.error or "") and not alive.committed and alive.decision == "abort", results["a"]
+    assert status["a"][0]["fence"] == "ready" and status["a"][0]["committed_version"] is None, status  # shadow

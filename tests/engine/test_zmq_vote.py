@@ -1,31 +1,21 @@
-"""ZmqVote in one process: every rank's ballot, silent peers, late ballots, explicit attempt ids."""
+"""ZmqVote in one process: one verdict for every rank, silent peers, late ballots, explicit attempt ids."""
 
 from __future__ import annotations
-
-import socket
 
 import anyio
 import pytest
 
 from refitflow.core.errors import ConfigError
-from refitflow.engine.vote import Ballot
+from refitflow.engine.vote import Ballot, Decision, Verdict
 from refitflow.engine.zmq_vote import ZmqVote
+from tests.conftest import free_addresses
 
 
-def _addresses(n: int) -> list[str]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
-    return out
-
-
-async def _vote(channels: list[ZmqVote], ballots: dict[int, Ballot], timeout: float) -> dict[int, list]:
-    got: dict[int, list] = {}
+async def _vote(channels: list[ZmqVote], ballots: dict[int, Ballot], timeout: float) -> dict[int, Verdict]:
+    got: dict[int, Verdict] = {}
 
     async def one(ch: ZmqVote) -> None:
-        got[ch.rank] = await ch.exchange(ballots[ch.rank], timeout)
+        got[ch.rank] = await ch.vote(ballots[ch.rank], timeout)
 
     async with anyio.create_task_group() as tg:
         for ch in channels:
@@ -35,37 +25,41 @@ async def _vote(channels: list[ZmqVote], ballots: dict[int, Ballot], timeout: fl
 
 
 @pytest.mark.asyncio
-async def test_every_rank_gets_every_ballot_and_a_silent_peer_is_none() -> None:
-    addrs = _addresses(3)
-    channels = [ZmqVote(r, addrs) for r in range(3)]
+async def test_every_rank_learns_the_one_verdict_and_a_silent_peer_aborts_the_attempt() -> None:
+    addrs = free_addresses(3)
+    channels = [ZmqVote(r, addrs, settle_s=2) for r in range(3)]
     try:
-        with anyio.fail_after(20):
-            votes = {r: Ballot(True, True, 4) for r in range(3)}
-            got = await _vote(channels, votes, 5)
-            assert all(got[r] == [votes[0]] * 3 for r in range(3))
-            got = await _vote(channels, {0: votes[0], 1: Ballot(False, True, 5)}, 0.5)  # rank 2 silent
-            assert got[0] == got[1] == [votes[0], Ballot(False, True, 5), None]
+        with anyio.fail_after(30):
+            got = await _vote(channels, {r: Ballot(True, True, 4) for r in range(3)}, 5)
+            assert {(v.decision, v.version) for v in got.values()} == {(Decision.COMMIT, 4)}
+            got = await _vote(channels, {0: Ballot(True, True, 5), 1: Ballot(True, True, 5)}, 0.5)  # 2 silent
+            assert {v.decision for v in got.values()} == {Decision.ABORT}
+            assert "ranks [2] did not vote" in got[0].reason
+            late = await channels[2].vote(Ballot(True, True, 5), 5)  # rank 2 votes late: the verdict stands
+            assert late.decision is Decision.ABORT and late.attempt == got[0].attempt
     finally:
         for ch in channels:
             ch.close()
 
 
 @pytest.mark.asyncio
-async def test_a_late_ballot_from_an_earlier_attempt_is_never_counted() -> None:
-    addrs = _addresses(2)
+async def test_a_ballot_for_a_later_attempt_waits_for_it_and_an_earlier_one_never_commits() -> None:
+    addrs = free_addresses(2)
     a, b = ZmqVote(0, addrs), ZmqVote(1, addrs)
     try:
-        with anyio.fail_after(20):
+        with anyio.fail_after(30):
             a.set_attempt(7)
-            assert await a.exchange(Ballot(True, True, 1), 0.3) == [Ballot(True, True, 1), None]
-            b.set_attempt(7)  # rank 1 votes in attempt 7 after rank 0 gave up on it
-            await b.exchange(Ballot(True, True, 1), 0.3)
-            a.set_attempt(8)
-            assert await a.exchange(Ballot(True, True, 2), 0.5) == [Ballot(True, True, 2), None]
-            b.set_attempt(9)  # a peer ahead: its ballot is kept for that attempt
-            await b.exchange(Ballot(False, False, -1), 0.3)
-            a.set_attempt(9)
-            assert await a.exchange(Ballot(True, True, 3), 5) == [Ballot(True, True, 3), Ballot(False, False, -1)]
+            assert (await a.vote(Ballot(True, True, 1), 0.3)).decision is Decision.ABORT  # rank 1 not there yet
+            b.set_attempt(7)  # rank 1 votes in attempt 7 after the coordinator closed it
+            assert (await b.vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT
+            b.set_attempt(9)  # a peer ahead: its ballot waits for the coordinator's attempt 9
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.vote, Ballot(True, True, 3), 10)
+                await anyio.sleep(0.3)
+                a.set_attempt(9)
+                verdict = await a.vote(Ballot(True, True, 3), 10)
+            assert (verdict.decision, verdict.version) == (Decision.COMMIT, 3)
+            assert (await b.resolve(9, 1)).decision is Decision.COMMIT
             with pytest.raises(ConfigError):
                 a.set_attempt(9)
     finally:
@@ -73,8 +67,10 @@ async def test_a_late_ballot_from_an_earlier_attempt_is_never_counted() -> None:
         b.close()
 
 
-def test_each_rank_needs_its_own_address() -> None:
+def test_each_rank_needs_its_own_address_and_curve_needs_both_sides() -> None:
     with pytest.raises(ConfigError):
         ZmqVote(0, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"])
     with pytest.raises(ConfigError):
         ZmqVote(2, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"])
+    with pytest.raises(ConfigError, match="both"):
+        ZmqVote(0, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], server_security=object())  # type: ignore[arg-type]

@@ -167,7 +167,9 @@ async def test_a_large_manifest_is_checked_without_stalling_other_clients() -> N
     """60,000 shard specs: the registry process checks them off its event loop; another client's round
     trips go on meanwhile (checked on the loop, none would complete until the check was done)."""
     address = free_address()
-    shards = [[f"layers.{i}.weight", "bfloat16", [64, 64], None, 0, 64, f"{i:016x}", i, 0, *NO_TILES] for i in range(60_000)]
+    shards = [
+        [f"layers.{i}.weight", "bfloat16", [64, 64], None, 0, 64, f"{i:016x}", i, 0, *NO_TILES] for i in range(60_000)
+    ]
     registry = await spawn_registry(address)
     try:
         with anyio.fail_after(120):

@@ -195,8 +195,12 @@ class Publisher:
         self.published: list[int] = []
 
     async def __aenter__(self) -> Publisher:
-        # off the loop: a real transport imports its library and creates its agent (seconds)
-        self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
+        try:
+            # off the loop: a real transport imports its library and creates its agent (seconds)
+            self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
+        except BaseException:
+            await self._close()  # a failed enter leaks nothing (an owned registry client included)
+            raise
         transport = self._transport
         self.observer.watch_served(lambda: transport.served_bytes)
         return self
@@ -204,12 +208,17 @@ class Publisher:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
         with anyio.CancelScope(shield=True):
-            if self._transport is not None:
-                await self._transport.aclose()
+            try:
+                if self._transport is not None:
+                    await self._transport.aclose()
+            finally:
                 self._transport = None
-            if self._owns_registry:
-                await self.registry.aclose()  # type: ignore[attr-defined]
+                if self._owns_registry:
+                    await self.registry.aclose()  # type: ignore[attr-defined]
 
     @property
     def transport(self) -> Transport:

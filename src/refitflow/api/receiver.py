@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Protocol
@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 
 
 class ReceiveRegistry(Protocol):
-    async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication: ...
+    async def wait_complete(
+        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None
+    ) -> Publication: ...
     async def register_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
@@ -172,6 +174,7 @@ class Receiver:
                                shadow_commit=self.config.shadow_commit)  # fmt: skip
         self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
         self.devices: DeviceLane = rank.devices  # refit streams and events (pipeline/device.py)
+        observer.budget(0, 0, self.config.budget_bytes)  # the capacity is known before anything is staged
         self._plans = PlanCache()
         self._transport_spec = transport
         self._transport: Transport | None = None
@@ -188,14 +191,19 @@ class Receiver:
             raise ConfigError("serve_replicas needs a registry that takes replica sources")
         self._prepared: dict[int, Publication] = {}
         self._serving: int | None = None  # the version offered as a replica source
+        self._running = False  # a prepare is in progress (one at a time)
 
     async def __aenter__(self) -> Receiver:
-        # off the loop: a real transport imports its library and creates its agent (seconds)
-        self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
-        for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
-            self._transport.register(tensor)
-        self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)
-        await self.registry.register_receiver(self.identity, self.receiver_id)
+        try:
+            # off the loop: a real transport imports its library and creates its agent (seconds)
+            self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
+            for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
+                self._transport.register(tensor)
+            self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)
+            await self.registry.register_receiver(self.identity, self.receiver_id)
+        except BaseException:
+            await self._close()  # a failed enter leaks nothing: no transport, no registry client
+            raise
         return self
 
     async def __aexit__(
@@ -208,8 +216,15 @@ class Receiver:
                 if e is None:  # never mask the body's own error (the registry's lease expires us anyway)
                     raise
             finally:
+                await self._close()
+
+    async def _close(self) -> None:
+        """Close the transport and a registry client this receiver opened (shielded)."""
+        with anyio.CancelScope(shield=True):
+            try:
                 if self._transport is not None:
                     await self._transport.aclose()
+            finally:
                 self._transport = None
                 if self._owns_registry:
                     await self.registry.aclose()  # type: ignore[attr-defined]
@@ -237,6 +252,19 @@ class Receiver:
         """
         if self._transport is None or self._arena is None:
             raise ConfigError("use the receiver inside 'async with'")
+        if self._running or self.ledger.open is not None:  # refused before touching anything the running one uses
+            txn = self.ledger.open
+            still = f" (version {txn.version} is still open: {txn.state.value})" if txn is not None else ""
+            raise VersionError(f"a refit is already running on this receiver{still}",
+                               version=None if txn is None else txn.version)  # fmt: skip
+        self._running = True
+        try:
+            return await self._prepare(min_version, timeout)
+        finally:
+            self._running = False
+
+    async def _prepare(self, min_version: int | None, timeout: float) -> tuple[Transaction, RefitResult]:
+        assert self._transport is not None and self._arena is not None
         if min_version is None:
             min_version = (self.ledger.last_begun or 0) + 1
         ctx = StageContext(
@@ -346,7 +374,7 @@ class Receiver:
             await self.registry.report(self.identity, self.receiver_id, version)
 
     async def _ended(self, ctx: StageContext, exc: BaseException) -> None:
-        refused = isinstance(exc, VersionError) and ctx.attempt is None
+        refused = isinstance(exc, RefitError) and ctx.attempt is None  # never began: nothing consumed
         version = ctx.attempt.version if ctx.attempt is not None else None
         self.observer.refit_outcome("refused" if refused else "aborted", version)
         if version is not None:

@@ -21,7 +21,7 @@ from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, RefitResult
 from refitflow.cli.synthetic import synthetic_model, synthetic_shapes
 from refitflow.core.types import Identity, Publication
-from refitflow.engine.member import Preparing
+from refitflow.engine.member import Preparer
 from refitflow.metrics.prometheus import PrometheusMetrics
 
 __all__ = [
@@ -96,12 +96,13 @@ async def wait_for_receivers(pub: Publisher, receivers: int, timeout_s: float) -
             await anyio.sleep(0.05)
 
 
-def refit_event(name: str, result: RefitResult, recv: Preparing, committed: bool) -> dict[str, Any]:
+def refit_event(name: str, result: RefitResult, recv: Preparer, committed: bool) -> dict[str, Any]:
     """What the display needs of one rank's refit."""
     return {
         "kind": "refit", "name": name, "version": result.version, "revision": result.revision,
         "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes, "ideal_bytes": result.ideal_bytes,
-        "committed": committed and recv.status.committed_version == result.version and recv.status.fence == "ready",
+        "committed": committed and recv.ledger.committed_version == result.version
+        and recv.ledger.fence.state == "ready",
         "peak_staging": result.peak_staging_bytes,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "stages": {k: v.seconds for k, v in result.stages.items()},

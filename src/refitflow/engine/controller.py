@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError
 from refitflow.core.wire import decode, encode
+from refitflow.registry.security import ClientSecurity
 
 __all__ = ["Controller", "EngineResult", "RankReport"]
 
@@ -59,15 +60,19 @@ class Controller:
     Arguments: ``engines`` maps each engine's name to the addresses of its ranks' ``rf.EngineAgent``s
     (each rank runs ``EngineAgent(EngineMember(receiver, vote), address).serve()``); ``slack_s`` (10) is
     how long past a refit's ``timeout`` the controller waits for answers (the vote, the commit, the
-    reply). A rank that does not answer by then fails its engine. ``status()`` asks every rank for its
+    reply). A rank that does not answer by then fails its engine. ``security`` (None): CURVE on every
+    agent socket — the controller's ``rf.ClientSecurity`` from the deployment's key set (``refitflow
+    keys``), the agents holding the matching ``rf.ServerSecurity``. ``status()`` asks every rank for its
     receiver status; ``stop_agents()`` ends the agents' loops.
     """
 
-    def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0) -> None:
+    def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0,
+                 security: ClientSecurity | None = None) -> None:  # fmt: skip
         if not engines or any(not ranks for ranks in engines.values()):
             raise ConfigError("a controller needs at least one engine, each with at least one rank address")
         self.engines = {name: list(ranks) for name, ranks in engines.items()}
         self.slack_s = slack_s  # beyond the refit timeout: the vote, the commit, the reply
+        self.security = security
         # command ids double as vote attempt ids: they increase across controller restarts too
         self._ids = itertools.count(time.time_ns() // 1000)
 
@@ -105,15 +110,18 @@ class Controller:
                 async with anyio.create_task_group() as tg:
                     for name, ranks in self.engines.items():
                         for i, address in enumerate(ranks):
-                            tg.start_soon(_ask, context, address, command, replies[name], i)
+                            tg.start_soon(_ask, context, self.security, address, command, replies[name], i)
         finally:
             context.destroy(linger=0)
         return replies
 
 
-async def _ask(context: zmq.asyncio.Context, address: str, command: dict[str, Any], into: list[Any], i: int) -> None:
+async def _ask(context: zmq.asyncio.Context, security: ClientSecurity | None, address: str, command: dict[str, Any],
+               into: list[Any], i: int) -> None:  # fmt: skip
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if security is not None:
+        security.apply(sock)
     try:
         sock.connect(address)
         await sock.send(encode(command))

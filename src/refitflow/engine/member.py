@@ -1,99 +1,168 @@
-"""An engine member: one inference rank refitting together with the other ranks of its engine."""
+"""An engine member: one inference rank refitting together with the other ranks of its engine.
+
+What a member needs of its receiver is small (``Preparer``): ``prepare`` (run the pipeline to a
+prepared transaction), ``finish`` (make it visible), ``abort`` (abandon it), and the ``ledger``
+(``last_begun``, ``open``, ``doubt``, ``fence_for_peers``). ``rf.Receiver`` is one; a streaming
+receiver is another as long as it keeps the same four.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 
-from refitflow.api.receiver import ReceiverStatus, RefitResult
 from refitflow.core.errors import RefitError
-from refitflow.engine.vote import Ballot, Decision, VoteChannel, decide
+from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.pipeline.transaction import Ledger, Transaction
 
-__all__ = ["EngineMember", "EngineOutcome", "Preparing"]
+__all__ = ["EngineMember", "EngineOutcome", "Preparer"]
 
 
-class Preparing(Protocol):
-    """What a member drives: ``rf.Receiver`` (pull) or ``rf.StreamReceiver`` (push stream)."""
+class Preparer(Protocol):
+    """The receiver side of an engine member."""
 
     ledger: Ledger
 
-    @property
-    def status(self) -> ReceiverStatus: ...
-    async def prepare(
-        self, min_version: int | None = None, *, timeout: float = 60.0
-    ) -> tuple[Transaction, RefitResult]: ...
+    async def prepare(self, min_version: int | None = None, *, timeout: float = 60.0) -> tuple[Transaction, Any]:
+        """Run a refit to a prepared transaction (nothing visible); raise ``RefitError`` on failure."""
+        ...
+
     async def finish(self, txn: Transaction) -> None: ...
     async def abort(self, txn: Transaction, reason: str) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOutcome:
-    decision: Decision
+    decision: Decision  # the engine's verdict as this rank learned it, or IN_DOUBT
     committed: bool  # this rank now serves ``version``
     version: int | None
-    ballots: tuple[Ballot | None, ...]
-    result: RefitResult | None  # this rank's prepared refit, when it got that far
+    attempt: int  # the vote's attempt id
+    reason: str  # why the engine did not commit (empty when it did)
+    result: Any  # this rank's prepared refit (a RefitResult), when it got that far
     error: BaseException | None  # this rank's own failure, if any
 
 
-class EngineMember:
-    """Wraps a receiver: prepare, vote with the engine's peers, then finish or abort together."""
+@dataclass(frozen=True)
+class _Doubt:
+    attempt: int
+    txn: Transaction
+    result: Any
 
-    def __init__(self, receiver: Preparing, channel: VoteChannel, *, vote_timeout: float = 30.0) -> None:
+
+class EngineMember:
+    """Wraps a receiver: prepare, vote, then finish or abort as the engine's verdict says.
+
+    A rank that voted ready and could not learn the verdict is *in doubt*: its version stays
+    prepared, unseen, and its fence ``updating``. ``resolve`` (the agent calls it in the background)
+    or the next ``refit`` asks the peers; when nobody can tell within ``resolve_timeout`` the next
+    refit abandons the doubtful version (never commits it) and the rank stays fenced until a newer
+    version commits engine-wide.
+    """
+
+    def __init__(self, receiver: Preparer, channel: VoteChannel, *, vote_timeout: float = 30.0,
+                 resolve_timeout: float = 5.0) -> None:  # fmt: skip
         self.receiver = receiver
         self.channel = channel
         self.vote_timeout = vote_timeout
+        self.resolve_timeout = resolve_timeout
+        self._doubt: _Doubt | None = None
+        self._lock = anyio.Lock()
+
+    @property
+    def in_doubt(self) -> int | None:
+        """The attempt whose verdict this rank does not know yet (``None``: none)."""
+        return None if self._doubt is None else self._doubt.attempt
 
     async def refit(self, min_version: int | None = None, *, timeout: float = 60.0) -> EngineOutcome:
-        recv = self.receiver
-        begun_before = recv.ledger.last_begun
-        txn: Transaction | None = None
-        result: RefitResult | None = None
-        error: BaseException | None = None
-        try:
-            txn, result = await recv.prepare(min_version, timeout=timeout)
-        except RefitError as exc:  # the rank still votes, on its way out of the failure
-            error = exc
-        except BaseException:  # cancelled: still vote (shielded, bounded), then propagate
-            with anyio.CancelScope(shield=True):
-                await self._vote(recv.ledger.last_begun != begun_before, None)
-            raise
-        began = recv.ledger.last_begun != begun_before
-        ballots = await self._vote(began, txn)
-        decision = decide(ballots)
-        if decision is Decision.COMMIT and txn is not None:
+        async with self._lock:
+            await self._leave_doubt()
+            ledger = self.receiver.ledger
+            begun_before = ledger.last_begun
+            txn: Transaction | None = None
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                txn, result = await self.receiver.prepare(min_version, timeout=timeout)
+            except RefitError as exc:  # the rank still votes, on its way out of the failure
+                error = exc
+            except BaseException:  # cancelled: still vote (shielded, bounded), then propagate
+                with anyio.CancelScope(shield=True):
+                    await self.channel.vote(self._ballot(ledger.last_begun != begun_before, None), self.vote_timeout)
+                raise
+            began = ledger.last_begun != begun_before
+            try:
+                verdict = await self.channel.vote(self._ballot(began, txn), self.vote_timeout)
+            except BaseException:  # cancelled mid-vote: a ready ballot may have counted, so in doubt
+                if txn is not None:
+                    self._hold(self.channel.attempt, txn, result)
+                raise
+            return await self._apply(verdict, txn, began, result, error)
+
+    async def resolve(self, timeout: float | None = None) -> EngineOutcome | None:
+        """Ask the peers for the verdict this rank is in doubt about; the outcome once learned.
+
+        ``None`` when not in doubt, still in doubt, or a refit is running (it resolves first itself).
+        """
+        if self._doubt is None or self._lock.locked():
+            return None
+        async with self._lock:
+            return await self._resolve(self.resolve_timeout if timeout is None else timeout)
+
+    async def _resolve(self, timeout: float) -> EngineOutcome | None:
+        doubt = self._doubt
+        if doubt is None:
+            return None
+        verdict = await self.channel.resolve(doubt.attempt, timeout)
+        if verdict.decision is Decision.IN_DOUBT:
+            return None
+        self._doubt = None
+        return await self._apply(verdict, doubt.txn, True, doubt.result, None)
+
+    async def _leave_doubt(self) -> None:
+        """Before a new attempt: learn the doubtful verdict, or abandon that version (fenced, never committed)."""
+        if self._doubt is None:
+            return
+        await self._resolve(self.resolve_timeout)
+        doubt, self._doubt = self._doubt, None
+        if doubt is not None:
+            reason = f"abandoned version {doubt.txn.version}: the verdict of attempt {doubt.attempt} is unknown"
+            await self.receiver.abort(doubt.txn, reason)
+            self.receiver.ledger.fence_for_peers(reason)
+
+    def _ballot(self, began: bool, txn: Transaction | None) -> Ballot:
+        last = self.receiver.ledger.last_begun
+        version = txn.version if txn is not None else (last if began and last is not None else -1)
+        return Ballot(ready=txn is not None, began=began, version=version)
+
+    def _hold(self, attempt: int, txn: Transaction, result: Any) -> None:
+        self.receiver.ledger.doubt(txn, f"in doubt: version {txn.version} prepared, attempt {attempt} undecided")
+        self._doubt = _Doubt(attempt, txn, result)
+
+    async def _apply(self, v: Verdict, txn: Transaction | None, began: bool, result: Any,
+                     error: BaseException | None) -> EngineOutcome:  # fmt: skip
+        recv, ledger = self.receiver, self.receiver.ledger
+        decision = v.decision
+        if decision is Decision.IN_DOUBT and txn is None:
+            decision = Decision.ABORT  # COMMIT needed this rank's ready ballot: it cannot have happened
+
+        def outcome(committed: bool, version: int | None) -> EngineOutcome:
+            reason = "" if committed else (v.reason or decision.value)
+            return EngineOutcome(decision=decision, committed=committed, version=version, attempt=v.attempt,
+                                 reason=reason, result=result, error=error)  # fmt: skip
+
+        if decision is Decision.COMMIT and txn is not None and txn.version == v.version:
             await recv.finish(txn)
-            return EngineOutcome(
-                decision=decision, committed=True, version=txn.version, ballots=tuple(ballots), result=result,
-                error=None,
-            )  # fmt: skip
+            return outcome(True, txn.version)
+        if decision is Decision.IN_DOUBT:
+            assert txn is not None
+            self._hold(v.attempt, txn, result)
+            return outcome(False, txn.version)
         if txn is not None:
-            await recv.abort(txn, f"engine vote: {_why(ballots)}")
+            await recv.abort(txn, f"engine vote: {v.reason or decision.value}")
+        if decision is Decision.COMMIT:  # never, unless a verdict was forged
+            ledger.fence_for_peers(f"the engine committed version {v.version}, which this rank did not prepare")
         elif decision is Decision.ABORT and not began:
-            recv.ledger.fence_for_peers(f"a peer began and aborted ({_why(ballots)})")
-        version = recv.ledger.last_begun if began else None
-        return EngineOutcome(
-            decision=decision, committed=False, version=version, ballots=tuple(ballots), result=result, error=error
-        )
-
-    async def _vote(self, began: bool, txn: Transaction | None) -> list[Ballot | None]:
-        version = txn.version if txn is not None else (self.receiver.ledger.last_begun if began else -1)
-        ballot = Ballot(ready=txn is not None, began=began, version=version if version is not None else -1)
-        return await self.channel.exchange(ballot, self.vote_timeout)
-
-
-def _why(ballots: list[Ballot | None]) -> str:
-    missing = [i for i, b in enumerate(ballots) if b is None]
-    not_ready = [i for i, b in enumerate(ballots) if b is not None and not b.ready]
-    versions = sorted({b.version for b in ballots if b is not None and b.ready})
-    parts = []
-    if missing:
-        parts.append(f"ranks {missing} did not vote")
-    if not_ready:
-        parts.append(f"ranks {not_ready} not ready")
-    if len(versions) > 1:
-        parts.append(f"ranks prepared different versions {versions}")
-    return "; ".join(parts) or "aborted"
+            ledger.fence_for_peers(f"a peer began and aborted ({v.reason or 'no reason given'})")
+        return outcome(False, ledger.last_begun if began else None)

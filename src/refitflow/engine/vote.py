@@ -1,14 +1,16 @@
-"""The engine vote: the ranks of one engine commit a version together or not at all.
+"""The engine vote's vocabulary: ballots, the rule, verdicts, and the channel a member votes through.
 
-Every rank votes exactly once per attempt — ``(ready, began, version)`` — also on its way out of a
-failure, and every rank applies the same rule to the same ballots:
+Every rank votes exactly once per attempt — ``Ballot(ready, began, version)`` — also on its way out
+of a failure. The rule (``decide``) over every rank's ballot:
 
-- every rank ready for the same version → all commit;
-- otherwise every rank that began aborts (in place: fenced; shadow: the old version serves), and a
-  rank that refused at begin while a peer began is fenced too;
-- nobody began → nothing changes.
+- every rank ready for the same version → COMMIT;
+- otherwise ABORT if any rank began (in place: fenced; shadow: the old version serves; a rank that
+  refused at begin while a peer began is fenced too);
+- nobody began → NOTHING.
 
-A peer that does not vote before the deadline counts as not ready (and as possibly begun).
+Ranks never apply the rule to the ballots they happen to hold: one register per attempt (the
+coordinator's in ``ZmqVote``, the c10d store's in ``GlooVote``) is written once, and every rank
+learns the ``Verdict`` from it (``engine/commitment.py`` has the protocol and its failure cases).
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import anyio
-import anyio.to_thread
-import torch
+from refitflow.core.errors import ConfigError, ManifestError
+from refitflow.core.wire import decode
 
-__all__ = ["Ballot", "Decision", "GlooVote", "VoteChannel", "decide"]
+__all__ = ["AttemptIds", "Ballot", "Decision", "Verdict", "VoteChannel", "decide", "decode_object", "why"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +37,19 @@ class Decision(enum.StrEnum):
     COMMIT = "commit"
     ABORT = "abort"
     NOTHING = "nothing"
+    IN_DOUBT = "in_doubt"  # not a decision: this rank voted and has not learned the verdict yet
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    attempt: int
+    decision: Decision  # COMMIT, ABORT, NOTHING, or IN_DOUBT (this rank does not know it)
+    version: int | None = None  # COMMIT: the version every rank commits
+    reason: str = ""
 
 
 def decide(ballots: Sequence[Ballot | None]) -> Decision:
-    """The same rule on every rank; ``None`` is a peer that never voted."""
+    """The rule over every rank's ballot; ``None`` is a rank whose ballot never came (counts as began)."""
     if all(b is not None and b.ready for b in ballots) and len({b.version for b in ballots if b}) == 1:
         return Decision.COMMIT
     if any(b is None or b.began for b in ballots):
@@ -47,42 +57,75 @@ def decide(ballots: Sequence[Ballot | None]) -> Decision:
     return Decision.NOTHING
 
 
+def why(ballots: Sequence[Ballot | None]) -> str:
+    """Why these ballots do not commit, in words (empty when they do)."""
+    missing = [i for i, b in enumerate(ballots) if b is None]
+    not_ready = [i for i, b in enumerate(ballots) if b is not None and not b.ready]
+    versions = sorted({b.version for b in ballots if b is not None and b.ready})
+    parts = []
+    if missing:
+        parts.append(f"ranks {missing} did not vote")
+    if not_ready:
+        parts.append(f"ranks {not_ready} not ready")
+    if len(versions) > 1:
+        parts.append(f"ranks prepared different versions {versions}")
+    return "; ".join(parts)
+
+
 class VoteChannel(Protocol):
+    """How an ``EngineMember`` votes. Both channels also have ``set_attempt(n)`` (a driver's ids)."""
+
     rank: int
     size: int
 
-    async def exchange(self, ballot: Ballot, timeout: float) -> list[Ballot | None]:
-        """Every rank's ballot (this rank's own included); ``None`` for a peer that did not vote in time."""
+    @property
+    def attempt(self) -> int:
+        """The id of the last attempt this rank voted in."""
+        ...
+
+    async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
+        """Vote in the next attempt; its verdict, or IN_DOUBT when this rank could not learn it in time.
+
+        A rank whose ballot was not ready may treat IN_DOUBT as ABORT (COMMIT needed its ballot).
+        """
+        ...
+
+    async def resolve(self, attempt: int, timeout: float) -> Verdict:
+        """Learn the verdict of an earlier ``attempt`` this rank is in doubt about (IN_DOUBT: still unknown)."""
         ...
 
 
-class GlooVote:
-    """The vote over a torch.distributed CPU (gloo) process group the host engine already has.
+class AttemptIds:
+    """Attempt ids of a channel: they count votes, or a driver sets the next one (it must increase)."""
 
-    After a failed or timed-out exchange the group is broken (a peer died or hung): the host must
-    build a new one, as it must for any collective after a rank failure.
-    """
+    _attempt = 0
+    _next: int | None = None
 
-    def __init__(self, group: Any = None) -> None:
-        import torch.distributed as dist
+    @property
+    def attempt(self) -> int:
+        """The id of the last attempt this rank voted in."""
+        return self._attempt
 
-        self._dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+    def set_attempt(self, attempt: int) -> None:
+        """The id of the next vote (must increase): a driver's command id keeps ranks in step."""
+        if attempt <= self._attempt:
+            raise ConfigError(f"vote attempt {attempt} does not increase (last was {self._attempt})")
+        self._next = attempt
 
-    async def exchange(self, ballot: Ballot, timeout: float) -> list[Ballot | None]:
-        mine = torch.tensor([int(ballot.ready), int(ballot.began), ballot.version], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+    def _begin_attempt(self) -> int:
+        attempt = self._next if self._next is not None else self._attempt + 1
+        self._attempt, self._next = attempt, None
+        return attempt
 
-        def gather() -> None:
-            self._dist.all_gather(gathered, mine, group=self.group)
 
-        with anyio.move_on_after(timeout):
-            try:
-                await anyio.to_thread.run_sync(gather, abandon_on_cancel=True)
-            except RuntimeError:  # a peer died: gloo's connection closed
-                pass
-            else:
-                return [Ballot(bool(t[0]), bool(t[1]), int(t[2])) for t in gathered]
-        return [ballot if i == self.rank else None for i in range(self.size)]
+def decode_object(frame: bytes, limit: int, what: str) -> dict[str, Any]:
+    """A JSON object of at most ``limit`` bytes from a peer (``ValueError`` for anything else)."""
+    if len(frame) > limit:
+        raise ValueError(f"a {len(frame)}-byte frame is not a {what}")
+    try:
+        m = decode(frame)
+    except ManifestError as exc:
+        raise ValueError(str(exc)) from exc
+    if not isinstance(m, dict):
+        raise ValueError(f"a {what} is a JSON object")
+    return m

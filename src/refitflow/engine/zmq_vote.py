@@ -1,30 +1,30 @@
-"""The engine vote over refitflow's own ZMQ channel, for engines with no torch.distributed group.
+"""The engine vote over refitflow's own ZMQ sockets, for engines with no torch.distributed group.
 
 Every rank binds one PULL socket on its own address and connects one PUSH socket to each peer's
-(one per peer: a PUSH connected to several peers would round-robin). An exchange sends this rank's
-ballot to every peer, tagged with the attempt id, then collects the peers' ballots for that
-attempt until the deadline:
+(one per peer: a PUSH connected to several would round-robin). A background task (the *pump*)
+reads every message and hands it to this rank's ``commitment.Node`` — rank 0's holds the
+register — and sends what the node answers; it runs for the channel's whole life, so a rank
+answers a peer's question (the verdict of an attempt) whether or not it is voting itself.
 
-- a ballot for an earlier attempt (a peer that was late) is dropped, never counted;
-- a ballot for a later attempt (a peer that is ahead) is kept for that attempt;
-- a peer whose ballot has not arrived by the deadline is ``None`` (not ready, possibly begun).
+``vote`` sends this rank's ballot to the coordinator and says it again every ``resend_s`` until the
+verdict arrives, up to ``timeout``; then it asks the coordinator to write ABORT and waits
+``settle_s`` more; without an answer the rank is in doubt (``Decision.IN_DOUBT``). ``resolve`` asks
+every peer until one answers. Attempt ids count votes, or are set with ``set_attempt`` by whoever
+drives the attempts (the controller's command id), which keeps ranks in step even after one of them
+was restarted.
 
-Each message carries the sender's ballot and the ranks whose ballots it holds (its acks); a rank
-says it again every ``resend_s`` and at once when it learns a new ballot. A rank returns when it
-holds every ballot *and* every peer holds its own, or at the deadline: so a rank that returns and
-exits never strands a peer without its ballot, and ranks that hold the same ballots decide alike
-(a rank whose last ack was lost merely waits for the deadline, with all the ballots in hand).
-
-Attempt ids count exchanges (every rank votes exactly once per attempt), or are set explicitly
-with ``set_attempt`` by whoever drives the attempts (the controller's command id), which keeps
-ranks in step even after one of them was restarted.
+Security: ``server_security`` makes the PULL socket a CURVE server that accepts only the clients in
+its allow-list, ``client_security`` the PUSH sockets CURVE clients (one key set for a deployment,
+``refitflow keys``; give both or neither). Without them use loopback or a private network only: a
+process that can reach the PULL socket could vote in a rank's name.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -32,125 +32,211 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.errors import ConfigError
-from refitflow.core.wire import decode, encode
-from refitflow.engine.vote import Ballot
+from refitflow.core.wire import encode
+from refitflow.engine.commitment import Kind, Message, Node
+from refitflow.engine.vote import AttemptIds, Ballot, Decision, Verdict, decode_object
+from refitflow.registry.security import ClientSecurity, ServerSecurity, warn_if_exposed
 
-__all__ = ["ZmqVote"]
+__all__ = ["ZmqVote", "decode_vote", "encode_vote"]
 
 log = logging.getLogger(__name__)
 
-_MAX_EARLY = 8  # later attempts whose ballots are kept
+MAX_FRAME = 4096  # a vote message is < 300 bytes; anything larger is not one
+_DECISIONS = (Decision.COMMIT, Decision.ABORT, Decision.NOTHING)
 
 
-@dataclass
-class _Attempt:
-    ballots: dict[int, Ballot] = field(default_factory=dict)  # rank → its ballot
-    acks: dict[int, set[int]] = field(default_factory=dict)  # peer → the ranks whose ballots it holds
+def encode_vote(group: str, m: Message) -> bytes:
+    out: dict[str, Any] = {"g": group, "k": m.kind.value, "a": m.attempt, "r": m.sender}
+    if m.ballot is not None:
+        out["b"] = [m.ballot.ready, m.ballot.began, m.ballot.version]
+    if m.verdict is not None:
+        out["d"] = [m.verdict.decision.value, m.verdict.version, m.verdict.reason[:500]]
+    return encode(out)
 
-    def settled(self, rank: int, size: int) -> bool:
-        """Every ballot here, and every peer holds ours (so leaving now strands nobody)."""
-        return len(self.ballots) == size and all(rank in self.acks.get(p, ()) for p in range(size) if p != rank)
+
+def _int(value: Any, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value < hi:
+        raise ValueError(f"{value!r:.40} is not an integer in [{lo}, {hi})")
+    return value
 
 
-class ZmqVote:
+def decode_vote(data: bytes, *, group: str, rank: int, size: int) -> Message:
+    """A peer's message to ``rank``, checked field by field; ``ValueError`` for anything else."""
+    m = decode_object(data, MAX_FRAME, "vote message")
+    if m.get("g") != group:
+        raise ValueError(f"not a message of vote group {group!r}")
+    kind = Kind(str(m.get("k")))
+    attempt = _int(m.get("a"), 0, 1 << 63)
+    sender = _int(m.get("r"), 0, size)
+    if sender == rank:
+        raise ValueError(f"a message in this rank's own name ({rank})")
+    ballot = verdict = None
+    if kind is Kind.BALLOT:
+        b = m.get("b")
+        if not (isinstance(b, list) and len(b) == 3 and all(type(x) is bool for x in b[:2])):
+            raise ValueError("a ballot is [ready, began, version]")
+        ballot = Ballot(b[0], b[1], _int(b[2], -1, 1 << 63))
+    elif kind is Kind.DECISION:
+        d = m.get("d")
+        if not (isinstance(d, list) and len(d) == 3 and isinstance(d[2], str)):
+            raise ValueError("a decision is [decision, version, reason]")
+        decision = Decision(d[0])
+        if decision not in _DECISIONS:
+            raise ValueError(f"{decision} is not a verdict")
+        version = None if d[1] is None else _int(d[1], -1, 1 << 63)
+        if (decision is Decision.COMMIT) != (version is not None):
+            raise ValueError("a COMMIT names its version, nothing else does")
+        verdict = Verdict(attempt, decision, version, d[2][:500])
+    return Message(kind, attempt, sender, rank, ballot=ballot, verdict=verdict)
+
+
+class ZmqVote(AttemptIds):
     """``VoteChannel`` over ZMQ: ``addresses[i]`` is rank ``i``'s ``tcp://host:port`` (or ``ipc://``)."""
 
-    def __init__(self, rank: int, addresses: Sequence[str], *, group: str = "engine", resend_s: float = 0.1,
-                 linger_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        addresses: Sequence[str],
+        *,
+        group: str = "engine",
+        resend_s: float = 0.1,
+        settle_s: float = 1.0,
+        linger_s: float = 1.0,
+        server_security: ServerSecurity | None = None,
+        client_security: ClientSecurity | None = None,
+    ) -> None:
         if not 0 <= rank < len(addresses):
             raise ConfigError(f"rank {rank} is not one of the {len(addresses)} addresses of the engine")
         if len(set(addresses)) != len(addresses):
             raise ConfigError(f"every rank of an engine needs its own vote address, got {list(addresses)}")
+        if (server_security is None) != (client_security is None):
+            raise ConfigError("CURVE for the vote needs both server_security and client_security, or neither")
+        if resend_s <= 0 or settle_s < 0:
+            raise ConfigError("resend_s must be positive and settle_s not negative")
         self.rank, self.size, self.group = rank, len(addresses), group
-        self.resend_s, self.linger_s = resend_s, linger_s
+        self.resend_s, self.settle_s, self.linger_s = resend_s, settle_s, linger_s
         self.addresses = list(addresses)
+        self.node = Node(rank, self.size)
         self._context = zmq.asyncio.Context()
-        self._pull = self._context.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(addresses[rank])
-        self._push: dict[int, zmq.asyncio.Socket] = {}
-        for peer, address in enumerate(addresses):
-            if peer != rank:
-                sock = self._context.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(address)  # queued until the peer binds; never blocks the vote
-                self._push[peer] = sock
-        self._attempt = 0  # the last attempt this rank voted in
-        self._next: int | None = None
-        self._early: dict[int, _Attempt] = {}  # ballots from peers already in a later attempt
+        self._auth = None
+        try:
+            if server_security is not None:
+                self._auth = server_security.authenticator(self._context)
+            else:
+                warn_if_exposed(addresses[rank], "engine vote")
+            self._pull = self._context.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            if server_security is not None:
+                server_security.apply(self._pull)
+            self._pull.bind(addresses[rank])
+            self._push: dict[int, zmq.Socket] = {}
+            for peer, address in enumerate(addresses):
+                if peer != rank:
+                    sock = self._context.socket(zmq.PUSH, socket_class=zmq.Socket)  # type: ignore[arg-type]  # plain: sends never wait
+                    sock.setsockopt(zmq.LINGER, 0)
+                    if client_security is not None:
+                        client_security.apply(sock)
+                    sock.connect(address)  # queued until the peer binds; never blocks the vote
+                    self._push[peer] = sock
+        except BaseException:
+            self._teardown(0)
+            raise
+        self._changed = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self._deadline: tuple[int, float] | None = None  # the coordinator's own attempt and its deadline
+        self.dropped = 0  # messages refused (malformed, foreign, too large)
         self.closed = False
 
-    @property
-    def attempt(self) -> int:
-        return self._attempt
-
-    def set_attempt(self, attempt: int) -> None:
-        """The id of the next exchange (must increase): a driver's command id keeps ranks in step."""
-        if attempt <= self._attempt:
-            raise ConfigError(f"vote attempt {attempt} does not increase (last was {self._attempt})")
-        self._next = attempt
-
-    async def exchange(self, ballot: Ballot, timeout: float) -> list[Ballot | None]:
+    def start(self) -> None:
+        """Start answering peers (done by the first vote or resolve, and by ``async with``)."""
         if self.closed:
             raise ConfigError("this vote channel is closed")
-        attempt = self._next if self._next is not None else self._attempt + 1
-        self._attempt, self._next = attempt, None
-        state = self._early.pop(attempt, None) or _Attempt()
-        state.ballots[self.rank] = ballot
-        for stale in [a for a in self._early if a < attempt]:
-            del self._early[stale]
-        await self._broadcast(attempt, state)
-        with anyio.move_on_after(timeout):
-            while not state.settled(self.rank, self.size):
-                with anyio.move_on_after(self.resend_s):
-                    if self._take(await self._pull.recv(), attempt, state):
-                        await self._broadcast(attempt, state)  # at once: a peer may wait for our ack
-                    continue
-                await self._broadcast(attempt, state)  # nothing new for a while: say it again
-        return [state.ballots.get(r) for r in range(self.size)]
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
-    async def _broadcast(self, attempt: int, state: _Attempt) -> None:
-        mine = state.ballots[self.rank]
-        message = encode({"g": self.group, "a": attempt, "r": self.rank, "b": [mine.ready, mine.began, mine.version],
-                          "h": sorted(state.ballots)})  # fmt: skip
-        for sock in self._push.values():
+    async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
+        self.start()
+        attempt = self._begin_attempt()
+        if self.node.register is not None:
+            self._deadline = (attempt, time.monotonic() + timeout)
+        self._send(self.node.vote(attempt, ballot))
+        verdict = await self._await(attempt, timeout, lambda: self.node.tick(attempt))
+        if verdict is None:  # our deadline: the coordinator writes ABORT unless something is written
+            self._send(self.node.expire(attempt))
+            verdict = await self._await(attempt, self.settle_s, lambda: self.node.expire(attempt))
+        return verdict or Verdict(attempt, Decision.IN_DOUBT, None, "no verdict from the coordinator")
+
+    async def resolve(self, attempt: int, timeout: float) -> Verdict:
+        self.start()
+        self._send(self.node.query(attempt))
+        verdict = await self._await(attempt, timeout, lambda: self.node.query(attempt))
+        return verdict or Verdict(attempt, Decision.IN_DOUBT, None, "no peer knows the verdict yet")
+
+    async def _await(self, attempt: int, timeout: float, again: Any) -> Verdict | None:
+        """Until this rank knows the verdict (or ``timeout``), saying ``again()`` every ``resend_s``."""
+        with anyio.move_on_after(timeout):
+            while (verdict := self.node.verdict(attempt)) is None:
+                changed = self._changed
+                with anyio.move_on_after(self.resend_s) as quiet:
+                    await changed.wait()
+                if quiet.cancelled_caught:
+                    self._send(again())
+            return verdict
+        return self.node.verdict(attempt)
+
+    async def _run_pump(self) -> None:
+        try:
+            while True:
+                data = await self._pull.recv()
+                self._expire_own()
+                try:
+                    m = decode_vote(data, group=self.group, rank=self.rank, size=self.size)
+                except Exception as exc:  # malformed, foreign or forged-looking: never counted
+                    self.dropped += 1
+                    log.warning("engine vote: dropped a message: %.200s", exc)
+                    continue
+                self._send(self.node.receive(m))
+                self._changed.set()
+                self._changed = asyncio.Event()
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def _expire_own(self) -> None:
+        """A coordinator past its own deadline writes ABORT before it reads anything older."""
+        if self._deadline is not None and time.monotonic() >= self._deadline[1]:
+            attempt, self._deadline = self._deadline[0], None
+            self._send(self.node.expire(attempt))
+
+    def _send(self, messages: list[Message]) -> None:
+        for m in messages:
             try:
-                await sock.send(message, flags=zmq.NOBLOCK)
-            except zmq.Again:  # the peer's queue is full: it is not reading, so it will not count us
+                self._push[m.to].send(encode_vote(self.group, m), flags=zmq.NOBLOCK)
+            except zmq.Again:  # the peer's queue is full: it is not reading; it will ask again
                 pass
 
-    def _take(self, data: bytes, attempt: int, state: _Attempt) -> bool:
-        """File a peer's message; True when it brought a ballot this rank did not have."""
-        try:
-            m: Any = decode(data)
-            peer, their, (ready, began, version) = int(m["r"]), int(m["a"]), m["b"]
-            vote, has = Ballot(bool(ready), bool(began), int(version)), {int(r) for r in m["h"]}
-            if m["g"] != self.group or not 0 <= peer < self.size or peer == self.rank:
-                raise ValueError(f"ballot from group {m['g']!r} rank {peer}")
-        except Exception as exc:  # a malformed or foreign ballot is never counted
-            log.warning("engine vote: dropped a malformed ballot: %s", exc)
-            return False
-        if their < attempt:
-            return False  # late, from an earlier attempt: never counted
-        if their > attempt and their not in self._early and len(self._early) >= _MAX_EARLY:
-            return False  # a peer far ahead (or a flood): it will resend when we get there
-        target = state if their == attempt else self._early.setdefault(their, _Attempt())
-        target.acks.setdefault(peer, set()).update(has)
-        if peer in target.ballots:
-            return False
-        target.ballots[peer] = vote
-        return their == attempt
+    def _teardown(self, push_linger_ms: int) -> None:
+        for sock in getattr(self, "_push", {}).values():  # a last verdict still queued gets a moment
+            sock.close(linger=push_linger_ms)
+        if hasattr(self, "_pull"):
+            self._pull.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._context.term()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._pull.close(linger=0)
-            for sock in self._push.values():  # a last ack still queued gets a moment to leave
-                sock.close(linger=int(self.linger_s * 1000))
-            self._context.term()
+            if self._pump is not None:
+                self._pump.cancel()
+            self._teardown(int(self.linger_s * 1000))
 
     async def __aenter__(self) -> ZmqVote:
+        self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
         self.close()

@@ -98,11 +98,16 @@ class ModelDims:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """``canonical[cbox]`` is held at ``local[lbox]`` (same extents; cbox may add leading size-1 dims)."""
+    """``canonical[cbox]`` is held at ``local[lbox]`` (same extents; cbox may add leading size-1 dims).
+
+    ``shape``: the whole canonical tensor's shape, when the layout knows it (tables always do): a
+    publication of another shape is refused instead of read in part.
+    """
 
     canonical: str
     cbox: Box
     lbox: Box
+    shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,13 +201,16 @@ def sliced(
     if axis is not None:
         box[axis] = (start, stop)
     b = tuple(box)
-    return LocalTensor(shape_of(b), (Segment(canonical, b, full(shape_of(b))),))
+    return LocalTensor(shape_of(b), (Segment(canonical, b, full(shape_of(b)), tuple(global_shape)),))
 
 
-def concat(parts: list[tuple[str, Box]], axis: int = 0, drop: int = 0) -> LocalTensor:
+def concat(
+    parts: list[tuple[str, Box]], axis: int = 0, drop: int = 0, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> LocalTensor:
     """A local tensor made of canonical boxes laid one after another along ``axis``.
 
-    ``drop``: leading size-1 dimensions of the canonical boxes the local tensor does not have.
+    ``drop``: leading size-1 dimensions of the canonical boxes the local tensor does not have;
+    ``shapes``: the canonical tensors' whole shapes (recorded in each segment).
     """
     segments, pos = [], 0
     shape: list[int] = []
@@ -211,7 +219,7 @@ def concat(parts: list[tuple[str, Box]], axis: int = 0, drop: int = 0) -> LocalT
         lbox = list(full(ext))
         lbox[axis] = (pos, pos + ext[axis])
         pos += ext[axis]
-        segments.append(Segment(name, cbox, tuple(lbox)))
+        segments.append(Segment(name, cbox, tuple(lbox), None if shapes is None else tuple(shapes[name])))
         shape = ext
     shape[axis] = pos
     return LocalTensor(tuple(shape), tuple(segments))

@@ -26,7 +26,7 @@ layers (``stages``: layers per stage), named by their global index or, Megatron'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
@@ -228,7 +228,8 @@ def build(
     def add(local: str, lt: LocalTensor) -> None:
         if local in out:
             raise ConfigError(f"two table entries make the local tensor {local!r}")
-        out[local] = lt
+        # every segment knows its canonical tensor's whole shape: a publication of another shape is refused
+        out[local] = LocalTensor(lt.shape, tuple(replace(g, shape=shapes[g.canonical]) for g in lt.segments))
 
     top = (tables.first if par.pp_rank == 0 else {}) | (tables.last if par.pp_rank == par.pp - 1 else {})
     for local, (kind, names) in top.items():

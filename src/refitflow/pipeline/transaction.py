@@ -109,6 +109,14 @@ class Ledger:
                 self.fence.set(FenceState.FENCED, f"version {txn.version} aborted after a partial write: {reason}")
             else:
                 self.fence.set(txn.fence_before, txn.fence_reason_before)
+        elif self.fence.state is not txn.fence_before:  # shadow: only a doubt closed it
+            self.fence.set(txn.fence_before, txn.fence_reason_before)
+
+    def doubt(self, txn: Transaction, reason: str) -> None:
+        """A prepared version whose engine verdict this rank does not know: it stays prepared and the
+        fence closes (``updating``) in both modes — the engine's peers may serve it already, or not."""
+        self._expect(txn, TxnState.PREPARED)
+        self.fence.set(FenceState.UPDATING, reason)
 
     def fence_for_peers(self, reason: str) -> None:
         """Close the fence because the engine's peers are inconsistent with this rank."""

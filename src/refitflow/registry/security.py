@@ -1,17 +1,40 @@
-"""CURVE keys: a client's key pair and the registry's public key; the server's secret key and allow-list."""
+"""CURVE keys: a client's key pair and the server's public key; the server's secret key and allow-list.
+
+One key set serves a whole deployment (``refitflow keys``): the registry, every engine rank's vote
+and agent sockets are CURVE servers with the server key pair and the allow-list; every client
+(publishers, receivers, vote peers, the controller) holds its own pair and the server's public key.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["ClientSecurity", "ServerSecurity"]
+__all__ = ["ClientSecurity", "ServerSecurity", "warn_if_exposed"]
+
+log = logging.getLogger(__name__)
+
+
+def warn_if_exposed(address: str, what: str) -> None:
+    """Log a warning when ``address`` (bound without CURVE) is reachable from beyond this host."""
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp":
+        return
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # '*' or a host name
+    if not loopback:
+        log.warning("%s bound on %s without CURVE: anyone who reaches it can send it commands", what, address)
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +79,25 @@ class ServerSecurity:
         if not Path(self.authorized_dir).is_dir():
             raise ConfigError(f"authorized client keys folder {self.authorized_dir} does not exist")
         _warn_if_readable_by_others(self.secret_key_file)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE server with this key pair (before it binds)."""
+        from zmq.auth import load_certificate
+
+        public, secret = load_certificate(str(self.secret_key_file))
+        if secret is None:
+            raise ConfigError(f"{self.secret_key_file} holds no secret key")
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+
+    def authenticator(self, context: zmq.Context) -> Any:
+        """Start (in a thread) the handler that admits only the allow-list's clients on ``context``.
+
+        Start it before binding: a CURVE server with no handler admits any client key. Stop it
+        (``.stop()``) before terminating the context.
+        """
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(context)
+        auth.start()
+        auth.configure_curve(domain="*", location=str(self.authorized_dir))
+        return auth

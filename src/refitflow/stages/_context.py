@@ -6,7 +6,7 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -127,7 +127,9 @@ class Attempt(Protocol):
 
 
 class Discovery(Protocol):
-    async def wait_complete(self, identity: Identity, min_version: int, timeout: float) -> Publication: ...
+    async def wait_complete(
+        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None
+    ) -> Publication: ...
 
 
 @dataclass(frozen=True, kw_only=True)

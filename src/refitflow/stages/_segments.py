@@ -151,10 +151,12 @@ def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[s
         for seg in lt.segments:
             pshape = shapes[seg.canonical]
             fits = len(pshape) == len(seg.cbox) and all(e <= d for (_, e), d in zip(seg.cbox, pshape, strict=True))
-            if not fits or (exact and shape_of(seg.cbox) != pshape):
+            model = seg.shape if seg.shape is not None else (shape_of(seg.cbox) if exact else None)
+            if not fits or (model is not None and tuple(model) != tuple(pshape)):  # wider or narrower: never in part
                 raise PlanError(
-                    f"shape mismatch: publication {pshape}, model {lt.shape}", tensor=seg.canonical, version=pub.version
-                )
+                    f"shape mismatch: publication {pshape}, model {model or lt.shape}",
+                    tensor=seg.canonical, version=pub.version,
+                )  # fmt: skip
             got = []
             for h in held[seg.canonical]:
                 common = intersect(seg.cbox, h.segment.cbox)

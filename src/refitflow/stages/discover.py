@@ -12,6 +12,7 @@ from anyio.abc import ObjectSendStream
 from refitflow.core.errors import RefitError, RefitTimeoutError
 from refitflow.core.types import Identity, Publication
 from refitflow.stages._context import Discovery, StageContext
+from refitflow.stages._filter import check_compile
 
 __all__ = ["run"]
 
@@ -29,17 +30,24 @@ async def run(
 ) -> None:
     """Wait (up to ``timeout``) for a complete version ≥ ``min_version``; ``begin`` may refuse it.
 
-    The wait is not the stage's work: it is reported apart (``RefitResult.wait_seconds``).
+    Discovery looks only for the compile targets the receiver accepts, and the compile filter is
+    checked before ``begin``, so a refused publication never consumes a version. The wait is not the
+    stage's work: it is reported apart (``RefitResult.wait_seconds``).
     """
     async with send:
         ctx.enter("discover")
         t_wait = time.perf_counter()
+        targets = ctx.limits.compile_targets
         try:
-            pub = await registry.wait_complete(identity, min_version, timeout)
+            if targets is None:
+                pub = await registry.wait_complete(identity, min_version, timeout)
+            else:
+                pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=targets)
         except RefitTimeoutError as exc:
             raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
         t0 = ctx.discovered_at = time.perf_counter()
         ctx.waited_s = t0 - t_wait
+        check_compile(pub, ctx.limits)
         if sum(len(m.shards) for m in pub.sources) > 1000:  # an address of many regions takes ms to read
             await anyio.to_thread.run_sync(ctx.connect_sources, pub)
         else:

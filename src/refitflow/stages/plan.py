@@ -6,7 +6,7 @@ fail (unknown name or dtype, shape mismatch, overlapping or missing shards, a ca
 fails here, as ``PlanError`` or ``CoverageError``, before any byte is written.
 
 The box copies come from ``_segments`` (receiver segments ∩ publisher segments in canonical space);
-regions and chunks from ``_regions``; the compile filter is ``_filter``.
+regions and chunks from ``_regions``. (The compile filter, ``_filter``, runs in discover, before begin.)
 Per source shard, copies become *regions* (boxes of the shard read together): a copy's own box, or,
 under ``verify="strict"``, the box widened to whole digest tiles; with runs too short, the enclosing
 rows of dim 0; overlapping widened regions merge. Regions are cut into pieces of at most a bucket and
@@ -392,7 +392,6 @@ async def run(
         async for pub in receive:
             ctx.enter("plan")
             t0 = time.perf_counter()
-            check_compile(pub, ctx.limits)
             plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
             ctx.note("plan", len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
