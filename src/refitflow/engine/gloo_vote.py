@@ -97,7 +97,7 @@ class GlooVote(AttemptIds):
         keys = [f"{self.name}/{attempt}/k/{r}" for r in range(self.size)]
         with anyio.move_on_after(self.linger_s):
             while not await self._call(self.store.check, keys):
-                await anyio.sleep(self.poll_s)
+                await anyio.sleep(self.poll_s)  # noqa: ASYNC110 (a store in another process: polled)
 
     async def _determined(self, attempt: int) -> Verdict | None:
         keys = [self._ballot_key(attempt, r) for r in range(self.size)]
