@@ -96,8 +96,8 @@ class GlooVote(AttemptIds):
         await self._call(self.store.compare_set, f"{self.name}/{attempt}/k/{self.rank}", "", b"1")
         keys = [f"{self.name}/{attempt}/k/{r}" for r in range(self.size)]
         with anyio.move_on_after(self.linger_s):
-            while not await self._call(self.store.check, keys):
-                await anyio.sleep(self.poll_s)  # noqa: ASYNC110 (a store in another process: polled)
+            while not await self._call(self.store.check, keys):  # noqa: ASYNC110 (a store in another process)
+                await anyio.sleep(self.poll_s)
 
     async def _determined(self, attempt: int) -> Verdict | None:
         keys = [self._ballot_key(attempt, r) for r in range(self.size)]
