@@ -1,6 +1,6 @@
 """``python -m bench``: refitflow against the limit and against what a competent user does today, same bytes.
 
-    python -m bench [--quick] [--size-mb 512] [--versions 3] [--budget-mb 256] [--json bench/results/bench.json]
+    python -m bench [--quick] [--size-mb 512] [--versions 5] [--budget-mb 256] [--json bench/results/bench.json]
 
 Needs the ``nixl`` and ``bench`` extras (``pip install -e '.[nixl,bench]'``; without safetensors the
 /dev/shm row is skipped, saying so). ``--quick``: a CI-sized smoke run (40 MB, 2 versions) whose
@@ -58,7 +58,7 @@ from refitflow.registry.embedded import Registry
 RAW = "raw NIXL READ into the parameters (no pipeline)"
 REFIT = {"in_place": "refitflow over NIXL, in place", "shadow": "refitflow over NIXL, shadow"}
 QUICK = {"size_mb": 40.0, "versions": 2}
-FULL = {"size_mb": 512.0, "versions": 3}
+FULL = {"size_mb": 512.0, "versions": 5}
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> tuple[float, float]:
@@ -189,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench")
     ap.add_argument("--quick", action="store_true", help="a CI-sized smoke run: 40 MB, 2 versions")
     ap.add_argument("--size-mb", type=float, help="model size, MB (10^6 bytes); default 512 (--quick: 40)")
-    ap.add_argument("--versions", type=int, help="versions per row; default 3 (--quick: 2)")
+    ap.add_argument("--versions", type=int, help="versions per row; default 5 (--quick: 2)")
     ap.add_argument("--budget-mb", type=float, default=256.0, help="staging budget, MiB")
     ap.add_argument("--json", default="bench/results/bench.json")
     args = ap.parse_args()
