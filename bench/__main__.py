@@ -49,7 +49,7 @@ import anyio
 import torch
 
 from bench._raw_reader import raw_reader_role
-from bench.baselines import GLOO, SHM, gloo_rows, memcpy_gbps, shm_row
+from bench.baselines import GLOO, SHM, best_gbps, gloo_rows, memcpy_gbps, shm_row
 from refitflow.cli.demo import run_processes
 from refitflow.cli.demo_roles import RoleConfig, publisher_role, receiver_role
 from refitflow.cli.synthetic import synthetic_nbytes, synthetic_shapes
@@ -59,11 +59,6 @@ RAW = "raw NIXL READ into the parameters (no pipeline)"
 REFIT = {"in_place": "refitflow over NIXL, in place", "shadow": "refitflow over NIXL, shadow"}
 QUICK = {"size_mb": 40.0, "versions": 2}
 FULL = {"size_mb": 512.0, "versions": 5}
-
-
-def _gbps(nbytes: int, seconds: list[float]) -> tuple[float, float]:
-    """(best warm, first) GB/s of per-version seconds."""
-    return nbytes / min(seconds[1:] or seconds) / 1e9, nbytes / seconds[0] / 1e9
 
 
 async def refitflow_row(cfg: RoleConfig, role: Any, mode: str) -> dict[str, Any]:
@@ -86,23 +81,22 @@ async def refitflow_row(cfg: RoleConfig, role: Any, mode: str) -> dict[str, Any]
     trainer = next(e for e in events if e["kind"] == "trainer_done")
     raw = [e for e in events if e["kind"] == "raw"]
     if raw:
-        best, first = _gbps(nbytes, raw[0]["seconds"])
+        best, first = best_gbps(nbytes, raw[0]["seconds"])
         return {"e2e_gbps": None, "receiver_gbps": best, "first_receiver_gbps": first,
                 "receiver_seconds": raw[0]["seconds"], "gbps": best, "first_gbps": first,
                 "trainer_rss": trainer["rss"], "receiver_rss": raw[0]["rss"], "peak_staging": 0,
                 "exact": raw[0]["digest"] == trainer["digest"]}  # fmt: skip
     refits = sorted((e for e in events if e["kind"] == "refit"), key=lambda e: e["version"])
     assert all(e["committed"] for e in refits) and len(refits) == cfg.versions, refits
-    go = {e["version"]: e["t_go"] for e in events if e["kind"] == "published"}
-    e2e = [e["t_commit"] - go[e["version"]] for e in refits]
+    published = sorted((e for e in events if e["kind"] == "published"), key=lambda e: e["version"])
+    e2e = [r["t_commit"] - p["t_go"] for r, p in zip(refits, published, strict=True)]
     receiver = [e["seconds"] + e["finish_seconds"] for e in refits]
     warm = refits[1:] or refits
-    (e2e_gbps, first_e2e), (recv_gbps, first_recv) = _gbps(nbytes, e2e), _gbps(nbytes, receiver)
+    (e2e_gbps, first_e2e), (recv_gbps, first_recv) = best_gbps(nbytes, e2e), best_gbps(nbytes, receiver)
     return {
         "e2e_gbps": e2e_gbps, "first_e2e_gbps": first_e2e, "e2e_seconds": e2e,
         "receiver_gbps": recv_gbps, "first_receiver_gbps": first_recv, "receiver_seconds": receiver,
-        "publish_seconds": [e["seconds"] for e in sorted((e for e in events if e["kind"] == "published"),
-                                                          key=lambda e: e["version"])],
+        "publish_seconds": [e["seconds"] for e in published],
         "gbps": max(e["gbps"] for e in warm), "first_gbps": refits[0]["gbps"],
         "trainer_rss": trainer["rss"], "receiver_rss": max(e["rss"] for e in refits),
         "peak_staging": max(e["peak_staging"] for e in refits),

@@ -33,7 +33,7 @@ from refitflow.cli.demo_roles import Report, peak_rss_bytes, weights_digest
 from refitflow.cli.synthetic import synthetic_model
 from refitflow.transports.base import as_bytes
 
-__all__ = ["BUCKET", "GLOO", "SHM", "gloo_rows", "memcpy_gbps", "pair_row", "shm_row"]
+__all__ = ["BUCKET", "GLOO", "SHM", "best_gbps", "gloo_rows", "memcpy_gbps", "shm_row"]
 
 BUCKET = 64 << 20
 GLOO = {  # method -> its row's name
@@ -57,6 +57,11 @@ def memcpy_gbps(nbytes: int, threads: int = 1) -> float:
     finally:
         torch.set_num_threads(before)
     return nbytes / min(times) / 1e9
+
+
+def best_gbps(nbytes: int, seconds: list[float]) -> tuple[float, float]:
+    """(best of the warm versions, first version) GB/s of ``nbytes`` moved in per-version ``seconds``."""
+    return nbytes / min(seconds[1:] or seconds) / 1e9, nbytes / seconds[0] / 1e9
 
 
 def _free_port() -> int:
@@ -162,14 +167,14 @@ async def shm_role(rank: int, path: str, size: int, versions: int, go: Any, done
     _done(report, rank, "shm", marks, model, file_bytes)
 
 
-def pair_row(events: list[dict[str, Any]], method: str, nbytes: int) -> dict[str, Any]:
-    """A baseline's row from its two processes' events: best warm done - go, RSS of each side, bit-exact."""
+def _row(events: list[dict[str, Any]], method: str, nbytes: int) -> dict[str, Any]:
+    """A baseline's row from its two processes' events: done - go per version, RSS of each side, bit-exact."""
     trainer, receiver = (next(e for e in events if e.get("method") == method and e["rank"] == r) for r in (0, 1))
     seconds = [done - go for go, done in zip(trainer["marks"], receiver["marks"], strict=True)]
-    warm = seconds[1:] or seconds
-    return {"e2e_gbps": nbytes / min(warm) / 1e9, "first_e2e_gbps": nbytes / seconds[0] / 1e9, "e2e_seconds": seconds,
-            "receiver_gbps": None, "trainer_rss": trainer["rss"], "receiver_rss": receiver["rss"],
-            "peak_staging": receiver["staging"], "exact": trainer["digest"] == receiver["digest"]}  # fmt: skip
+    best, first = best_gbps(nbytes, seconds)
+    return {"e2e_gbps": best, "first_e2e_gbps": first, "e2e_seconds": seconds, "receiver_gbps": None,
+            "trainer_rss": trainer["rss"], "receiver_rss": receiver["rss"], "peak_staging": receiver["staging"],
+            "exact": trainer["digest"] == receiver["digest"]}  # fmt: skip
 
 
 async def _pair(role: Callable[..., Any], args: tuple[Any, ...], label: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -184,7 +189,7 @@ async def _pair(role: Callable[..., Any], args: tuple[Any, ...], label: str, tim
 
 async def gloo_rows(size: int, nbytes: int, versions: int, timeout_s: float) -> dict[str, dict[str, Any]]:
     events = await _pair(gloo_role, (_free_port(), size, versions), "gloo", timeout_s)
-    return {name: pair_row(events, method, nbytes) for method, name in GLOO.items()}
+    return {name: _row(events, method, nbytes) for method, name in GLOO.items()}
 
 
 async def shm_row(size: int, nbytes: int, versions: int, timeout_s: float) -> dict[str, Any]:
@@ -193,4 +198,4 @@ async def shm_row(size: int, nbytes: int, versions: int, timeout_s: float) -> di
     with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
         path = os.path.join(tmp, "model.safetensors")
         events = await _pair(shm_role, (path, size, versions, go, done), "shm", timeout_s)
-    return pair_row(events, "shm", nbytes)
+    return _row(events, "shm", nbytes)
