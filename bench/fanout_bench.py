@@ -1,10 +1,15 @@
-"""Tree fan-out over NIXL: 1 trainer process, R receiver processes serving replicas, in waves.
+"""Pipelined fan-out and delta refits over NIXL: 1 trainer process, N receiver processes that relay.
 
-    python bench/fanout_bench.py [--waves 1,1,2] [--tensors 64] [--numel 250000]
+    python bench/fanout_bench.py [--together 1,4,8] [--tensors 64] [--numel 250000] [--frozen 0.5] [--mode shadow]
 
-Every byte is counted by the agent it was actually read from (each READ notifies its owner of its
-size: ``Transport.served_bytes``). Prints bytes per source, the trainer's egress in model copies,
-and the fan-out factor: total bytes delivered / trainer egress.
+Every version is new bytes. Version 1 warms every receiver up (plans, connections); then, for each k of
+``--together``, a new version is refitted by k receivers started at the same moment: the row shows the
+trainer's egress in model copies (bytes counted by the agent actually read from: each READ notifies its
+owner of its size), each receiver's refit time (``RefitResult.seconds``: found → prepared) against the
+lone receiver's of the same run (k = 1), and the bytes relayed. ``--frozen f``: one more version in
+which the first f of the tensors keep their bytes, refitted by one receiver (a delta refit), against the
+lone full refit. ``--no-relay``: receivers that serve nobody (every receiver reads the trainer).
+Prints the load average: on a machine shared with other work the seconds are noisy; the copies are not.
 """
 
 from __future__ import annotations
@@ -34,52 +39,83 @@ def _address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def main(waves: list[int], tensors: int, numel: int) -> None:
-    spec = {"tensors": tensors, "numel": numel, "model": "fanout-bench"}
-    model_bytes = sum((numel + i % 7) * 4 for i in range(tensors))
-    address, n = _address(), sum(waves)
-    with anyio.fail_after(600):
+async def _together(receivers: list[ReceiverProc], version: int, seed: int, **content: int) -> list[dict]:
+    results: dict[int, dict] = {}
+
+    async def one(i: int, r: ReceiverProc) -> None:
+        results[i] = await r.refit(version, seed, **content)
+
+    async with anyio.create_task_group() as tg:
+        for i, r in enumerate(receivers):
+            tg.start_soon(one, i, r)
+    assert all(res["exact"] and res["version"] == version for res in results.values()), results
+    return [results[i] for i in range(len(receivers))]
+
+
+async def _egress(trainer: Peer, relays: list[ReceiverProc], before: tuple[int, list[int]], owed: int) -> float:
+    """Bytes the trainer served since ``before``, once it and the relays together account for ``owed`` bytes
+    (NIXL notifications may trail the last READ a little: polled, another process)."""
+    deadline = time.monotonic() + 5
+    while True:
+        egress = await trainer.served() - before[0]
+        relayed = sum([await r.served() for r in relays]) - sum(before[1])
+        if egress + relayed >= owed or time.monotonic() > deadline:
+            return egress
+        await anyio.sleep(0.05)
+
+
+async def main(args: argparse.Namespace) -> None:
+    together = [int(k) for k in args.together.split(",")]
+    spec = {"tensors": args.tensors, "numel": args.numel, "model": "fanout-bench"}
+    model_bytes = sum((args.numel + i % 7) * 4 for i in range(args.tensors))
+    address, n = _address(), max(together)
+    options = {"mode": args.mode, "serve": not args.no_relay}
+    print(f"model {model_bytes / 1e6:.1f} MB in {args.tensors} tensors; {n} receiver processes ({args.mode}, "
+          f"{'relaying' if not args.no_relay else 'not relaying'}); {os.cpu_count()} cores; "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    with anyio.fail_after(1200):
         async with rf.Registry.serve(address) as server, Peer(spec) as trainer:
-            await server.registry.publish(await trainer.publish(1, 7))
-            receivers = [ReceiverProc(spec, address) for _ in range(n)]
+            receivers = [ReceiverProc(spec, address, **options) for _ in range(n)]
             for r in receivers:
                 await r.__aenter__()
             try:
-                results: list[dict] = []
-                t0, first = time.perf_counter(), 0
-                for size in waves:
-                    async with anyio.create_task_group() as tg:
-                        for r in receivers[first : first + size]:
-                            tg.start_soon(lambda r=r: _refit(results, r))
-                    first += size
-                took = time.perf_counter() - t0
-                served = [await r.served() for r in receivers]
-                delivered = n * model_bytes
-                egress = await trainer.served()
-                deadline = time.monotonic() + 5
-                while egress + sum(served) < delivered and time.monotonic() < deadline:
-                    await anyio.sleep(0.05)  # notifications may trail the last READ a little
-                    egress = await trainer.served()
+                await server.registry.publish(await trainer.publish(1, 1))
+                await _together(receivers, 1, 1)  # warm-up: plans, connections
+                version, lone = 1, None
+                print(f"{'together':>8} {'egress (copies)':>15} {'relayed MB':>10} {'mean s':>7} {'max s':>7} "
+                      f"{'max / lone':>10}")  # fmt: skip
+                for k in together:
+                    version += 1
+                    await server.registry.publish(await trainer.publish(version, version))
+                    before = (await trainer.served(), [await r.served() for r in receivers])
+                    results = await _together(receivers[:k], version, version)
+                    egress = await _egress(trainer, receivers, before, k * model_bytes)
+                    seconds = [res["seconds"] for res in results]
+                    lone = lone or max(seconds)
+                    relayed = sum(r["relay_bytes"] for r in results) / 1e6
+                    print(f"{k:>8} {egress / model_bytes:>15.2f} {relayed:>10.1f} {sum(seconds) / k:>7.3f} "
+                          f"{max(seconds):>7.3f} {max(seconds) / lone:>10.2f}")  # fmt: skip
+                if args.frozen:
+                    frozen = int(args.frozen * args.tensors)
+                    version += 1
+                    await server.registry.publish(await trainer.publish(version, version, frozen=frozen))
+                    res = (await _together(receivers[:1], version, version, frozen=frozen, base=version - 1))[0]
+                    share, skipped = res["nbytes"] / model_bytes, res["skipped_bytes"] / 1e6
+                    print(f"delta refit, {frozen} of {args.tensors} tensors frozen: pulled {res['nbytes'] / 1e6:.1f} "
+                          f"MB ({share:.2f} of the model), skipped {skipped:.1f} MB, {res['seconds']:.3f} s = "
+                          f"{res['seconds'] / lone:.2f} of the lone full refit")  # fmt: skip
             finally:
                 for r in receivers:
                     await r.__aexit__(None, None, None)
-    assert all(res["exact"] for res in results), results
-    print(f"{n} receivers in waves {waves}, model {model_bytes / 1e6:.1f} MB, {took:.2f} s, all bit-exact")
-    print(f"  trainer egress: {egress / 1e6:8.1f} MB = {egress / model_bytes:.2f} model copies")
-    for i, b in enumerate(served):
-        print(f"  receiver {i} served: {b / 1e6:8.1f} MB = {b / model_bytes:.2f} model copies")
-    total = egress + sum(served)
-    print(f"  delivered {total / 1e6:.1f} MB (expected {delivered / 1e6:.1f}); fan-out factor {total / egress:.2f}")
-
-
-async def _refit(results: list[dict], r: ReceiverProc) -> None:
-    results.append(await r.refit(1, 7))
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--waves", default="1,1,2", help="receivers refitting at once, wave by wave")
+    parser.add_argument("--together", default="1,4,8", help="receivers starting at once, one version each")
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--numel", type=int, default=250_000)
-    args = parser.parse_args()
-    anyio.run(main, [int(w) for w in args.waves.split(",")], args.tensors, args.numel)
+    parser.add_argument("--frozen", type=float, default=0.5, help="share of tensors frozen in the delta row (0: none)")
+    parser.add_argument("--mode", default="shadow", choices=["shadow", "in_place"])
+    parser.add_argument("--no-relay", action="store_true", help="receivers that serve nobody (the baseline)")
+    anyio.run(main, parser.parse_args())

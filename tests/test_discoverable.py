@@ -36,4 +36,4 @@ def test_registry_doc_lists_every_op() -> None:
     ops = sorted(name.removeprefix("op_") for name in dir(Handler) if name.startswith("op_"))
     text = (DOCS / "registry.md").read_text()
     missing = [op for op in ops if f"| `{op}` |" not in text]
-    assert len(ops) >= 16 and not missing, f"docs/registry.md does not list the ops {missing}"
+    assert len(ops) >= 15 and not missing, f"docs/registry.md does not list the ops {missing}"

@@ -1,60 +1,72 @@
-"""Tree fan-out in one process (loopback): receivers that committed serve the version to others."""
+"""Pipelined fan-out in one process (loopback): receivers relay verified bytes to each other before they commit."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
 
 import anyio
 import pytest
 import torch
 
 import refitflow as rf
+from refitflow.core.relay import HeldBox, RelayOffer, RelayParam
+from refitflow.metrics import NullObserver
+from refitflow.registry.relays import Relays
 from refitflow.transports import LoopbackTransport
+from refitflow.transports.base import Read
 from tests.conftest import mlp, params, same
+from tests.layouts._models import _model, places
+
+SMALL = {"relay_bucket_bytes": 16 * 1024}  # several buckets (each at least a digest tile): progress by bucket
 
 
 def _model_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+async def _together(receivers: Sequence[rf.Receiver], version: int) -> list[rf.RefitResult]:
+    """Refit every receiver at once; their results in receiver order."""
+    results: dict[int, rf.RefitResult] = {}
+
+    async def one(i: int, r: rf.Receiver) -> None:
+        results[i] = await r.refit(version)
+
+    async with anyio.create_task_group() as tg:
+        for i, r in enumerate(receivers):
+            tg.start_soon(one, i, r)
+    return [results[i] for i in range(len(receivers))]
+
+
 @pytest.mark.asyncio
-async def test_replicas_keep_trainer_egress_near_one_copy_and_every_receiver_is_bit_exact() -> None:
+@pytest.mark.parametrize("mode", ["in_place", "shadow"])
+async def test_receivers_starting_together_cost_the_trainer_one_copy_and_are_bit_exact(mode: str) -> None:
     registry, ident = rf.Registry(), rf.Identity(model="fanout")
-    trainer = mlp(100)
-    servers = [mlp(i) for i in range(4)]
-    trainer_transport = LoopbackTransport()
-    transports = [LoopbackTransport() for _ in servers]
+    trainer, servers = mlp(100), [mlp(i) for i in range(4)]
+    trainer_transport, transports = LoopbackTransport(), [LoopbackTransport() for _ in servers]
     with anyio.fail_after(30):
         async with rf.Publisher(registry, identity=ident, transport=trainer_transport) as pub:
-            receivers = [
-                rf.Receiver(s, registry, identity=ident, mode="shadow", transport=t, serve_replicas=True)
-                for s, t in zip(servers, transports, strict=True)
-            ]
+            receivers = [rf.Receiver(s, registry, identity=ident, mode=mode, transport=t, serve_replicas=True, **SMALL)
+                         for s, t in zip(servers, transports, strict=True)]  # fmt: skip
             for r in receivers:
                 await r.__aenter__()
             try:
                 await pub.publish(1, dict(trainer.named_parameters()))
-                for r in receivers:  # in waves of one: each commits, then serves the next
-                    await r.refit(1)
-                pubn = await registry.latest(ident, 1)
-                assert pubn is not None and len(pubn.replicas) == 4
-                delivered = sum(t.served_bytes for t in [trainer_transport, *transports])
-                assert delivered == 4 * _model_bytes(trainer)
-                assert trainer_transport.served_bytes <= 1.5 * _model_bytes(trainer), trainer_transport.served_bytes
-                expected = params(trainer)
-                assert all(same(s, expected) for s in servers)
-                # beginning the next version withdraws the replica: it never serves bytes under change
-                await pub.publish(2, dict(mlp(101).named_parameters()))
-                await receivers[0].refit(2)
-                latest = await registry.latest(ident, 2)
-                assert latest is not None and [m.metadata["replica"] for m in latest.replicas] == [
-                    receivers[0].receiver_id
-                ]
+                results = await _together(receivers, 1)
+                assert all(same(s, params(trainer)) for s in servers)
+                assert trainer_transport.served_bytes == _model_bytes(trainer)  # one copy: a chain of relays
+                assert sorted(r.relay_bytes for r in results) == [0, *[_model_bytes(trainer)] * 3]
+                # a receiver that serves nobody reads from a relay too; one that started later from a committed one
+                late = mlp(7)
+                async with rf.Receiver(late, registry, identity=ident, transport=LoopbackTransport()) as reader:
+                    assert (await reader.refit(1)).relay_bytes == _model_bytes(trainer) and same(late, params(trainer))
+                assert trainer_transport.served_bytes == _model_bytes(trainer)
             finally:
                 for r in receivers:
                     await r.__aexit__(None, None, None)
 
 
 @pytest.mark.asyncio
-async def test_a_replica_that_dies_mid_serve_makes_its_reader_read_from_the_trainer() -> None:
+async def test_a_relay_that_dies_makes_its_reader_read_from_the_trainer() -> None:
     registry, ident = rf.Registry(), rf.Identity(model="fanout")
     trainer, first, second = mlp(100), mlp(1), mlp(2)
     trainer_transport = LoopbackTransport()
@@ -67,24 +79,181 @@ async def test_a_replica_that_dies_mid_serve_makes_its_reader_read_from_the_trai
             await pub.publish(1, dict(trainer.named_parameters()))
             await a.refit(1)
             assert a._transport is not None
-            await a._transport.aclose()  # the replica dies without withdrawing (still offered)
-            latest = await registry.latest(ident, 1)
-            assert latest is not None and len(latest.replicas) == 1
+            await a._transport.aclose()  # the relay dies without leaving (the registry still names it)
             result = await b.refit(1)
             assert result.version == 1 and same(second, params(trainer))
-            assert trainer_transport.served_bytes == 2 * _model_bytes(trainer)  # b's reads all came from it
+            assert result.rerouted_bytes == result.nbytes == _model_bytes(trainer) and result.relay_bytes == 0
+            assert trainer_transport.served_bytes == 2 * _model_bytes(trainer)
+
+
+class PauseBefore(LoopbackTransport):
+    """Loopback that stops before its first read from ``peer`` until ``go`` is set (``paused`` says it waits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peer, self.paused, self.go = "", anyio.Event(), anyio.Event()
+
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+        if any(r.peer == self.peer for r in reads) and not self.paused.is_set():
+            self.paused.set()
+            await self.go.wait()
+        await super().read(reads, key=key)
 
 
 @pytest.mark.asyncio
-async def test_a_replica_must_match_the_published_digests(ident: rf.Identity) -> None:
-    registry = rf.Registry()
+async def test_an_in_place_relay_that_begins_the_next_version_is_not_read_from() -> None:
+    registry, ident = rf.Registry(), rf.Identity(model="fanout")
+    v1, v2 = mlp(100), mlp(101)
+    relay_model, reader_model = mlp(1), mlp(2)
+    pausing = PauseBefore()
+    began = anyio.Event()
+
+    class Began(NullObserver):
+        def stage_item(self, stage: str, nbytes: int, seconds: float) -> None:
+            if stage == "discover":
+                began.set()
+
+    with anyio.fail_after(30):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(relay_model, registry, identity=ident, serve_replicas=True, observer=Began()) as relay,
+            rf.Receiver(reader_model, registry, identity=ident, transport=pausing) as reader,
+        ):
+            await pub.publish(1, dict(v1.named_parameters()))
+            await relay.refit(1)
+            assert relay._transport is not None
+            pausing.peer = relay._transport.agent
+            result: list[rf.RefitResult] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: _append(result, reader.refit(1)))
+                await pausing.paused.wait()  # the reader is about to read its relay's status
+                await pub.publish(2, dict(v2.named_parameters()))  # the trainer keeps version 1's tensors
+                tg.start_soon(relay.refit, 2)  # in place: its storage says version 2 before any byte changes
+                await began.wait()
+                pausing.go.set()
+        assert same(reader_model, params(v1)) and same(relay_model, params(v2))
+        assert result[0].relay_bytes == 0 and result[0].rerouted_bytes == _model_bytes(v1)
+
+
+async def _append(out: list, awaitable) -> None:  # type: ignore[no-untyped-def]
+    out.append(await awaitable)
+
+
+@pytest.mark.asyncio
+async def test_a_relay_that_makes_no_progress_is_left_for_the_trainer_within_relay_wait_s() -> None:
+    registry, ident = rf.Registry(), rf.Identity(model="fanout")
     trainer = mlp(100)
+    stalled = PauseBefore()  # the relay stops before its first read: it never verifies anything
+    with anyio.fail_after(30):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(mlp(1), registry, identity=ident, transport=stalled, serve_replicas=True) as relay,
+            rf.Receiver(mlp(2), registry, identity=ident, relay_wait_s=0.3) as reader,
+        ):
+            await pub.publish(1, dict(trainer.named_parameters()))
+            stalled.peer = pub.transport.agent
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(relay.refit, 1)
+                await stalled.paused.wait()  # it joined the relays (with its plan) and stalls
+                result = await reader.refit(1)
+                assert result.rerouted_bytes == result.nbytes == _model_bytes(trainer) and result.relay_bytes == 0
+                stalled.go.set()
+
+
+@pytest.mark.asyncio
+async def test_bytes_a_relay_sends_that_do_not_match_are_read_again_from_the_trainer() -> None:
+    registry, ident = rf.Registry(), rf.Identity(model="fanout")
+    trainer, reader_model = mlp(100), mlp(2)
+    with anyio.fail_after(30):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(mlp(1), registry, identity=ident, serve_replicas=True) as relay,
+            rf.Receiver(reader_model, registry, identity=ident) as reader,
+        ):
+            await pub.publish(1, dict(trainer.named_parameters()))
+            await relay.refit(1)
+            relay.destination.live("0.weight")[3, 3] += 1  # behind refitflow's back, after it verified it
+            result = await reader.refit(1)
+        assert same(reader_model, params(trainer))
+        assert 0 < result.rerouted_bytes < result.nbytes and result.relay_bytes > 0
+
+
+@pytest.mark.asyncio
+async def test_megatron_sharded_publications_are_relayed_box_by_box_between_fused_layout_ranks() -> None:
+    """A Megatron TP=2 trainer; three engines of two fused-layout (vLLM) ranks each refit at once: rank r of
+    each engine reads what it needs from rank r of the engine that joined before it."""
+    from refitflow.layouts import canonical_shapes, hf
+    from refitflow.layouts.canonical import from_canonical, to_canonical
+    from refitflow.layouts.wire import LAYOUTS, layout_metadata
+
+    model = _model("llama", 2).float()
+    d = hf.dims_from_config(model.config)
+    canon = to_canonical([(hf.layout(d), model.state_dict())], canonical_shapes(d))
+    registry, ident = rf.Registry(), rf.Identity(model="tiny", layout="megatron")
+    tp = places((2, 1))
+    maps = [LAYOUTS["fused"](d, p) for p in tp] * 3
+    ranks = [{n: torch.zeros(lt.shape) for n, lt in m.items()} for m in maps]
+    trainers = [LoopbackTransport() for _ in tp]
+    with anyio.fail_after(60):
+        pubs = [rf.Publisher(registry, identity=ident, rank=r, world_size=2, transport=trainers[r],
+                             metadata=layout_metadata("megatron", d, p)) for r, p in enumerate(tp)]  # fmt: skip
+        receivers = [rf.Receiver(t, registry, identity=ident, layout=m, serve_replicas=True, **SMALL)
+                     for m, t in zip(maps, ranks, strict=True)]  # fmt: skip
+        for x in [*pubs, *receivers]:
+            await x.__aenter__()
+        try:
+            for pub, p in zip(pubs, tp, strict=True):
+                await pub.publish(1, from_canonical(LAYOUTS["megatron"](d, p), canon))
+            results = await _together(receivers, 1)
+        finally:
+            for x in [*receivers, *pubs]:
+                await x.__aexit__(None, None, None)
+    for engine in range(3):
+        got = to_canonical(list(zip(maps[2 * engine : 2 * engine + 2], ranks[2 * engine : 2 * engine + 2],
+                                    strict=True)), canonical_shapes(d))  # fmt: skip
+        assert all(torch.equal(got[n], t) for n, t in canon.items())
+    one_engine = results[0].nbytes + results[1].nbytes  # what one engine's two ranks read
+    egress = sum(t.served_bytes for t in trainers)
+    assert sum(r.relay_bytes for r in results) > 0
+    assert egress < 2 * one_engine, (egress, one_engine)  # not three engines' worth
+
+
+def _offer(version: int, rid: str, layout: str) -> RelayOffer:
+    return RelayOffer(identity=rf.Identity(model="m"), version=version, receiver=rid,
+                      source=rf.SourceAddress(transport="loopback", agent=rid), status=0, params=(), held=(),
+                      layout=layout)  # fmt: skip
+
+
+def test_the_registry_chains_relays_in_join_order_preferring_the_readers_own_layout() -> None:
+    relays = Relays()
+    assert relays.join("a", "L", _offer(1, "a", "L")) is None  # the first reads the trainer
+    assert relays.join("b", "L", _offer(1, "b", "L")).receiver == "a"  # type: ignore[union-attr]
+    assert relays.join("x", "M", _offer(1, "x", "M")).receiver == "b"  # type: ignore[union-attr]  # none of its own
+    assert relays.join("c", "L", _offer(1, "c", "L")).receiver == "b"  # type: ignore[union-attr]
+    assert relays.join("d", "M", _offer(1, "d", "M")).receiver == "x"  # type: ignore[union-attr]
+    assert relays.join("leaf", "L", None).receiver == "c"  # type: ignore[union-attr]  # serves nobody: reads the last
+    relays.leave("c")
+    assert relays.join("leaf2", "L", None).receiver == "a"  # type: ignore[union-attr]  # the least read of its layout
+
+
+@pytest.mark.asyncio
+async def test_a_relay_offer_must_hold_published_shards_in_their_dtype(ident) -> None:
+    registry = rf.Registry()
     async with rf.Publisher(registry, identity=ident) as pub:
-        await pub.publish(1, dict(trainer.named_parameters()))
-        published = await registry.latest(ident, 1)
-        assert published is not None
-        m = published.manifests[0]
-        bad = rf.Manifest(identity=ident, version=1, rank=0, world_size=1, source=m.source,
-                          shards=m.shards[1:], metadata={"replica": "r"})  # fmt: skip
-        with pytest.raises(rf.ManifestError):
-            await registry.publish_replica(bad)
+        await pub.publish(1, {"w": torch.zeros(4, 4)})
+        params_ = (RelayParam("w", "bfloat16", (4, 4), 0),)
+        bad = [
+            RelayOffer(identity=ident, version=1, receiver="r", source=pub.transport.address(), status=0,
+                       params=params_, held=(HeldBox(0, "w", ((0, 4), (0, 4)), 0, ((0, 4), (0, 4))),)),  # dtype
+            RelayOffer(identity=ident, version=1, receiver="r", source=pub.transport.address(), status=0,
+                       params=(RelayParam("w", "float32", (4, 4), 0),),
+                       held=(HeldBox(0, "v", ((0, 4), (0, 4)), 0, ((0, 4), (0, 4))),)),  # not published
+            RelayOffer(identity=ident, version=1, receiver="r", source=pub.transport.address(), status=0,
+                       params=(RelayParam("w", "float32", (4, 4), 0),),
+                       held=(HeldBox(0, "w", ((0, 8), (0, 2)), 0, ((0, 4), (0, 4))),)),  # outside the shard
+        ]  # fmt: skip
+        for offer in bad:
+            with pytest.raises(rf.ManifestError):
+                await registry.relay_join(ident, 1, "r", offer=offer)
+        with pytest.raises(rf.VersionError):
+            await registry.relay_join(ident, 2, "r")

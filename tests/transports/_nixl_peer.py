@@ -1,8 +1,9 @@
 """A publisher in its own process, driven over stdin/stdout by ``test_nixl_xproc`` and the bench.
 
 Commands are JSON lines on stdin: ``{"version": v, "seed": s}`` publishes ``model(spec, seed)`` as
-version ``v`` (writing the same tensors in place, so their registrations stay) and answers with a
-line ``RF <manifest as JSON>``; ``{"served": true}`` answers ``RF {"served": bytes peers read}``.
+version ``v`` (writing the same tensors in place, so their registrations stay; with ``"frozen": k`` the
+first k tensors keep the values they have: a delta refit) and answers with a line
+``RF <manifest as JSON>``; ``{"served": true}`` answers ``RF {"served": bytes peers read}``.
 Lines not starting with ``RF `` are noise from libraries.
 """
 
@@ -28,11 +29,16 @@ PREFIX = "RF "
 SRC = str(pathlib.Path(__file__).resolve().parents[2] / "src")
 
 
-def model(spec: dict, seed: int) -> dict[str, torch.Tensor]:
-    """``spec``: {"tensors": n, "numel": k}; float32 tensors of slightly varying sizes, seeded."""
+def model(spec: dict, seed: int, *, frozen: int = 0, base: int = 0) -> dict[str, torch.Tensor]:
+    """``spec``: {"tensors": n, "numel": k}; float32 tensors of slightly varying sizes, seeded; the first
+    ``frozen`` of them as in ``model(spec, base)``."""
     g = torch.Generator().manual_seed(seed)
     n, k = spec["tensors"], spec["numel"]
-    return {f"layers.{i}.weight": torch.randn(k + (i % 7), generator=g) for i in range(n)}
+    out = {f"layers.{i}.weight": torch.randn(k + (i % 7), generator=g) for i in range(n)}
+    if frozen:
+        old = model(spec, base)
+        out |= {name: old[name] for name in list(out)[:frozen]}
+    return out
 
 
 class LineRegistry:
@@ -68,8 +74,8 @@ async def main() -> None:
             if tensors is None:
                 tensors = fresh
             else:
-                for name, t in fresh.items():
-                    tensors[name].copy_(t)
+                for name in list(fresh)[cmd.get("frozen", 0) :]:
+                    tensors[name].copy_(fresh[name])
             await pub.publish(cmd["version"], tensors)
 
 
@@ -133,5 +139,5 @@ class Peer(LineChild):
     def __init__(self, spec: dict) -> None:
         super().__init__([sys.executable, __file__, json.dumps(spec)])
 
-    async def publish(self, version: int, seed: int) -> rf.Manifest:
-        return manifest_from_dict(await self._ask({"version": version, "seed": seed}))
+    async def publish(self, version: int, seed: int, frozen: int = 0) -> rf.Manifest:
+        return manifest_from_dict(await self._ask({"version": version, "seed": seed, "frozen": frozen}))

@@ -1,8 +1,13 @@
-"""A receiver in its own process (NIXL, shadow mode, serving replicas), driven over stdin/stdout.
+"""A receiver in its own process (NIXL, serving as a relay), driven over stdin/stdout.
 
-Commands are JSON lines: ``{"refit": v, "seed": s}`` refits to version ``v`` and answers
-``RF {"version", "nbytes", "exact"}`` (``exact``: bit-exact against ``model(spec, s)``);
-``{"served": true}`` answers ``RF {"served": bytes peers read from this receiver}``.
+Commands are JSON lines: ``{"refit": v, "seed": s, "frozen": k, "base": b}`` refits to version ``v`` and
+answers ``RF {"version", "nbytes", "exact", "seconds", "relay_bytes", "rerouted_bytes", "skipped_bytes"}``
+(``exact``: bit-exact against ``model(spec, s, frozen=k, base=b)``); ``{"served": true}`` answers
+``RF {"served": bytes peers read from this receiver}``; ``{"corrupt": name}`` changes one element of the
+named tensor behind refitflow's back (in the storage it serves) and answers ``RF {"corrupt": name}``.
+
+Options (a JSON object, the third argument): ``mode`` ("shadow"), ``serve`` (true), ``read_delay_s``
+(0: each read waits this long first — a slow relay, made so on purpose), and receiver options.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Hashable, Sequence
 
 import anyio
 import anyio.to_thread
@@ -17,24 +23,49 @@ import torch
 from _nixl_peer import PREFIX, LineChild, model
 
 import refitflow as rf
+from refitflow.transports.base import Read
+from refitflow.transports.nixl import NixlTransport
+
+
+class SlowNixl(NixlTransport):
+    """NIXL whose every read starts ``delay`` seconds late (a relay slower than its readers; real reads)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+        await anyio.sleep(self.delay)
+        await super().read(reads, key=key)
 
 
 async def main() -> None:
     spec, registry = json.loads(sys.argv[1]), sys.argv[2]
+    options = {"mode": "shadow", "serve": True, "read_timeout_s": 10.0, "refit_timeout_s": 60.0}
+    options |= json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    delay, serve = options.pop("read_delay_s", 0.0), options.pop("serve")
     dst = {n: torch.zeros_like(t) for n, t in model(spec, 0).items()}
     identity = rf.Identity(model=spec.get("model", "xproc"))
-    async with rf.Receiver(dst, registry, identity=identity, transport="nixl", mode="shadow", serve_replicas=True,
-                           read_timeout_s=10.0, refit_timeout_s=30.0) as recv:  # fmt: skip
+    transport: str | NixlTransport = SlowNixl(delay) if delay else "nixl"
+    async with rf.Receiver(dst, registry, identity=identity, transport=transport, serve_replicas=serve,
+                           **options) as recv:  # fmt: skip
         print(PREFIX + json.dumps({"ready": True}), flush=True)
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
             if cmd.get("served"):
                 print(PREFIX + json.dumps({"served": recv._transport.served_bytes}), flush=True)  # type: ignore[union-attr]
                 continue
-            result = await recv.refit(cmd["refit"], timeout=20)
-            expected = model(spec, cmd["seed"])
+            if "corrupt" in cmd:
+                recv.destination.live(cmd["corrupt"])[7] += 1.0  # the storage it serves its committed version from
+                print(PREFIX + json.dumps({"corrupt": cmd["corrupt"]}), flush=True)
+                continue
+            r = await recv.refit(cmd["refit"], timeout=20)
+            expected = model(spec, cmd["seed"], frozen=cmd.get("frozen", 0), base=cmd.get("base", 0))
             exact = all(torch.equal(dst[n], t) for n, t in expected.items())
-            print(PREFIX + json.dumps({"version": result.version, "nbytes": result.nbytes, "exact": exact}), flush=True)
+            print(PREFIX + json.dumps({
+                "version": r.version, "nbytes": r.nbytes, "exact": exact, "seconds": r.seconds,
+                "relay_bytes": r.relay_bytes, "rerouted_bytes": r.rerouted_bytes, "skipped_bytes": r.skipped_bytes,
+            }), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -44,8 +75,12 @@ if __name__ == "__main__":
 class ReceiverProc(LineChild):
     """The test's handle on a receiver process running this file."""
 
-    def __init__(self, spec: dict, registry: str) -> None:
-        super().__init__([sys.executable, __file__, json.dumps(spec), registry], path=[os.path.dirname(__file__)])
+    def __init__(self, spec: dict, registry: str, **options: object) -> None:
+        argv = [sys.executable, __file__, json.dumps(spec), registry, json.dumps(options)]
+        super().__init__(argv, path=[os.path.dirname(__file__)])
 
-    async def refit(self, version: int, seed: int) -> dict:
-        return await self._ask({"refit": version, "seed": seed})
+    async def refit(self, version: int, seed: int, frozen: int = 0, base: int = 0) -> dict:
+        return await self._ask({"refit": version, "seed": seed, "frozen": frozen, "base": base})
+
+    async def corrupt(self, name: str) -> None:
+        await self._ask({"corrupt": name})

@@ -14,7 +14,6 @@ import anyio
 import anyio.to_thread
 import torch
 
-from refitflow.api._replica_source import replica_manifest
 from refitflow.api._transport import choose_transport
 from refitflow.core.errors import (
     RELEASED_HINT,
@@ -24,7 +23,7 @@ from refitflow.core.errors import (
     RefitTimeoutError,
     VersionError,
 )
-from refitflow.core.types import Identity, Manifest, Publication
+from refitflow.core.types import Identity, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArenas
@@ -32,6 +31,7 @@ from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.device import DeviceLane, Marks
 from refitflow.pipeline.graph import run_pipeline
 from refitflow.pipeline.rank import RankState
+from refitflow.pipeline.relay import Relaying
 from refitflow.pipeline.transaction import Ledger, Transaction
 from refitflow.registry.connect import connect_registry
 from refitflow.stages._context import StageContext
@@ -52,11 +52,6 @@ class ReceiveRegistry(Protocol):
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
 
 
-class ReplicaRegistry(Protocol):
-    async def publish_replica(self, manifest: Manifest) -> None: ...
-    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None: ...
-
-
 @dataclass(frozen=True, kw_only=True)
 class StageStats:
     items: int
@@ -68,7 +63,7 @@ class StageStats:
 class RefitResult:
     version: int
     revision: str
-    nbytes: int  # bytes pulled
+    nbytes: int  # bytes pulled (from the trainer or a relay; pieces read again counted again)
     ideal_bytes: int  # the bytes of this rank's slice alone (nbytes above it: widened or enclosing reads)
     unverified_bytes: int  # pulled bytes no whole digest block covered (verify="pulled" only)
     direct_bytes: int  # of which landed straight in their destination
@@ -77,6 +72,11 @@ class RefitResult:
     plan_cached: bool
     peak_staging_bytes: int
     stages: dict[str, StageStats]
+    skipped_bytes: int = 0  # not pulled: unchanged since the version this rank holds (delta refits)
+    rechecked_bytes: int = 0  # of the skipped, re-hashed where they lie
+    repaired_bytes: int = 0  # of the re-hashed, changed behind refitflow's back and pulled again
+    relay_bytes: int = 0  # of the pulled, read from an upstream relay (pipelined fan-out)
+    rerouted_bytes: int = 0  # of the pulled, read from the trainer after a relay failed, stalled or sent bad bytes
 
     @property
     def gbps(self) -> float:
@@ -130,7 +130,9 @@ class Receiver:
     - ``receiver_id``: this rank's name at the registry (default: a random one).
     - ``layout``: this rank's layout map (e.g. ``refitflow.layouts.fused.layout(dims, parallel)``): the
       publisher's tensors are translated into it, and only this rank's slice is read.
-    - ``serve_replicas``: offer each committed version to other receivers (tree fan-out).
+    - ``serve_replicas``: serve each version to other receivers as a relay, tensor by tensor as soon as its
+      bytes are verified, before this rank commits (pipelined fan-out; docs/fanout.md). Every receiver
+      with a registry that has relays reads from the upstream relay the registry names, if any.
     - ``**options``: the other ``rf.ReceiverConfig`` fields (``lossy_casts``, ``verify``,
       ``read_timeout_s``, ...; each is documented there); an unknown one is a ``ConfigError``.
 
@@ -185,12 +187,18 @@ class Receiver:
             raise ConfigError(f"budget_bytes {self.config.budget_bytes} leaves {share} bytes per device's staging ring "
                               f"over {len(self.devices.devices)} devices; give at least 64 per device")  # fmt: skip
         self.limits = replace(self.config.limits, bucket_bytes=min(self.config.limits.bucket_bytes, share))
-        # tree fan-out: offer each committed version to other receivers until the next begins
+        # pipelined fan-out: serve verified bytes to other receivers; read from the upstream relay named
         self.serve_replicas = serve_replicas
-        if serve_replicas and not all(hasattr(self.registry, n) for n in ("publish_replica", "withdraw_replica")):
-            raise ConfigError("serve_replicas needs a registry that takes replica sources")
-        self._prepared: dict[int, Publication] = {}
-        self._serving: int | None = None  # the version offered as a replica source
+        self._relays = all(hasattr(self.registry, n) for n in ("relay_join", "relay_leave"))
+        if serve_replicas and not self._relays:
+            raise ConfigError("serve_replicas needs a registry that keeps relays (rf.Registry or rf.RegistryClient)")
+        if serve_replicas and self.config.verify != "strict":
+            raise ConfigError("serve_replicas serves only verified bytes: it needs verify='strict'")
+        if serve_replicas:  # relays report progress bucket by bucket: small buckets keep the pipeline short
+            cap = self.config.relay_bucket_bytes
+            self.limits = replace(self.limits, bucket_bytes=min(self.limits.bucket_bytes, cap),
+                                  direct_bucket_bytes=min(self.limits.direct_bucket_bytes, cap))  # fmt: skip
+        self._relaying: Relaying | None = None
         self._running = False  # a prepare is in progress (one at a time)
 
     async def __aenter__(self) -> Receiver:
@@ -200,6 +208,9 @@ class Receiver:
             for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
                 self._transport.register(tensor)
             self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)
+            if self._relays:
+                self._relaying = Relaying(self.registry, self.identity, self.receiver_id, self.destination,  # type: ignore[arg-type]
+                                          self._transport, serve=self.serve_replicas)  # fmt: skip
             await self.registry.register_receiver(self.identity, self.receiver_id)
         except BaseException:
             await self._close()  # a failed enter leaks nothing: no transport, no registry client
@@ -269,11 +280,13 @@ class Receiver:
             min_version = (self.ledger.last_begun or 0) + 1
         ctx = StageContext(
             transport=self._transport, staging=self._arena, landing=self.destination,
-            limits=self.limits, devices=self.devices, observer=self.observer,
+            limits=self.limits, devices=self.devices, observer=self.observer, fanout=self._relaying,
         )  # fmt: skip
         misses = self._plans.misses
         self.budget.reset_peak()
-        await self._withdraw()  # never serve bytes under change
+        d = self.destination
+        if self._relaying is not None and d.holdings.ids(d.generation)[0] == d.holdings.ids(d.generation + 1)[0]:
+            await self._relaying.leave()  # this refit overwrites the storage served: offer it to nobody new
         try:
             with anyio.fail_after(self.config.refit_timeout_s):
                 txn = await run_pipeline(
@@ -291,18 +304,22 @@ class Receiver:
                     version=ctx.attempt.version if ctx.attempt else None,
                 ) from exc
             raise
-        assert ctx.publication is not None
-        self._prepared = {txn.version: ctx.publication}
         stats = self.budget.statistics()
         direct = sum(b.direct_bytes for b in ctx.plan.buckets)
+        c = ctx.counts
         result = RefitResult(
-            version=txn.version, revision=txn.revision, nbytes=ctx.plan.nbytes, direct_bytes=direct,
+            version=txn.version, revision=txn.revision, nbytes=c.pulled, direct_bytes=direct,
             ideal_bytes=ctx.plan.ideal_bytes, unverified_bytes=ctx.unverified_bytes,
             seconds=time.perf_counter() - ctx.discovered_at, wait_seconds=ctx.waited_s,
             plan_cached=self._plans.misses == misses,
             peak_staging_bytes=stats.peak_bytes,
             stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in ctx.stats.items()},
+            skipped_bytes=c.skipped, rechecked_bytes=c.rechecked, repaired_bytes=c.repaired, relay_bytes=c.relayed,
+            rerouted_bytes=c.rerouted,
         )  # fmt: skip
+        for kind, n in (("skipped", c.skipped), ("rechecked", c.rechecked), ("repaired", c.repaired),
+                        ("relayed", c.relayed), ("rerouted", c.rerouted)):  # fmt: skip
+            self.observer.refit_bytes(kind, n)
         return txn, result
 
     async def finish(self, txn: Transaction) -> None:
@@ -312,9 +329,6 @@ class Receiver:
         self.ledger.finish(txn)
         self.observer.refit_outcome("committed", txn.version)
         await self._report(txn.version)
-        pub = self._prepared.pop(txn.version, None)
-        if self.serve_replicas and pub is not None:
-            await self._offer(pub)
 
     async def _copy_in(self, txn: Transaction) -> None:
         """``shadow_commit="copy"``: copy the shadows into the live storage on the refit streams, fence closed.
@@ -338,33 +352,9 @@ class Receiver:
                 await self.abort(txn, f"copy into the live parameters failed: {type(exc).__name__}: {exc}")
             raise
 
-    async def _offer(self, pub: Publication) -> None:
-        """Offer the committed copy of ``pub`` as a replica source (bounded; a refusal is only logged)."""
-        assert self._transport is not None
-        manifest = replica_manifest(pub, self.destination, self._transport, self.receiver_id)
-        if manifest is None:
-            log.info("version %d is not byte-identical here (sharded or cast): not offered", pub.version)
-            return
-        registry: ReplicaRegistry = self.registry  # type: ignore[assignment]
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            try:
-                await registry.publish_replica(manifest)
-                self._serving = pub.version
-            except RefitError as exc:
-                log.info("replica of version %d not offered: %s", pub.version, exc)
-
-    async def _withdraw(self) -> None:
-        if self._serving is None:
-            return
-        registry: ReplicaRegistry = self.registry  # type: ignore[assignment]
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            await registry.withdraw_replica(self.identity, self.receiver_id)
-            self._serving = None
-
     async def abort(self, txn: Transaction, reason: str) -> None:
         """Abandon a prepared version (e.g. a peer of the engine was not ready)."""
         self.ledger.abort(txn, reason)
-        self._prepared.pop(txn.version, None)
         self.observer.refit_outcome("aborted", txn.version)
         await self._report(txn.version)
 
@@ -376,6 +366,9 @@ class Receiver:
     async def _ended(self, ctx: StageContext, exc: BaseException) -> None:
         refused = isinstance(exc, RefitError) and ctx.attempt is None  # never began: nothing consumed
         version = ctx.attempt.version if ctx.attempt is not None else None
+        if self._relaying is not None and version is not None:
+            self._relaying.abandon()
+            await self._relaying.leave()
         self.observer.refit_outcome("refused" if refused else "aborted", version)
         if version is not None:
             await self._report(version)

@@ -109,6 +109,7 @@ def refit_event(name: str, result: RefitResult, recv: Preparer, committed: bool)
     return {
         "kind": "refit", "name": name, "version": result.version, "revision": result.revision,
         "gbps": result.gbps, "seconds": result.seconds, "nbytes": result.nbytes, "ideal_bytes": result.ideal_bytes,
+        "skipped": result.skipped_bytes,
         "committed": committed and recv.ledger.committed_version == result.version
         and recv.ledger.fence.state == "ready",
         "peak_staging": result.peak_staging_bytes,

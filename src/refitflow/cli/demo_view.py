@@ -94,8 +94,10 @@ class DemoView:
         self.progress.update(self.tasks[name], completed=self.totals[name], gbps=f"{event['gbps']:.2f}",
                              stage="committed" if ok else "FAILED")  # fmt: skip
         ratio = event["nbytes"] / event["ideal_bytes"] if event["ideal_bytes"] else 0.0
+        kept = f"+ {event['skipped'] / 1e6:.3f} MB unchanged " if event.get("skipped") else ""  # delta refits
         self.say(
-            f"v{v} {name:<9} pulled {event['nbytes'] / 1e6:8.3f} MB for a {event['ideal_bytes'] / 1e6:8.3f} MB slice "
+            f"v{v} {name:<9} pulled {event['nbytes'] / 1e6:8.3f} MB {kept}for a {event['ideal_bytes'] / 1e6:8.3f} MB "
+            "slice "
             f"({ratio:.2f}×) in {event['seconds'] * 1e3:7.1f} ms = {event['gbps']:5.2f} GB/s, "
             f"peak staging {event['peak_staging'] / 2**20:6.1f} MiB: "
             + (f"verified, committed revision {event['revision'][:12]}…" if ok else "NOT COMMITTED")

@@ -263,21 +263,12 @@ def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Publication:
-    """One complete version: a manifest from every rank of the publisher's world.
-
-    ``replicas``: receivers that committed this version and serve it to others (tree fan-out),
-    each a manifest of whole tensors with the trainer's digests. ``sources`` is the manifests,
-    then the replicas: a plan's source index points into it.
-    """
+    """One complete version: a manifest from every rank of the publisher's world, in rank order
+    (a plan's source index is a rank)."""
 
     identity: Identity
     version: int
     manifests: tuple[Manifest, ...]
-    replicas: tuple[Manifest, ...] = ()
-
-    @property
-    def sources(self) -> tuple[Manifest, ...]:
-        return self.manifests + self.replicas
 
     @property
     def revision(self) -> str:
@@ -287,7 +278,19 @@ class Publication:
         return h.hexdigest()
 
     def layout_key(self) -> tuple[Any, ...]:
-        return tuple((m.rank, m.source.agent, m.layout_digest) for m in self.sources)
+        return tuple((m.rank, m.source.agent, m.layout_digest) for m in self.manifests)
+
+    def digest_geometry(self) -> str:
+        """A digest of what fixes the digest vector's layout — every shard's name, dtype, shape, range, digest
+        algorithm and tiles, in order — but not where its bytes lie: digests of two versions compare unit by
+        unit only when this is equal (delta refits). O(shards): computed once per plan."""
+        h = xxhash.xxh3_128()
+        for m in self.manifests:
+            h.update(f"{m.rank}/{m.world_size};".encode())
+            for s in m.shards:
+                h.update(repr((s.name, s.dtype, s.global_shape, s.axis, s.start, s.stop, s.algo, s.tile_rows,
+                               s.tile_cols)).encode())  # fmt: skip
+        return h.hexdigest()
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 __all__ = [
+    "BYTE_KINDS",
     "FRAME_KINDS",
     "NULL_OBSERVER",
     "OUTCOMES",
@@ -24,6 +25,8 @@ STAGES = ("discover", "plan", "allocate", "pull", "translate", "apply", "verify"
 OUTCOMES = ("committed", "aborted", "refused")
 # why a push-stream frame was refused (``FrameError.kind``; ``ceiling``: sizes or allocation, out of step)
 FRAME_KINDS = ("header", "command", "metadata", "entry", "mapping", "version", "ceiling")
+# how a refit's bytes arrived, beyond pulling (RefitResult's *_bytes: delta refits, pipelined fan-out)
+BYTE_KINDS = ("skipped", "rechecked", "repaired", "relayed", "rerouted")
 QueueStats = Callable[[], tuple[int, int]]  # -> (items buffered, capacity)
 
 
@@ -51,6 +54,9 @@ class Observer(Protocol):
 
     def frame_refused(self, kind: str) -> None:
         """A push-stream frame was refused, for a reason in ``FRAME_KINDS``."""
+
+    def refit_bytes(self, kind: str, nbytes: int) -> None:
+        """A refit's bytes of one kind in ``BYTE_KINDS`` (reported once per prepared refit)."""
 
 
 class PublishObserver(Protocol):
@@ -87,6 +93,9 @@ class NullObserver:
         pass
 
     def frame_refused(self, kind: str) -> None:
+        pass
+
+    def refit_bytes(self, kind: str, nbytes: int) -> None:
         pass
 
     def version_published(self, version: int, nbytes: int) -> None:

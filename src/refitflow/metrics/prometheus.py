@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from refitflow.metrics import FRAME_KINDS, OUTCOMES, STAGES, NullObserver, QueueStats
+from refitflow.metrics import BYTE_KINDS, FRAME_KINDS, OUTCOMES, STAGES, NullObserver, QueueStats
 
 __all__ = ["PrometheusMetrics"]
 
@@ -82,6 +82,10 @@ class PrometheusMetrics(NullObserver):
         self.frames_refused = Counter(
             "refitflow_stream_frames_refused", "Push-stream frames refused, by reason", ["kind"], registry=r
         )
+        self.refit_bytes_ = Counter(
+            "refitflow_refit_bytes", "Refit bytes skipped (delta), re-hashed, repaired, relayed or rerouted", ["kind"],
+            registry=r,
+        )  # fmt: skip
         self.published = Counter("refitflow_published_versions", "Versions published", registry=r)
         self.published_bytes = Counter("refitflow_published_bytes", "Bytes of the versions published", registry=r)
         self.acked = Gauge("refitflow_publisher_receivers_acked", "Receivers done with the last version", registry=r)
@@ -97,6 +101,8 @@ class PrometheusMetrics(NullObserver):
             self.refits.labels(outcome=outcome)
         for kind in FRAME_KINDS:
             self.frames_refused.labels(kind=kind)
+        for kind in BYTE_KINDS:
+            self.refit_bytes_.labels(kind=kind)
         for transport in TRANSPORTS:
             self.transport_bytes.labels(transport=transport)
             self.read_latency.labels(transport=transport)
@@ -139,6 +145,9 @@ class PrometheusMetrics(NullObserver):
 
     def frame_refused(self, kind: str) -> None:
         self.frames_refused.labels(kind=kind).inc()
+
+    def refit_bytes(self, kind: str, nbytes: int) -> None:
+        self.refit_bytes_.labels(kind=kind).inc(nbytes)
 
     # publisher side
     def version_published(self, version: int, nbytes: int) -> None:

@@ -42,6 +42,14 @@ class ReceiverConfig:
     - ``min_run_bytes`` (32): runs shorter than this read the enclosing rows into staging instead.
     - ``compile_targets`` (None: any): the compile targets this rank accepts; another is a ``PlanError``.
     - ``compile_metadata`` (none): items every accepted shard's compile metadata must contain.
+    - ``relay_wait_s`` (5): how long this rank waits for an upstream relay that makes no progress before it
+      reads the rest of the version from the trainer (pipelined fan-out, docs/fanout.md).
+    - ``relay_bucket_bytes`` (4 MiB): with ``serve_replicas``, the bucket size cap (staged and direct): a
+      relay serves a tensor once the bucket that completes it is verified.
+    - ``skip_unchanged`` (True): delta refits — pieces whose every digest block is unchanged since the
+      version this rank holds are not pulled (docs/fanout.md).
+    - ``recheck_fraction`` (0.125): of the pieces skipped, the share re-hashed where they lie each refit,
+      rotating (each at least once every 1 / fraction refits; 1.0: all, every refit; 0: never).
     """
 
     budget_bytes: int = 256 * MiB
@@ -59,6 +67,10 @@ class ReceiverConfig:
     min_run_bytes: int = 32
     compile_targets: tuple[str, ...] | None = None
     compile_metadata: tuple[tuple[str, str], ...] = ()
+    relay_wait_s: float = 5.0
+    relay_bucket_bytes: int = 4 * MiB
+    skip_unchanged: bool = True
+    recheck_fraction: float = 0.125
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode))
@@ -84,8 +96,12 @@ class ReceiverConfig:
             object.__setattr__(self, "compile_metadata", tuple(sorted(self.compile_metadata.items())))
         if self.compile_targets is not None:
             object.__setattr__(self, "compile_targets", tuple(self.compile_targets))
-        if self.read_timeout_s <= 0 or self.refit_timeout_s <= 0:
+        if self.read_timeout_s <= 0 or self.refit_timeout_s <= 0 or self.relay_wait_s <= 0:
             raise ConfigError("timeouts must be positive numbers of seconds")
+        if self.relay_bucket_bytes < 64:
+            raise ConfigError("relay_bucket_bytes must be at least 64 bytes")
+        if not 0 <= self.recheck_fraction <= 1:
+            raise ConfigError(f"recheck_fraction must lie between 0 and 1, got {self.recheck_fraction!r}")
 
     @property
     def limits(self) -> Limits:
@@ -96,6 +112,9 @@ class ReceiverConfig:
             max_reads_per_bucket=self.max_reads_per_bucket,
             lossy_casts=self.lossy_casts,
             read_timeout_s=self.read_timeout_s,
+            relay_wait_s=self.relay_wait_s,
+            skip_unchanged=self.skip_unchanged,
+            recheck_fraction=self.recheck_fraction,
             verify=self.verify,
             max_strided_runs=self.max_strided_runs,
             min_run_bytes=self.min_run_bytes,

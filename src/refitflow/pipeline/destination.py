@@ -19,6 +19,7 @@ from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.pipeline.device import devices_of
+from refitflow.pipeline.held import Holding, Holdings
 
 __all__ = ["ApplyMode", "Destination", "ShadowCommit"]
 
@@ -98,6 +99,16 @@ class Destination:
             {n: t.detach().clone() for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )
         self.generation = 0  # swaps so far: shadow targets alternate between two storages
+        # the digests of the version each storage holds (delta refits; pipeline/held.py)
+        self.holdings = Holdings(shadow=mode is ApplyMode.SHADOW, swaps=shadow_commit is ShadowCommit.SWAP)
+
+    def holding(self, which: str) -> Holding | None:
+        """``(digest geometry, digests)`` of the version the ``"target"`` or ``"live"`` storage holds, if known."""
+        return self.holdings.get(which, self.generation)
+
+    def live(self, name: str) -> torch.Tensor:
+        """The live (serving) tensor of a parameter."""
+        return self.params[name].detach()
 
     def target(self, name: str) -> torch.Tensor:
         """The tensor the next version is written into (the live one, or its shadow)."""

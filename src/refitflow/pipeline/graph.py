@@ -42,6 +42,9 @@ class Attempt:
     def credit(self, key: Hashable, params: tuple[str, ...], idx: Any, counts: Any) -> None:
         self.txn.coverage.credit(key, params, idx, counts)
 
+    def hold(self, geometry: Hashable, digests: Any) -> None:
+        self.txn.holding = (geometry, digests)
+
     def prepare(self) -> None:
         self.ledger.prepare(self.txn)
 
@@ -93,6 +96,8 @@ async def run_pipeline(
         txn = ledger.begin(pub.version, pub.revision)
         opened.append(txn)
         ctx.attempt = Attempt(ledger, txn)
+        if ctx.fanout is not None:
+            ctx.fanout.begin(pub.version)
 
     s_pub, r_pub = anyio.create_memory_object_stream[Publication](1)
     s_plan, r_plan = anyio.create_memory_object_stream[Any](depth)

@@ -14,6 +14,7 @@ from refitflow.core.errors import VersionError
 from refitflow.pipeline.coverage import CoverageTracker
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.pipeline.fence import Fence, FenceState
+from refitflow.pipeline.held import Holding
 
 __all__ = ["Ledger", "Transaction", "TxnState"]
 
@@ -34,6 +35,7 @@ class Transaction:
     wrote: bool = False  # set before the first byte lands in a destination
     copying: bool = False  # shadow_commit="copy": the live storage is being overwritten (set before it is)
     reason: str | None = None
+    holding: Holding | None = None  # (digest geometry, digests) of the version, for delta refits
     fence_before: FenceState = field(default=FenceState.READY)
     fence_reason_before: str | None = None
 
@@ -83,6 +85,7 @@ class Ledger:
     def finish(self, txn: Transaction) -> None:
         """Make the prepared version visible."""
         self._expect(txn, TxnState.PREPARED)
+        self.destination.holdings.committed(self.destination.generation, txn.holding)
         if self.destination.mode is ApplyMode.SHADOW and not self.destination.copies_at_commit:
             self.destination.swap()  # copy mode: the receiver copied the shadows into the live storage already
         txn.state = TxnState.COMMITTED
@@ -101,6 +104,8 @@ class Ledger:
         self.first_failure = self.first_failure or reason
         if self.open is txn:
             self.open = None
+        if txn.wrote or txn.copying:  # what the written storage holds is unknown now
+            self.destination.holdings.overwritten(self.destination.generation, live_too=txn.copying)
         if txn.copying:
             reason = f"version {txn.version} aborted while copied into the live storage: {reason}"
             self.fence.set(FenceState.FENCED, reason)

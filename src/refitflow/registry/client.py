@@ -17,7 +17,6 @@ task stops on ``aclose()``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
@@ -29,8 +28,9 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
+from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import manifest_from_dict, manifest_to_dict
+from refitflow.core.wire import manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.address import check_address
 from refitflow.registry.channel import Channel
 from refitflow.registry.messages import identity_to_dict, topic
@@ -83,7 +83,6 @@ class RegistryClient:
         self._cache: OrderedDict[tuple[Any, ...], Publication] = OrderedDict()
         self._cache_size = cache_size
         self._fetching: dict[tuple[Any, ...], asyncio.Future[Publication]] = {}
-        self._replica_cache: tuple[Any, tuple[Manifest, ...]] = (None, ())
         self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
@@ -248,24 +247,23 @@ class RegistryClient:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        replicas = tuple(found.get("replicas") or ())
-        if replicas:  # tree fan-out: the receivers serving this version now (they come and go)
-            pub = dataclasses.replace(pub, replicas=await self._replicas(found["identity"], pub.version, replicas))
         return pub
 
-    async def _replicas(self, identity: dict[str, str], version: int, names: tuple[str, ...]) -> tuple[Manifest, ...]:
-        key = (tuple(sorted(identity.items())), version, names)
-        if self._replica_cache[0] != key:
-            dicts = await self._request("replicas", identity=identity, version=version)
-            self._replica_cache = (key, tuple(manifest_from_dict(d) for d in dicts))
-        return self._replica_cache[1]
+    async def relay_join(
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+    ) -> RelayOffer | None:
+        """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None."""
+        found = await self._request(
+            "relay_join", identity=identity_to_dict(identity), version=version, receiver_id=receiver_id,
+            layout=layout, offer=None if offer is None else offer_to_dict(offer),
+            max_bytes=(await self.hello()).get("max_message_bytes"),
+        )  # fmt: skip
+        if found is None:
+            return None
+        return await asyncio.to_thread(offer_from_dict, found) if len(found["held"]) > 256 else offer_from_dict(found)
 
-    async def publish_replica(self, manifest: Manifest) -> None:
-        await self._request("publish_replica", manifest=manifest_to_dict(manifest),
-                            max_bytes=(await self.hello()).get("max_message_bytes"))  # fmt: skip
-
-    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
-        await self._request("withdraw_replica", identity=identity_to_dict(identity), receiver_id=receiver_id)
+    async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
+        await self._request("relay_leave", identity=identity_to_dict(identity), receiver_id=receiver_id)
 
     async def _fetch(self, identity: dict[str, str], version: int) -> Publication:
         dicts = await self._request("manifests", identity=identity, version=version)

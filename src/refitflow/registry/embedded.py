@@ -28,7 +28,8 @@ class Registry(RegistryStore):
     ``rf.ReleasePolicy``, and dropped once released and superseded. All methods are coroutines, as they
     are on ``rf.RegistryClient``: ``publish``, ``latest``, ``wait_complete``,
     ``register_receiver``, ``report``, ``is_released``, ``wait_released``, ``acked``, ``versions``,
-    ``near_misses`` (what is held instead, for a discovery that found nothing) and the replica calls.
+    ``near_misses`` (what is held instead, for a discovery that found nothing) and the relay calls
+    (``relay_join``, ``relay_leave``: pipelined fan-out, ``registry.relays``).
     """
 
     @classmethod

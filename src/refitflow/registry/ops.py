@@ -9,8 +9,9 @@ import anyio
 import anyio.to_thread
 
 from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
+from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Manifest
-from refitflow.core.wire import manifest_from_dict, manifest_to_dict
+from refitflow.core.wire import manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
@@ -53,14 +54,18 @@ class Handler:
     async def _manifest(self, msg: dict[str, Any]) -> Manifest:
         """The request's manifest, checked; a large one off the event loop, so everyone else is served."""
         d = _arg(msg, "manifest", dict)
-        shards = d.get("shards")
-        count = len(shards) if isinstance(shards, list) else 0
+        manifest: Manifest = await self._decode(d, ("shards",), manifest_from_dict)
+        return manifest
+
+    async def _decode(self, d: dict[str, Any], parts: tuple[str, ...], decode: Callable[[Any], Any]) -> Any:
+        """Decode a manifest or relay offer within ``max_shards`` rows; a large one in a worker thread."""
+        count = sum(len(d[k]) if isinstance(d.get(k), list) else 0 for k in parts)
         if count > self._limits.max_shards:
             raise ManifestError(f"{count} shard specs in one manifest, over the registry's limit of "
                                 f"{self._limits.max_shards}")  # fmt: skip
         if count <= OFF_LOOP_SHARDS:
-            return manifest_from_dict(d)
-        return await anyio.to_thread.run_sync(manifest_from_dict, d, limiter=self._checking)
+            return decode(d)
+        return await anyio.to_thread.run_sync(decode, d, limiter=self._checking)
 
     async def handle(self, msg: dict[str, Any]) -> Any:
         op = msg.get("op")
@@ -89,23 +94,22 @@ class Handler:
         if pub is None:
             return None
         return {"identity": identity_to_dict(pub.identity), "version": pub.version,
-                "revisions": [m.revision for m in pub.manifests],
-                "replicas": [f"{m.metadata.get('replica')}|{m.source.agent}" for m in pub.replicas]}  # fmt: skip
+                "revisions": [m.revision for m in pub.manifests]}  # fmt: skip
 
-    async def op_replicas(self, msg: dict[str, Any]) -> Any:
+    async def op_relay_join(self, msg: dict[str, Any]) -> Any:
+        """Join a version's relays (with an offer, or none: a reader); the upstream's offer, or None."""
         identity = identity_from_dict(_arg(msg, "identity", dict))
-        version = _arg(msg, "version", int)
-        pub = await self.registry.latest(identity, version)
-        if pub is None or pub.version != version:
-            return []
-        return [manifest_to_dict(m) for m in pub.replicas]
+        d = _arg(msg, "offer", dict, None)
+        offer: RelayOffer | None = None if d is None else await self._decode(d, ("params", "held"), offer_from_dict)
+        if offer is not None and offer.receiver != _arg(msg, "receiver_id", str):
+            raise ManifestError("a relay offer names the receiver that joins with it")
+        up = await self.registry.relay_join(identity, _arg(msg, "version", int), _arg(msg, "receiver_id", str),
+                                            layout=_arg(msg, "layout", str, ""), offer=offer)  # fmt: skip
+        return None if up is None else offer_to_dict(up)
 
-    async def op_publish_replica(self, msg: dict[str, Any]) -> Any:
-        await self.registry.publish_replica(await self._manifest(msg))
-
-    async def op_withdraw_replica(self, msg: dict[str, Any]) -> Any:
+    async def op_relay_leave(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))
-        await self.registry.withdraw_replica(identity, _arg(msg, "receiver_id", str))
+        await self.registry.relay_leave(identity, _arg(msg, "receiver_id", str))
 
     async def op_manifests(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))

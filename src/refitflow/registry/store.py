@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 import anyio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
+from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.checks import VersionIndex
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.near_misses import near_misses
+from refitflow.registry.relays import Relays, check_offer
 from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.replicas import REPLICA_KEY, check_replica
 
 __all__ = ["RegistryStore"]
 
@@ -50,7 +51,7 @@ class _Model:
     first_seen: dict[int, float] = field(default_factory=dict)  # version -> clock at its first manifest
     receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
     completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
-    replicas: dict[int, dict[str, Manifest]] = field(default_factory=dict)  # version -> receiver id -> manifest
+    relays: dict[int, Relays] = field(default_factory=dict)  # version -> its relays (pipelined fan-out)
 
     @property
     def newest(self) -> int | None:
@@ -150,9 +151,7 @@ class RegistryStore:
                 manifests = tuple(ranks[r] for r in range(len(ranks)))
                 if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
                     continue
-                replicas = tuple(model.replicas.get(version, {}).values())
-                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests,
-                                   replicas=replicas)  # fmt: skip
+                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests)
                 break
         return best
 
@@ -195,30 +194,34 @@ class RegistryStore:
         self._own(owner, (identity, receiver_id, -1))
         self._notify()
 
-    async def publish_replica(self, manifest: Manifest) -> None:
-        """Offer a receiver's committed copy of a complete version as a source (tree fan-out)."""
-        pub = self._complete(manifest.identity, manifest.version, None, None)
-        if pub is None or pub.version != manifest.version:
-            raise VersionError("a replica needs its version complete and still offered", version=manifest.version)
-        check_replica(pub, manifest)
-        self._model(manifest.identity).replicas.setdefault(manifest.version, {})[manifest.metadata[REPLICA_KEY]] = (
-            manifest
-        )
-        self._notify()
+    async def relay_join(
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+    ) -> RelayOffer | None:
+        """Join ``version``'s relays with ``offer`` (None: a reader that serves nobody); the upstream to read
+        from (None: the trainer). Leaves every other version's relays (``registry.relays``)."""
+        pub = self._complete(identity, version, None, None)
+        if pub is None or pub.version != version:
+            raise VersionError("relays need their version complete and still offered", version=version)
+        if offer is not None:
+            check_offer(pub, offer)
+        model = self._model(identity)
+        for v, relays in model.relays.items():
+            if v != version:
+                relays.leave(receiver_id)
+        return model.relays.setdefault(version, Relays()).join(receiver_id, layout, offer)
 
-    async def withdraw_replica(self, identity: Identity, receiver_id: str) -> None:
-        """Stop offering every replica of ``receiver_id`` (it is about to change its copy, or leaving)."""
-        self._drop_replicas(self._peek(identity), receiver_id)
-        self._notify()
+    async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
+        """``receiver_id`` serves no version any more (it is about to change its bytes, or leaving)."""
+        self._drop_relays(self._peek(identity), receiver_id)
 
-    def _drop_replicas(self, model: _Model, receiver_id: str) -> None:
-        for held in model.replicas.values():
-            held.pop(receiver_id, None)
+    def _drop_relays(self, model: _Model, receiver_id: str) -> None:
+        for relays in model.relays.values():
+            relays.leave(receiver_id)
 
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
         model = self._peek(identity)
         model.receivers.pop(receiver_id, None)
-        self._drop_replicas(model, receiver_id)
+        self._drop_relays(model, receiver_id)
         self._collect(model)
         self._notify()
 
@@ -284,7 +287,7 @@ class RegistryStore:
         model.index.pop(version, None)
         model.first_seen.pop(version, None)
         model.completed_at.pop(version, None)
-        model.replicas.pop(version, None)
+        model.relays.pop(version, None)
         for ordered in (model.order, model.complete):
             at = bisect.bisect_left(ordered, version)
             if at < len(ordered) and ordered[at] == version:
@@ -300,7 +303,7 @@ class RegistryStore:
             return
         model.index[version] = VersionIndex(list(ranks.values()))
         model.completed_at.pop(version, None)
-        model.replicas.pop(version, None)
+        model.relays.pop(version, None)
         at = bisect.bisect_left(model.complete, version)
         if at < len(model.complete) and model.complete[at] == version:
             del model.complete[at]
@@ -330,7 +333,7 @@ class RegistryStore:
                 model = self._peek(identity)
                 if isinstance(key, str):
                     model.receivers.pop(key, None)
-                    self._drop_replicas(model, key)
+                    self._drop_relays(model, key)
                 elif model.owner.get((key, rank)) == owner:
                     self._drop_rank(model, key, rank)
         dropped = 0

@@ -72,12 +72,13 @@ class Checks:
     streams: tuple[Stream, ...]
     mixes: tuple[Mix, ...]  # mix64 pieces, and xxh3 pieces whose whole tiles are strided (gathered)
     whole_bytes: int  # bytes the whole units of ``land_of``/``mixes`` verify
+    piece_checked: np.ndarray  # per piece, its bytes inside whole units it checks (its nbytes: all of them)
 
 
 def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[Tiling, int]]:
     """(source, tensor) → (its digest geometry, offset of its first digest in ``digest_vector(pub)``)."""
     out, at = {}, 0
-    for i, m in enumerate(pub.sources):
+    for i, m in enumerate(pub.manifests):
         for s in m.shards:
             t = s.tiling
             out[(i, s.name)] = (t, at)
@@ -87,7 +88,7 @@ def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[Tiling, int]]:
 
 def digest_vector(pub: Publication) -> np.ndarray:
     """Every digest of the publication as native uint64, in ``digest_index`` order (decoded once)."""
-    raw = b"".join(s.digest_bytes for m in pub.sources for s in m.shards)
+    raw = b"".join(s.digest_bytes for m in pub.manifests for s in m.shards)
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
 
 
@@ -168,8 +169,11 @@ def build_checks(
             streams.append(Stream(k, a, a + int(ua.covered[p]), base + int(ua.slot[p]), int(ua.start[p]),
                                   int(ua.total[p]), n))  # fmt: skip
     land_of, lo, hi, want, name_of = fast.arrays()
+    checked = np.bincount(land_of, weights=hi - lo, minlength=len(lands))
+    for m in mixes:
+        checked[m.land] += int(m.covered[m.check & (m.covered == m.total)].sum())
     return Checks(tuple(lands), tuple(names), land_of, lo, hi, want, name_of, tuple(streams), tuple(mixes),
-                  whole_bytes)  # fmt: skip
+                  whole_bytes, checked.astype(np.int64))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.transports.base import Transport
 
 __all__ = [
-    "Attempt", "Devices", "Discovery", "Landing", "Lease", "Limits", "StageContext", "Staging", "Work", "breathe",
-    "gc_paused",
+    "Attempt", "Counts", "Devices", "Discovery", "Fanout", "Landing", "Lease", "Limits", "StageContext", "Staging",
+    "Work", "breathe", "gc_paused",
 ]  # fmt: skip
 
 _gc_lock = threading.Lock()
@@ -101,6 +101,8 @@ class Landing(Protocol):
     @property
     def generation(self) -> int: ...
     def target(self, name: str) -> torch.Tensor: ...
+    def live(self, name: str) -> torch.Tensor: ...
+    def holding(self, which: str) -> tuple[Hashable, Any] | None: ...  # "target" | "live": (geometry, digests)
     def assembly(self, name: str) -> torch.Tensor: ...
     def release_assembly(self, name: str) -> torch.Tensor: ...
 
@@ -123,7 +125,21 @@ class Attempt(Protocol):
     def mark_written(self) -> None: ...
     def record(self, param: str, region: Hashable, numel: int) -> None: ...
     def credit(self, key: Hashable, params: tuple[str, ...], idx: Any, counts: Any) -> None: ...
+    def hold(self, geometry: Hashable, digests: Any) -> None: ...  # the version's digests (delta refits)
     def prepare(self) -> None: ...
+
+
+class Fanout(Protocol):
+    """Pipelined fan-out as the stages see it (``pipeline.relay.Relaying``)."""
+
+    def begin(self, version: int) -> None:
+        """``version`` is about to land (before any byte does): a relay's status says so."""
+
+    async def join(self, ctx: StageContext) -> None:
+        """With a plan: offer this rank as a relay (if it serves) and bind an upstream (``ctx.upstream``)."""
+
+    def verified(self, credits: Any) -> None:
+        """A verified bucket's elements per parameter (``Credits``): relay progress."""
 
 
 class Discovery(Protocol):
@@ -139,11 +155,26 @@ class Limits:
     max_reads_per_bucket: int
     lossy_casts: bool
     read_timeout_s: float
+    relay_wait_s: float = 5.0  # how long a reader waits for an upstream relay that makes no progress
+    skip_unchanged: bool = True  # delta refits: leave pieces whose digests did not change (stages/_delta.py)
+    recheck_fraction: float = 0.125  # of skipped pieces, re-hashed each refit (rotating)
     verify: str = "strict"  # strict: widen partial pulls to whole digest blocks; pulled: verify what is whole
     max_strided_runs: int = 1024  # contiguous runs per piece of a strided (column) read
     min_run_bytes: int = 32  # strided runs shorter than this read the enclosing rows instead
     compile_targets: tuple[str, ...] | None = None  # None: any
     compile_metadata: tuple[tuple[str, str], ...] = ()  # required subset
+
+
+@dataclass
+class Counts:
+    """Bytes of one refit by how they arrived (``RefitResult``)."""
+
+    pulled: int = 0  # read from a source (trainer or relay), re-reads included
+    skipped: int = 0  # not read: unchanged since the version a storage holds (delta refits)
+    relayed: int = 0  # of ``pulled``, read from an upstream relay
+    rerouted: int = 0  # of ``pulled``, read from the trainer after a relay failed, stalled or sent bad bytes
+    rechecked: int = 0  # of ``skipped``, re-hashed where they lie
+    repaired: int = 0  # of ``rechecked``, differed from the digests and were read again
 
 
 @dataclass(kw_only=True)
@@ -159,13 +190,18 @@ class StageContext:
     plan: Any = None  # the Plan in use (stages.plan.Plan)
     discovered_at: float = 0.0  # perf_counter when the publication was found
     waited_s: float = 0.0  # how long discovery waited for it
-    reroute: Any = None  # stages._reroute.Rerouter: replica sources that failed during this attempt
+    fanout: Fanout | None = None  # pipelined fan-out (None: this rank neither relays nor reads relays)
+    upstream: Any = None  # stages._relay.Upstream: the relay this attempt reads from, if any
+    digests: Any = None  # the version's digest vector (stages._checks.digest_vector), decoded once per refit
+    skips: Any = None  # stages._delta.Skips: this refit's delta decision, if any piece is skipped
+    verified_through: int = -1  # every unit of buckets up to this index is verified (relay progress)
+    counts: Counts = field(default_factory=Counts)
     stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
     unverified_bytes: int = 0  # pulled bytes no whole digest block covered
 
     def connect_sources(self, pub: Publication) -> None:
         assert self.transport is not None
-        for m in pub.sources:
+        for m in pub.manifests:
             self.transport.connect(m.source)
 
     def enter(self, stage: str) -> None:
@@ -189,3 +225,6 @@ class Work:
     lease: Lease | None = None
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src) views
     marks: tuple[Any, ...] = ()  # the bucket's device work so far (Devices.record); empty on CPU
+    actions: Any = None  # delta refits: per piece PULL, HELD or COPY (stages._delta); None: pull every piece
+    recheck: Any = None  # per piece: a skipped piece re-hashed where it lies
+    relayed: list[int] = field(default_factory=list)  # pieces read from the upstream relay

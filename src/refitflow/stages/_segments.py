@@ -47,7 +47,7 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
     held: dict[str, dict[Box, list[Held]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     axes: dict[str, int | None] = {}
-    for i, m in enumerate(pub.sources):  # trainer ranks, then replica sources
+    for i, m in enumerate(pub.manifests):  # trainer ranks
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         shapes |= canon_shapes
         for spec in m.shards:

@@ -11,12 +11,12 @@ from refitflow.stages._context import StageContext, Work
 __all__ = ["run"]
 
 
-async def run(ctx: StageContext, receive: ObjectReceiveStream, send: ObjectSendStream[Work]) -> None:
+async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     async with receive, send:
-        async for bucket in receive:
+        async for work in receive:
             ctx.enter("allocate")
             t0 = time.perf_counter()
-            work = Work(bucket)
+            bucket = work.bucket
             if bucket.staging_bytes:
                 work.lease = await ctx.staging.allocate(bucket.staging_bytes, bucket.device)
             ctx.note("allocate", 1, bucket.staging_bytes, time.perf_counter() - t0)

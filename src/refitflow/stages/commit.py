@@ -8,11 +8,16 @@ counts only when every box of it arrived, whichever buckets they came in; a floa
 quantised here, once its fp32 assembly is complete, and its scale tensor credited as derived) and makes nothing
 visible; the pipeline's owner finishes (or, after an engine vote, aborts) it. Before preparing, every
 refit stream is drained (``Devices.drain``, off the event loop): a prepared version has no byte in flight.
+
+A relay (``ctx.fanout``) learns each bucket's elements once every digest unit up to that bucket is verified
+(``ctx.verified_through``: a unit split over buckets is complete only with its last part), and marks the
+tensors they complete as served (``pipeline/relay.py``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio.to_thread
 from anyio.abc import ObjectReceiveStream
@@ -61,14 +66,22 @@ async def credit(ctx: StageContext, work: Work, assembled: dict[str, int]) -> No
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:
     assembled: dict[str, int] = {}
+    owed: list[tuple[int, Any]] = []  # (bucket index, credits) a relay has not served yet
     async with receive:
         async for work in receive:
             ctx.enter("commit")
             t0 = time.perf_counter()
             await credit(ctx, work, assembled)
+            if ctx.fanout is not None and work.bucket.credits is not None:
+                owed.append((work.bucket.index, work.bucket.credits))
+                while owed and owed[0][0] <= ctx.verified_through:
+                    ctx.fanout.verified(owed.pop(0)[1])
             ctx.note("commit", 1, work.bucket.nbytes, time.perf_counter() - t0)
     if ctx.attempt is None:
         return  # discovery failed or refused: its error propagates from its own task
+    for _, credits in owed:  # every bucket was verified
+        assert ctx.fanout is not None
+        ctx.fanout.verified(credits)
     t0 = time.perf_counter()
     await ctx.devices.drain()  # nothing still in flight on a device when the version is prepared
     ctx.attempt.prepare()

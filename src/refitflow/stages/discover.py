@@ -48,7 +48,7 @@ async def run(
         t0 = ctx.discovered_at = time.perf_counter()
         ctx.waited_s = t0 - t_wait
         check_compile(pub, ctx.limits)
-        if sum(len(m.shards) for m in pub.sources) > 1000:  # an address of many regions takes ms to read
+        if sum(len(m.shards) for m in pub.manifests) > 1000:  # an address of many regions takes ms to read
             await anyio.to_thread.run_sync(ctx.connect_sources, pub)
         else:
             ctx.connect_sources(pub)

@@ -38,8 +38,9 @@ from refitflow.core.errors import PlanError
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, contiguous_span, intersect, shape_of, shift, strided, volume
 from refitflow.layouts.canonical import sliced
-from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index
-from refitflow.stages._context import Landing, Limits, StageContext, breathe, gc_paused
+from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index, digest_vector
+from refitflow.stages._context import Landing, Limits, StageContext, Work, breathe, gc_paused
+from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
 from refitflow.stages._regions import chunks, regions
 from refitflow.stages._segments import Copy, copies
@@ -55,6 +56,8 @@ __all__ = [
     "build_plan",
     "check_cast",
     "check_compile",
+    "coalesce",
+    "piece_read",
     "run",
 ]
 
@@ -142,8 +145,13 @@ class Plan:
     ideal_bytes: int = 0  # the source bytes of the copies alone (what a perfect plan would read)
     seconds: float = 0.0  # time it took to build
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
+    copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
+    digest_geometry: str = ""  # Publication.digest_geometry of the publications it plans
     read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
     views: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see verify
+    # built on first use, once per plan: relay geometries by relay layout, the delta index, this rank's
+    # relay boxes (stages._relay, stages._delta); per-bucket variants by skip pattern
+    derived: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def box_index(box: Box) -> tuple[slice, ...]:
@@ -160,13 +168,17 @@ def check_cast(src: torch.dtype, dst: torch.dtype, lossy: bool, tensor: str) -> 
     raise PlanError(f"casting {src} to {dst} loses information and lossy_casts is off", tensor=tensor)
 
 
-def _pieces(pub: Publication, landing: Landing, limits: Limits) -> Iterator[Piece]:
+def _copies(pub: Publication, landing: Landing) -> list[Copy]:
     exact = landing.layout is None
     scales = set(landing.derived.values())
     dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items() if n not in scales}
+    return copies(pub, dest, landing.canonical, exact)
+
+
+def _pieces(cs_all: list[Copy], landing: Landing, limits: Limits) -> Iterator[Piece]:
     groups: dict[tuple[int, str], list[Copy]] = {}
     casts: set[tuple[str, torch.dtype, bool]] = set()
-    for c in copies(pub, dest, landing.canonical, exact):
+    for c in cs_all:
         dst = landing.params[c.param]
         key = (c.spec.dtype, dst.dtype, c.param in landing.derived)
         if key not in casts:
@@ -240,10 +252,41 @@ class _Context:
         self.seen: set[tuple[str, Box]] = set()
 
 
+def piece_read(p: Piece) -> PlannedRead:
+    """The one read of a piece from its trainer source (runs back to back become one run)."""
+    item = p.nbytes // max(p.run * p.count, 1)
+    return runs_read(p.source, p.src_region, p.src_offset + p.first * item, p.run * item, p.stride * item, p.count,
+                     p.scatters[0].param if p.direct else None, p.landing_offset)  # fmt: skip
+
+
+def runs_read(
+    source: int, region: int, src: int, n: int, stride: int, count: int, param: str | None, at: int
+) -> PlannedRead:
+    """``count`` runs of ``n`` bytes ``stride`` apart as one planned read (one run when back to back)."""
+    if count > 1 and stride == n:
+        n, count = n * count, 1
+    return PlannedRead(source, region, src, n, param, at, stride if count > 1 else 0, count)
+
+
+def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRead]:
+    """Reads in landing order, each run that continues the previous one in both places merged into it."""
+    out: list[PlannedRead] = []
+    for r in reads:
+        prev = out[-1] if out else None
+        if (
+            r.count == 1 and prev is not None and prev.count == 1
+            and (prev.source, prev.region, prev.param) == (r.source, r.region, r.param)
+            and prev.src_offset + prev.nbytes == r.src_offset and prev.landing_offset + prev.nbytes == r.landing_offset
+        ):  # fmt: skip
+            out[-1] = replace(prev, nbytes=prev.nbytes + r.nbytes)
+        else:
+            out.append(r)
+    return out
+
+
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     """Lay staged pieces out one after another (8-byte aligned), coalesce adjacent reads, precompute checks."""
     laid: list[Piece] = []
-    reads: list[PlannedRead] = []
     staged = 0
     for p in pieces:
         breathe()
@@ -252,24 +295,7 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
             p = replace(p, landing_offset=staged)
             staged += p.nbytes
         laid.append(p)
-        param = p.scatters[0].param if p.direct else None
-        item = p.nbytes // max(p.run * p.count, 1)
-        src, n, at = p.src_offset + p.first * item, p.run * item, p.landing_offset
-        prev = reads[-1] if reads else None
-        if p.count > 1 and p.stride == p.run:  # back to back: one contiguous run
-            n, p_count = n * p.count, 1
-        else:
-            p_count = p.count
-        if (
-            p_count == 1 and prev is not None and prev.count == 1
-            and (prev.source, prev.region, prev.param) == (p.source, p.src_region, param)
-            and prev.src_offset + prev.nbytes == src and prev.landing_offset + prev.nbytes == at
-        ):  # fmt: skip
-            reads[-1] = replace(prev, nbytes=prev.nbytes + n)
-        else:
-            reads.append(
-                PlannedRead(p.source, p.src_region, src, n, param, at, p.stride * item if p_count > 1 else 0, p_count)
-            )
+    reads = coalesce([piece_read(p) for p in laid])
     for p in laid:
         for s in p.scatters:
             if (s.param, s.dbox) in cx.seen:
@@ -306,7 +332,8 @@ def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) ->
     current: list[Piece] = []
     staged = direct = runs = ideal = 0
     staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
-    pieces = list(_pieces(pub, landing, limits))
+    cs = _copies(pub, landing)
+    pieces = list(_pieces(cs, landing, limits))
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
@@ -332,7 +359,8 @@ def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) ->
     if current:
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
-    return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0)
+    return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
+                copies=tuple(cs), digest_geometry=pub.digest_geometry())  # fmt: skip
 
 
 class PlanCache:
@@ -385,15 +413,41 @@ async def run(
     ctx: StageContext,
     cache: PlanCache,
     receive: ObjectReceiveStream[Publication],
-    send: ObjectSendStream[Bucket],
+    send: ObjectSendStream[Work],
 ) -> None:
-    """Plan the publication, then send its buckets downstream in order."""
+    """Plan the publication, decide what a delta refit leaves and whom to read from, then send its buckets
+    downstream in order."""
     async with receive, send:
         async for pub in receive:
             ctx.enter("plan")
             t0 = time.perf_counter()
             plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
+            ctx.digests = await anyio.to_thread.run_sync(digest_vector, pub)
+            assert ctx.attempt is not None
+            ctx.attempt.hold(plan.digest_geometry, ctx.digests)
+            if ctx.limits.skip_unchanged:
+                ctx.skips = await _skips(ctx, plan)
+            if ctx.fanout is not None:
+                await ctx.fanout.join(ctx)
             ctx.note("plan", len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
             for bucket in plan.buckets:
-                await send.send(bucket)
+                actions, recheck = ctx.skips.of(bucket.index) if ctx.skips is not None else (None, None)
+                await send.send(Work(bucket, actions=actions, recheck=recheck))
+
+
+async def _skips(ctx: StageContext, plan: Plan) -> Skips | None:
+    """This refit's delta decision (None: every piece is pulled), the plan's index built on first use."""
+    target, live = ctx.landing.holding("target"), ctx.landing.holding("live")
+    if target is None and live is None:
+        return None
+    index = plan.derived.get("delta")
+    if index is None:
+        index = plan.derived["delta"] = await anyio.to_thread.run_sync(DeltaIndex, plan, ctx.landing)
+    assert ctx.attempt is not None
+    skips = decide(index, plan.digest_geometry, ctx.digests, target, live, turn=ctx.attempt.version,
+                   recheck_fraction=ctx.limits.recheck_fraction)  # fmt: skip
+    if skips is not None:
+        ctx.counts.skipped = skips.skipped_bytes(index)
+        ctx.counts.rechecked = skips.rechecked_bytes(index)
+    return skips

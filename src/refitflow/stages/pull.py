@@ -1,22 +1,33 @@
-"""Pull: issue a bucket's reads through the transport, straight into parameters or into staging."""
+"""Pull: issue a bucket's reads through the transport, straight into parameters or into staging.
+
+Which pieces are read, and from where: every piece from its trainer rank, except pieces a delta refit
+leaves (``Work.actions``, ``stages/_delta.py``) and pieces an upstream relay holds (``ctx.upstream``,
+``stages/_relay.py``). A relay's piece is read only once the relay's status says every tensor it lies
+in is verified for this version, and its status is read again after the bytes: if the relay moved on
+(its storage may be changing), failed, or made no progress for ``relay_wait_s``, the pieces still
+owed are read from the trainer (*rerouted*) and the relay is not read again in this attempt.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.stages._context import StageContext, Work
-from refitflow.stages._reroute import Rerouter
+from refitflow.stages._delta import PULL
+from refitflow.stages._relay import RELAY, RelayPiece, Upstream
+from refitflow.stages.plan import PlannedRead, coalesce, piece_read
 from refitflow.transports.base import Read, as_bytes
 
-__all__ = ["run"]
+__all__ = ["read_pieces", "reads_of", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +43,21 @@ async def reads_of(ctx: StageContext, work: Work) -> list[Read]:
     cached = ctx.plan.read_lists.get(key)
     if cached is None:
         many = len(work.bucket.reads) > 64
-        cached = await anyio.to_thread.run_sync(_build_reads, ctx, work) if many else _build_reads(ctx, work)
+        planned = work.bucket.reads
+        cached = await anyio.to_thread.run_sync(_build_reads, ctx, work, planned) if many else _build_reads(
+            ctx, work, planned
+        )
         ctx.plan.read_lists[key] = cached
     return cached
 
 
-def _build_reads(ctx: StageContext, work: Work) -> list[Read]:
+def _build_reads(ctx: StageContext, work: Work, planned: Sequence[PlannedRead]) -> list[Read]:
     assert ctx.publication is not None
-    peers = [m.source.agent for m in ctx.publication.sources]
+    peers = [m.source.agent for m in ctx.publication.manifests]
+    up: Upstream | None = ctx.upstream
     out = []
     targets: dict[str, torch.Tensor] = {}
-    for r in work.bucket.reads:
+    for r in planned:
         n = r.nbytes * r.count
         if r.param is None:
             assert work.lease is not None
@@ -52,7 +67,12 @@ def _build_reads(ctx: StageContext, work: Work) -> list[Read]:
             if whole is None:
                 whole = targets[r.param] = as_bytes(ctx.landing.target(r.param))
             dst = whole[r.landing_offset : r.landing_offset + n]
-        out.append(Read(peers[r.source], r.region, r.src_offset, r.nbytes, dst, r.stride, r.count))
+        if r.source == RELAY:
+            assert up is not None
+            peer, region = up.offer.source.agent, up.offer.params[r.region].region
+        else:
+            peer, region = peers[r.source], r.region
+        out.append(Read(peer, region, r.src_offset, r.nbytes, dst, r.stride, r.count))
     return out
 
 
@@ -72,32 +92,97 @@ async def _read(ctx: StageContext, work: Work, reads: list[Read], key: Hashable 
         )
 
 
-async def _read_with_replicas(ctx: StageContext, work: Work, reads: list[Read], key: Hashable | None) -> None:
-    """Read; if that fails, read each source's part on its own, moving a failing replica's to the trainer."""
-    assert ctx.publication is not None
-    if ctx.reroute is None or ctx.reroute.replicas.keys() != {m.source.agent for m in ctx.publication.replicas}:
-        ctx.reroute = Rerouter(ctx.publication)
-    rr = ctx.reroute
-    if rr.avoid:
-        reads, key = rr.avoiding(reads), None
-    try:
-        await _read(ctx, work, reads, key)
+async def read_pieces(ctx: StageContext, work: Work, pieces: Sequence[int]) -> None:
+    """Read some of a bucket's pieces from their trainer ranks (a reroute, a repair, a partial bucket)."""
+    b = work.bucket
+    if len(pieces) == len(b.pieces):
+        await _read(ctx, work, await reads_of(ctx, work), (ctx.plan.serial, b.index, _lease(work)))
         return
-    except (TransportError, RefitTimeoutError):
-        if not any(rr.is_replica(r) for r in reads):
-            raise
-    by_peer: dict[str, list[Read]] = {}
-    for r in reads:
-        by_peer.setdefault(r.peer, []).append(r)
-    for peer, group in by_peer.items():
+    key = ("some", b.index, _lease(work), ctx.landing.generation % 2)
+    picked = np.asarray(pieces, dtype=np.int64).tobytes()
+    cached = ctx.plan.derived.get(key)  # the last variant of this bucket: a frozen part repeats refit after refit
+    if cached is None or cached[0] != picked:
+        planned = coalesce([piece_read(b.pieces[k]) for k in pieces])
+        cached = ctx.plan.derived[key] = (picked, _build_reads(ctx, work, planned))
+    await _read(ctx, work, cached[1], (ctx.plan.serial, *key, hash(picked)))
+
+
+def _lease(work: Work) -> int:
+    return -1 if work.lease is None else work.lease.offset
+
+
+async def _status(ctx: StageContext, work: Work, up: Upstream, params: np.ndarray | None) -> np.ndarray | None:
+    """The relay's per-tensor progress (indexed by its tensor), or None once it holds another version.
+    ``params``: the tensors to read progress of (None: only the version word)."""
+    assert ctx.attempt is not None
+    raw = as_bytes(up.probe)
+    peer, region = up.offer.source.agent, up.offer.status
+    reads = [Read(peer, region, 0, 8, raw[:8])]
+    if params is not None:
+        lo, hi = int(params.min()), int(params.max())
+        reads.append(Read(peer, region, 8 * (1 + lo), 8 * (hi - lo + 1), raw[8 * (1 + lo) : 8 * (2 + hi)]))
+    await _read(ctx, work, reads, None)
+    status = up.probe.numpy()
+    return status[1:] if int(status[0]) == ctx.attempt.version else None
+
+
+async def _from_relay(ctx: StageContext, work: Work, owed: dict[int, RelayPiece]) -> None:
+    """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver."""
+    up: Upstream = ctx.upstream
+    v = ctx.attempt.version if ctx.attempt is not None else None
+    deadline = anyio.current_time() + ctx.limits.relay_wait_s
+    delay = 2e-4
+    while owed and up.failed is None:
         try:
-            await _read(ctx, work, group, None)
-        except (TransportError, RefitTimeoutError):
-            if peer not in rr.replicas:
-                raise
-            log.warning("replica source %s failed: reading its bytes from the trainer", peer)
-            rr.avoid.add(peer)
-            await _read(ctx, work, [rr.to_trainer(r) for r in group], None)
+            flags = await _status(ctx, work, up, np.concatenate([rp.params for rp in owed.values()]))
+            if flags is None:
+                up.fail(f"it no longer holds version {v}")
+                break
+            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
+            if ready:
+                planned = coalesce([r for rp in ready for r in rp.reads])
+                await _read(ctx, work, _build_reads(ctx, work, planned), None)
+                if await _status(ctx, work, up, None) is None:  # it moved on while we read: not served bytes
+                    up.fail(f"it left version {v} while being read")
+                    break
+                for rp in ready:
+                    del owed[rp.piece]
+                    work.relayed.append(rp.piece)
+                    ctx.counts.relayed += work.bucket.pieces[rp.piece].nbytes
+                deadline, delay = anyio.current_time() + ctx.limits.relay_wait_s, 2e-4
+                continue
+        except (TransportError, RefitTimeoutError) as exc:
+            up.fail(f"{type(exc).__name__}: {exc}")
+            break
+        if anyio.current_time() >= deadline:
+            up.fail(f"no progress within relay_wait_s={ctx.limits.relay_wait_s} s")
+            break
+        await anyio.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+    if owed:
+        await read_pieces(ctx, work, sorted(owed))
+        ctx.counts.rerouted += sum(work.bucket.pieces[k].nbytes for k in owed)
+
+
+async def _pull(ctx: StageContext, work: Work) -> None:
+    b = work.bucket
+    pull = range(len(b.pieces)) if work.actions is None else np.flatnonzero(work.actions == PULL).tolist()
+    up: Upstream | None = ctx.upstream
+    held = up.geometry.buckets[b.index] if up is not None and up.failed is None else {}
+    owed = {k: held[k] for k in pull if k in held}
+    mine = [k for k in pull if k not in owed]
+    if mine:
+        await read_pieces(ctx, work, mine)
+    if owed:
+        await _from_relay(ctx, work, owed)
+    ctx.counts.pulled += sum(b.pieces[k].nbytes for k in pull) if len(pull) < len(b.pieces) else b.nbytes
+
+
+def _writes_directly(work: Work) -> bool:
+    """Whether the bucket's reads land straight in destination tensors."""
+    if work.actions is None:
+        return bool(work.bucket.direct_bytes)
+    return any(p.direct and a == PULL for p, a in zip(work.bucket.pieces, work.actions.tolist(), strict=True))
 
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
@@ -106,17 +191,12 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             ctx.enter("pull")
             t0 = time.perf_counter()
             assert ctx.attempt is not None and ctx.transport is not None
-            if work.bucket.direct_bytes:
+            if _writes_directly(work):
                 ctx.attempt.mark_written()
-            # the same plan's bucket replays the same ranges (staging placement is deterministic);
-            # the key is a hint: a transport re-checks addresses before replaying prepared descriptors
-            key = (ctx.plan.serial, work.bucket.index, -1 if work.lease is None else work.lease.offset)
             t_read = time.perf_counter()
-            reads = await reads_of(ctx, work)
-            if ctx.publication is not None and ctx.publication.replicas:
-                await _read_with_replicas(ctx, work, reads, key)
-            else:
-                await _read(ctx, work, reads, key)
-            ctx.observer.transport_read(ctx.transport.name, work.bucket.nbytes, time.perf_counter() - t_read)
-            ctx.note("pull", 1, work.bucket.nbytes, time.perf_counter() - t0)
+            before = ctx.counts.pulled
+            await _pull(ctx, work)
+            nbytes = ctx.counts.pulled - before
+            ctx.observer.transport_read(ctx.transport.name, nbytes, time.perf_counter() - t_read)
+            ctx.note("pull", 1, nbytes, time.perf_counter() - t0)
             await send.send(work)

@@ -11,19 +11,28 @@ from __future__ import annotations
 import time
 
 import anyio.to_thread
+import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.dtypes import dtype_from_name
 from refitflow.stages._context import StageContext, Work
+from refitflow.stages._delta import COPY, PULL
 from refitflow.stages.plan import box_index
 
-__all__ = ["copies_of", "run"]
+__all__ = ["copies_of", "piece_copies", "run"]
 
 
 def copies_of(ctx: StageContext, work: Work) -> list:
     """(destination view, staged view) pairs of the bucket; for a replayed plan the same list as last time
     (staging placement is deterministic, shadow targets alternate), except around float8 assembly buffers
-    (made anew for every version) and for buckets made outside a plan (the push stream)."""
+    (made anew for every version) and for buckets made outside a plan (the push stream).
+
+    A delta refit (``work.actions``) copies only the pieces it pulls, and copies the pieces it takes from the
+    live storage (``COPY``) there, scatter by scatter."""
+    if work.actions is not None:
+        per = piece_copies(ctx, work)
+        out = [c for k, a in enumerate(work.actions.tolist()) if a == PULL for c in per.get(k, ())]
+        return out + _from_live(ctx, work)
     if work.bucket.derived or ctx.plan is None:
         return _copies(ctx, work)
     cached = ctx.plan.read_lists.get(_key(ctx, work))
@@ -32,14 +41,36 @@ def copies_of(ctx: StageContext, work: Work) -> list:
     return cached
 
 
+def piece_copies(ctx: StageContext, work: Work) -> dict[int, list]:
+    """The copies of each staged piece (by its index in the bucket), cached like ``copies_of``."""
+    key = ("pieces", *_key(ctx, work)[1:])
+    cached = None if work.bucket.derived else ctx.plan.read_lists.get(key)
+    if cached is None:
+        staged = {id(p): k for k, p in enumerate(work.bucket.pieces)}
+        cached = {staged[id(p)]: _copies(ctx, work, (p,)) for p in work.bucket.staged}
+        if not work.bucket.derived:
+            ctx.plan.read_lists[key] = cached
+    return cached
+
+
+def _from_live(ctx: StageContext, work: Work) -> list:
+    """Copies of the ``COPY`` pieces' boxes from the live storage into the target (shadow delta refits)."""
+    out = []
+    for k in np.flatnonzero(work.actions == COPY).tolist():
+        for s in work.bucket.pieces[k].scatters:
+            at = box_index(s.dbox)
+            out.append((ctx.landing.target(s.param)[at], ctx.landing.live(s.param)[at]))
+    return out
+
+
 def _key(ctx: StageContext, work: Work) -> tuple:
     return ("copies", work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
 
 
-def _copies(ctx: StageContext, work: Work) -> list:
+def _copies(ctx: StageContext, work: Work, pieces: tuple | None = None) -> list:
     out = []
     with ctx.devices.use(work.bucket.devices):  # FP8 assembly buffers belong to the refit streams
-        for p in work.bucket.staged:
+        for p in work.bucket.staged if pieces is None else pieces:
             assert work.lease is not None
             raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
             dtype = dtype_from_name(p.src_dtype)
@@ -63,6 +94,6 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             if len(staged) > 64 and _key(ctx, work) not in ctx.plan.read_lists:  # many new views: off the loop
                 work.copies = await anyio.to_thread.run_sync(copies_of, ctx, work)
             else:
-                work.copies = copies_of(ctx, work) if staged else []
+                work.copies = copies_of(ctx, work) if staged or work.actions is not None else []
             ctx.note("translate", 1, work.bucket.staging_bytes, time.perf_counter() - t0)
             await send.send(work)

@@ -11,10 +11,18 @@ unverified (possible only under ``verify="pulled"``; under ``"strict"`` the refi
 
 Device work: the hashing runs on the bucket's refit streams (``Devices.use``, in the worker thread),
 and the staging lease is freed only after the bucket's marks (apply's copies out of it) are waited for.
+
+Pieces that are not the trainer's own reads get a second chance within their bucket: bytes from an
+upstream relay that do not match are read again from the trainer (the relay is not read again), and a
+piece a delta refit skipped and re-hashes (``Work.recheck``; staged ones are first gathered back into
+staging from where they lie) is read again if it differs (it was changed behind refitflow's back).
+Only bytes the trainer itself sent that do not match are an ``IntegrityError``. With every unit of the
+buckets so far complete, ``ctx.verified_through`` moves on (relay progress, in commit).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,27 +36,34 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.digests import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.core.errors import IntegrityError
+from refitflow.stages import apply
 from refitflow.stages._checks import Checks, digest_vector
 from refitflow.stages._context import StageContext, Work
+from refitflow.stages._delta import PULL
+from refitflow.stages.pull import read_pieces
+from refitflow.stages.translate import piece_copies
 from refitflow.transports.base import as_bytes
 
 __all__ = ["run"]
 
 _MASK = (1 << 64) - 1
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _State:
-    vec: np.ndarray | None = None  # the version's digests
     open: dict[int, list[Any]] = field(default_factory=dict)  # digest index -> [hasher | sum, bytes so far]
     verified: int = 0
 
 
-def _buffers(ctx: StageContext, work: Work, ch: Checks) -> list[torch.Tensor]:
-    """Each landing's whole buffer (uint8): the staging lease, or a parameter's target."""
+def _buffers(ctx: StageContext, work: Work, ch: Checks, keep: np.ndarray | None = None) -> list[torch.Tensor]:
+    """Each landing's whole buffer (uint8): the staging lease, or a parameter's target (``keep``: only the
+    pieces it selects; the others' entries are empty)."""
     out = []
-    for land in ch.lands:
-        if land.param is None:
+    for k, land in enumerate(ch.lands):
+        if keep is not None and not keep[k]:
+            out.append(torch.empty(0, dtype=torch.uint8))
+        elif land.param is None:
             assert work.lease is not None
             out.append(work.lease.view)
         else:
@@ -71,20 +86,26 @@ def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | Non
     return cached
 
 
-def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray) -> list[int]:
-    """Hash the whole contiguous xxh3 units; the names (indices) of those that differ."""
-    if not len(ch.want):
+def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray, keep: np.ndarray | None) -> list[int]:
+    """Hash the whole contiguous xxh3 units (of the pieces ``keep`` selects); the pieces of those that differ."""
+    at = None if keep is None else np.flatnonzero(keep[ch.land_of])
+    n = len(ch.want) if at is None else len(at)
+    if not n:
         return []
     slices = _slices(ctx, work, ch)
+    want = ch.want if at is None else ch.want[at]
     if slices is not None:
-        got = np.fromiter(map(xxhash.xxh3_64_intdigest, slices), np.uint64, len(ch.want))
+        chosen = slices if at is None else [slices[i] for i in at.tolist()]
+        got = np.fromiter(map(xxhash.xxh3_64_intdigest, chosen), np.uint64, n)
     else:  # device bytes: through the host bounce buffer, one landing at a time
-        bufs = _buffers(ctx, work, ch)
-        got = np.empty(len(ch.want), dtype=np.uint64)
-        for k in np.unique(ch.land_of).tolist():
-            sel = ch.land_of == k
-            got[sel] = hash_ranges(bufs[k], ch.lo[sel], ch.hi[sel])
-    return ch.name_of[got != vec[ch.want]].tolist()
+        bufs = _buffers(ctx, work, ch, keep)
+        land_of, lo, hi = (ch.land_of, ch.lo, ch.hi) if at is None else (ch.land_of[at], ch.lo[at], ch.hi[at])
+        got = np.empty(n, dtype=np.uint64)
+        for k in np.unique(land_of).tolist():
+            sel = land_of == k
+            got[sel] = hash_ranges(bufs[k], lo[sel], hi[sel])
+    names = ch.name_of if at is None else ch.name_of[at]
+    return names[got != vec[want]].tolist()
 
 
 def _complete(st: _State, want: int, value: int, vec: np.ndarray, name: int, bad: list[int], total: int) -> None:
@@ -93,9 +114,12 @@ def _complete(st: _State, want: int, value: int, vec: np.ndarray, name: int, bad
     st.verified += total
 
 
-def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int]) -> None:
+def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int],
+             keep: np.ndarray | None) -> None:  # fmt: skip
     """xxh3 units split over pieces: fed in order; one entered in the middle is never completed."""
     for s in ch.streams:
+        if keep is not None and not keep[s.land]:
+            continue
         data = bufs[s.land][s.lo : s.hi]
         mv = (data if data.device.type == "cpu" else data.cpu()).numpy().data
         state = st.open.pop(s.want, None)
@@ -111,9 +135,12 @@ def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, 
             st.open[s.want] = state
 
 
-def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int]) -> None:
+def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int],
+            keep: np.ndarray | None) -> None:  # fmt: skip
     """Pieces computed from their whole box: mix64 sums (parts of split tiles add up), gathered xxh3 tiles."""
     for m in ch.mixes:
+        if keep is not None and not keep[m.land]:
+            continue
         land = ch.lands[m.land]
         data = bufs[m.land][land.offset : land.offset + land.nbytes]
         mix = m.tiling.algo == "mix64"
@@ -133,26 +160,29 @@ def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, ba
                 _complete(st, want, state[0], vec, m.name, bad, int(m.total[u]))
 
 
-def _check_bucket(ctx: StageContext, work: Work, st: _State) -> list[str]:
-    """Hash the bucket's units on its refit streams (in the worker thread); the tensor of every unit
+def _check_bucket(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None,
+                  gather: list[int]) -> list[int]:  # fmt: skip
+    """Hash the units of the pieces ``keep`` selects (None: all) on the bucket's refit streams (in the worker
+    thread), first gathering the staged ``gather`` pieces back from where they lie; the piece of every unit
     that differs (one entry per unit)."""
     with ctx.devices.use(work.bucket.devices):
-        return _check_units(ctx, work, st)
+        if gather:
+            per = piece_copies(ctx, work)
+            for k in gather:
+                for dst, src in per[k]:
+                    src.copy_(dst if dst.shape == src.shape else dst.reshape(src.shape))
+        return _check_units(ctx, work, st, keep)
 
 
-def _check_units(ctx: StageContext, work: Work, st: _State) -> list[str]:
+def _check_units(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None) -> list[int]:
     ch: Checks = work.bucket.checks
-    if st.vec is None:  # once per refit, in the worker thread
-        assert ctx.publication is not None
-        st.vec = digest_vector(ctx.publication)
-    vec = st.vec
-    bad = _whole_units(ctx, work, ch, vec)
+    vec = ctx.digests
+    bad = _whole_units(ctx, work, ch, vec, keep)
     if ch.streams or ch.mixes:
-        bufs = _buffers(ctx, work, ch)
-        _streams(ch, bufs, st, vec, bad)
-        _mixes(ch, bufs, st, vec, bad)
-    st.verified += ch.whole_bytes
-    return [ch.names[i] for i in bad]
+        bufs = _buffers(ctx, work, ch, keep)
+        _streams(ch, bufs, st, vec, bad, keep)
+        _mixes(ch, bufs, st, vec, bad, keep)
+    return bad
 
 
 def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
@@ -167,6 +197,52 @@ def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
     )
 
 
+async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[int]) -> None:
+    """Read again from the trainer the pieces whose bytes came from a relay or were skipped and re-hashed;
+    ``IntegrityError`` if bytes the trainer sent differ (now, or before)."""
+    version = ctx.attempt.version if ctx.attempt is not None else None
+    relayed = set(work.relayed)
+    skipped = set() if work.actions is None else set(np.flatnonzero(work.actions != PULL).tolist())
+    pieces = sorted(set(bad))
+    if not set(pieces) <= relayed | skipped:
+        names = work.bucket.checks.names
+        raise _integrity_error([names[k] for k in bad if k not in relayed | skipped], version)
+    if relayed & set(pieces):
+        assert ctx.upstream is not None
+        ctx.upstream.fail("its bytes do not match the trainer's digests")
+    again = [k for k in pieces if k in skipped]
+    if again:
+        log.warning("%d skipped piece(s) of %s changed where they lie (behind refitflow's back): read again",
+                    len(again), sorted({work.bucket.pieces[k].tensor for k in again})[:5])  # fmt: skip
+    await read_pieces(ctx, work, pieces)
+    staged = set(piece_copies(ctx, work)) if work.bucket.staged else set()
+    work.copies = [c for k in pieces if k in staged for c in piece_copies(ctx, work)[k]]
+    await apply.write(ctx, work)  # marks the attempt written
+    await ctx.devices.wait(work.marks)
+    keep = np.zeros(len(work.bucket.pieces), dtype=bool)
+    keep[pieces] = True
+    still = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, [])
+    if still:
+        names = work.bucket.checks.names
+        raise _integrity_error([names[k] for k in still], version)
+    n = sum(work.bucket.pieces[k].nbytes for k in pieces)
+    ctx.counts.pulled += n
+    ctx.counts.rerouted += sum(work.bucket.pieces[k].nbytes for k in pieces if k in relayed)
+    ctx.counts.repaired += sum(work.bucket.pieces[k].nbytes for k in again)
+
+
+def _plan_checks(work: Work) -> tuple[np.ndarray | None, list[int], int]:
+    """(pieces to check, staged re-hashed pieces to gather first, pulled bytes) of one bucket."""
+    b = work.bucket
+    if work.actions is None:
+        return None, [], b.nbytes
+    pulled = work.actions == PULL
+    keep = pulled | work.recheck
+    staged = {id(p) for p in b.staged}
+    gather = [k for k in np.flatnonzero(work.recheck).tolist() if id(b.pieces[k]) in staged]
+    return keep, gather, int(sum(p.nbytes for p, x in zip(b.pieces, pulled.tolist(), strict=True) if x))
+
+
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
     st = _State()
     pulled = 0
@@ -174,20 +250,28 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         async for work in receive:
             ctx.enter("verify")
             t0 = time.perf_counter()
-            bad = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st)
+            if ctx.digests is None:  # a plan that did not decode them (the push stream never gets here)
+                assert ctx.publication is not None
+                ctx.digests = await anyio.to_thread.run_sync(digest_vector, ctx.publication)
+            keep, gather, nbytes = _plan_checks(work)
+            bad = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, gather)
             if bad:
-                raise _integrity_error(bad, ctx.attempt.version if ctx.attempt is not None else None)
+                await _second_chance(ctx, work, st, bad)
             await ctx.devices.wait(work.marks)  # apply's copies out of staging are done: it may be reused
             if work.lease is not None:
                 ctx.staging.free(work.lease)
                 work.lease = None
             work.copies = []
-            pulled += work.bucket.nbytes
+            ch = work.bucket.checks
+            st.verified += ch.whole_bytes if keep is None else int(ch.piece_checked[work.actions == PULL].sum())
+            pulled += nbytes
             ctx.unverified_bytes = pulled - st.verified
-            ctx.note("verify", 1, work.bucket.nbytes, time.perf_counter() - t0)
+            if not st.open:
+                ctx.verified_through = work.bucket.index
+            ctx.note("verify", 1, nbytes, time.perf_counter() - t0)
             await send.send(work)
-    if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole units only
-        raise IntegrityError(
-            f"{ctx.unverified_bytes} pulled bytes were not covered by whole digest blocks under verify='strict'",
-            version=ctx.attempt.version if ctx.attempt is not None else None,
-        )
+        if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole units only
+            raise IntegrityError(  # before commit sees the end of input
+                f"{ctx.unverified_bytes} pulled bytes were not covered by whole digest blocks under verify='strict'",
+                version=ctx.attempt.version if ctx.attempt is not None else None,
+            )

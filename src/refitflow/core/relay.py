@@ -1,0 +1,119 @@
+"""A relay offer: the boxes of a version's trainer shards one receiver holds, and where (pipelined fan-out).
+
+A receiver refitting version v serves what it has landed and verified to other receivers before it
+commits: it is a *relay*. Its offer lists its local tensors (``RelayParam``: name, dtype, shape and
+transport region of the storage version v lands in) and, for every box of a trainer shard it holds
+with the trainer's dtype, where (``HeldBox``: trainer rank and tensor, the box in the shard, the local
+tensor and the box there; same elements, ranks may differ by leading 1-dims). ``status`` is the region
+of its progress array, int64: ``[0]`` the version that storage holds or receives, ``[1 + p]`` the
+version for which every element of local tensor ``p`` is verified. A reader reads a box only when
+``status[1 + p] == v``, and checks ``status[0] == v`` again after reading it.
+
+``layout`` digests everything but the address and regions: relays of one layout share one read
+geometry on a reader, and the registry prefers an upstream of the reader's own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from refitflow.core.digests import Box
+from refitflow.core.dtypes import itemsize
+from refitflow.core.errors import ManifestError, PlanError
+from refitflow.core.types import MAX_DIMS, MAX_INT, TENSOR_NAME, Identity, SourceAddress
+
+__all__ = ["HeldBox", "RelayOffer", "RelayParam", "check_offer_shape", "relay_layout"]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayParam:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    region: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBox:
+    """Trainer ``rank``'s shard ``tensor``, box ``sbox`` (its local coordinates) = local tensor ``param``[``dbox``]."""
+
+    rank: int
+    tensor: str
+    sbox: Box
+    param: int
+    dbox: Box
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayOffer:
+    identity: Identity
+    version: int
+    receiver: str
+    source: SourceAddress
+    status: int
+    params: tuple[RelayParam, ...]
+    held: tuple[HeldBox, ...]
+    layout: str = ""  # relay_layout(params, held) when empty
+
+    def __post_init__(self) -> None:
+        if not self.layout:
+            object.__setattr__(self, "layout", relay_layout(self.params, self.held))
+
+
+def relay_layout(params: tuple[RelayParam, ...] | list[RelayParam], held: tuple[HeldBox, ...] | list[HeldBox]) -> str:
+    """The digest of what shapes a reader's read geometry: tensors (not their regions) and held boxes."""
+    h = xxhash.xxh3_128()
+    h.update(repr([(p.name, p.dtype, p.shape) for p in params]).encode())
+    h.update(repr([(b.rank, b.tensor, b.sbox, b.param, b.dbox) for b in held]).encode())
+    return h.hexdigest()
+
+
+def _int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+        raise ManifestError(f"relay offer: {what} must be an integer in [0, 2**63), got {value!r:.40}")
+    return value
+
+
+def _box(box: Box, what: str) -> None:
+    if len(box) > MAX_DIMS or not all(_int(a, what) < _int(b, what) for a, b in box):
+        raise ManifestError(f"relay offer: {what} {box!r:.80} is not a box of at most {MAX_DIMS} non-empty ranges")
+
+
+def check_offer_shape(offer: RelayOffer) -> None:
+    """``ManifestError`` unless the offer is well formed: names, dtypes, shapes, boxes inside their tensors."""
+    _int(offer.version, "version")
+    _int(offer.status, "status region")
+    if not isinstance(offer.receiver, str) or not 0 < len(offer.receiver) <= 1024:
+        raise ManifestError(f"relay offer: receiver id {offer.receiver!r:.80} not allowed")
+    for p in offer.params:
+        if not TENSOR_NAME.fullmatch(p.name):
+            raise ManifestError(f"relay offer: tensor name {p.name!r:.80} not allowed")
+        try:
+            itemsize(p.dtype)
+        except PlanError as exc:
+            raise ManifestError(f"relay offer: {exc.reason}", tensor=p.name) from None
+        _int(p.region, "region")
+        if len(p.shape) > MAX_DIMS or not all(_int(d, "dimension") >= 0 for d in p.shape):
+            raise ManifestError(f"relay offer: bad shape {p.shape!r:.80}", tensor=p.name)
+    for h in offer.held:
+        _int(h.rank, "rank")
+        if not TENSOR_NAME.fullmatch(h.tensor):
+            raise ManifestError(f"relay offer: tensor name {h.tensor!r:.80} not allowed")
+        if not 0 <= _int(h.param, "tensor index") < len(offer.params):
+            raise ManifestError(f"relay offer: tensor index {h.param} outside its {len(offer.params)} tensors")
+        _box(h.sbox, "shard box")
+        _box(h.dbox, "local box")
+        shape = offer.params[h.param].shape
+        if len(h.dbox) != len(shape) or any(b > d for (_, b), d in zip(h.dbox, shape, strict=True)):
+            raise ManifestError(f"relay offer: box {h.dbox} outside {shape}", tensor=offer.params[h.param].name)
+        if _volume(h.sbox) != _volume(h.dbox):
+            raise ManifestError("relay offer: a held box and its local box differ in size", tensor=h.tensor)
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n

@@ -1,0 +1,157 @@
+"""A rank's part in pipelined fan-out: the relay it serves as, and the upstream it reads from.
+
+As a relay (``serve=True``) a rank keeps one status array per storage a version can land in (int64,
+registered with its transport, ``core/relay.py``): at ``begin`` — before any byte of version v lands —
+the target storage's ``status[0]`` becomes v, and as buckets are verified (``verified``) each tensor
+whose every element is verified gets ``status[1 + p] = v``. Bytes a reader takes are therefore verified
+bytes of the version it reads, and a storage about to change says so first: in place the one storage
+moves to v + 1 at the next begin; in shadow mode a version's storage changes only two versions later.
+
+With a plan in hand (``join``) the rank joins the version's relays at the registry — with its offer
+when it serves, else as a plain reader — and binds the upstream the registry names (``ctx.upstream``,
+read by the pull stage). The registry's answer is bounded; without one the rank reads the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import torch
+
+from refitflow.core.dtypes import dtype_name
+from refitflow.core.errors import RefitError
+from refitflow.core.relay import RelayOffer, RelayParam
+from refitflow.core.types import Identity
+from refitflow.pipeline.destination import Destination
+from refitflow.stages._context import StageContext
+from refitflow.stages._relay import Upstream, geometry, held_boxes
+from refitflow.transports.base import Transport
+
+__all__ = ["RelayRegistry", "Relaying"]
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 5.0
+
+
+class RelayRegistry(Protocol):
+    async def relay_join(
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+    ) -> RelayOffer | None: ...
+    async def relay_leave(self, identity: Identity, receiver_id: str) -> None: ...
+
+
+class Relaying:
+    def __init__(
+        self,
+        registry: RelayRegistry,
+        identity: Identity,
+        receiver_id: str,
+        destination: Destination,
+        transport: Transport,
+        *,
+        serve: bool,
+    ) -> None:
+        self.registry, self.identity, self.receiver_id = registry, identity, receiver_id
+        self.destination, self.transport, self.serve = destination, transport, serve
+        names = list(destination.params)
+        self._expected = np.array([destination.expected[n] for n in names], dtype=np.int64)
+        self._counts = np.zeros(len(names), dtype=np.int64)
+        targets = {destination.holdings.ids(g)[0] for g in (0, 1)}
+        self.status: dict[int, torch.Tensor] = {}
+        for storage in sorted(targets) if serve else ():
+            self.status[storage] = torch.full((1 + len(names),), -1, dtype=torch.int64)
+            transport.register(self.status[storage])
+        self._params: dict[int, tuple[RelayParam, ...]] = {}
+        self._flags: np.ndarray | None = None
+        self._version = -1
+        self._probe: torch.Tensor | None = None
+        self.joined = False
+
+    def _target(self) -> int:
+        return self.destination.holdings.ids(self.destination.generation)[0]
+
+    def begin(self, version: int) -> None:
+        """Version ``version`` is about to land in the target storage: say so before any byte does."""
+        if not self.serve:
+            return
+        status = self.status[self._target()].numpy()
+        status[0] = version
+        self._flags, self._version = status[1:], version
+        self._counts[:] = 0
+        self._flags[self._expected == 0] = version  # nothing to wait for
+
+    def abandon(self) -> None:
+        """The attempt failed before it was prepared: readers waiting on what it has not verified read the
+        trainer at once (what it verified stays correct, but nobody should wait for the rest)."""
+        if self._flags is not None:
+            self.status[self._target()].numpy()[0] = -1
+            self._flags = None
+
+    def verified(self, credits: Any) -> None:
+        """A verified bucket's elements per tensor (``stages._checks.Credits``): mark the tensors it completes."""
+        if self._flags is None:
+            return
+        np.add.at(self._counts, credits.idx, credits.counts)
+        touched = np.unique(credits.idx)
+        self._flags[touched[self._counts[touched] >= self._expected[touched]]] = self._version
+
+    def _offer(self, ctx: StageContext, held: Any, layout: str) -> RelayOffer:
+        target = self._target()
+        params = self._params.get(target)
+        if params is None:  # the target storage's regions (registered up front: register is idempotent)
+            d = self.destination
+            params = self._params[target] = tuple(
+                RelayParam(n, dtype_name(t.dtype), tuple(t.shape), self.transport.register(d.target(n)))
+                for n, t in d.params.items()
+            )
+        assert ctx.attempt is not None
+        return RelayOffer(
+            identity=self.identity, version=ctx.attempt.version, receiver=self.receiver_id,
+            source=self.transport.address(), status=self.transport.register(self.status[target]), params=params,
+            held=held, layout=layout,
+        )  # fmt: skip
+
+    async def join(self, ctx: StageContext) -> None:
+        """Join this version's relays (offering this rank if it serves) and bind the upstream named."""
+        assert ctx.attempt is not None and ctx.plan is not None
+        held, layout = held_boxes(ctx.plan, ctx.landing)
+        offer = self._offer(ctx, held, layout) if self.serve else None
+        up: RelayOffer | None = None
+        with anyio.move_on_after(JOIN_TIMEOUT_S):
+            try:
+                up = await self.registry.relay_join(self.identity, ctx.attempt.version, self.receiver_id,
+                                                    layout=layout, offer=offer)  # fmt: skip
+                self.joined = self.joined or offer is not None
+            except RefitError as exc:  # fan-out is an optimisation: read the trainer instead
+                log.info("relays of version %d not joined: %s", ctx.attempt.version, exc)
+        if up is None or up.source.transport != self.transport.name:
+            return
+        self.transport.connect(up.source)
+        many = len(ctx.plan.buckets) > 64
+        geo = await anyio.to_thread.run_sync(geometry, ctx.plan, up) if many else geometry(ctx.plan, up)
+        ctx.upstream = Upstream(up, geo, self._probe_for(1 + len(up.params)))
+
+    def _probe_for(self, n: int) -> torch.Tensor:
+        """A registered int64 buffer of at least ``n`` words that a relay's status is read into."""
+        if self._probe is None or self._probe.numel() < n:
+            if self._probe is not None:
+                self.transport.deregister(self.transport.register(self._probe))
+            self._probe = torch.zeros(max(n, 64), dtype=torch.int64)
+            self.transport.register(self._probe)
+        return self._probe[:n]
+
+    async def leave(self) -> None:
+        """Serve no version any more (the next refit is about to change the bytes, or the rank leaves)."""
+        if not self.joined:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(JOIN_TIMEOUT_S):
+            try:
+                await self.registry.relay_leave(self.identity, self.receiver_id)
+                self.joined = False
+            except RefitError as exc:
+                log.info("relays not left: %s", exc)

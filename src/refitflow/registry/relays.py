@@ -1,0 +1,66 @@
+"""Relays (pipelined fan-out): which receivers serve a version, and whom each reader reads it from.
+
+A receiver refitting a version joins that version's relays with an offer (``core.relay``) as soon as
+it has a plan, long before it commits; a receiver that serves nobody joins with none. ``Relays.join``
+answers every joiner with one *upstream*: among the relays that joined before it (every relay, for a
+reader that serves nobody), those of its own layout if any, the one given the fewest readers so far,
+the latest joined on ties. Receivers that start together thus form a chain in join order — the
+trainer feeds the first, each relay the next — so the trainer's egress stays one model copy however
+many start at once, and every relay's egress about one copy. Upstreams only ever join earlier, so
+no two receivers wait on each other. A relay leaves when it joins a later version, unregisters, or
+its lease expires.
+"""
+
+from __future__ import annotations
+
+from refitflow.core.errors import ManifestError
+from refitflow.core.relay import RelayOffer, check_offer_shape
+from refitflow.core.types import Publication
+
+__all__ = ["Relays", "check_offer"]
+
+
+def check_offer(pub: Publication, offer: RelayOffer) -> None:
+    """``ManifestError`` unless ``offer`` is for ``pub`` and every box it holds lies in one of ``pub``'s
+    shards, in that shard's dtype."""
+    check_offer_shape(offer)
+    if offer.identity != pub.identity or offer.version != pub.version:
+        raise ManifestError("a relay offer is for one complete version of its identity", version=offer.version)
+    specs = {(m.rank, s.name): s for m in pub.manifests for s in m.shards}
+    for h in offer.held:
+        spec = specs.get((h.rank, h.tensor))
+        if spec is None:
+            raise ManifestError(f"relay offer holds a shard rank {h.rank} did not publish", tensor=h.tensor,
+                                version=offer.version)  # fmt: skip
+        shape = spec.shape
+        if len(h.sbox) != len(shape) or any(b > d for (_, b), d in zip(h.sbox, shape, strict=True)):
+            raise ManifestError(f"relay offer: box {h.sbox} outside the shard's {shape}", tensor=h.tensor,
+                                version=offer.version)  # fmt: skip
+        if offer.params[h.param].dtype != spec.dtype:
+            raise ManifestError("relay offer: a held box in another dtype than published", tensor=h.tensor,
+                                version=offer.version)  # fmt: skip
+
+
+class Relays:
+    """One version's relays in join order, and how many readers each was given."""
+
+    def __init__(self) -> None:
+        self.offers: dict[str, RelayOffer] = {}
+        self.readers: dict[str, int] = {}
+
+    def join(self, receiver_id: str, layout: str, offer: RelayOffer | None) -> RelayOffer | None:
+        """Record ``offer`` (if any) and return the upstream of ``receiver_id`` (None: the trainer)."""
+        if offer is not None and receiver_id not in self.offers:
+            self.offers[receiver_id] = offer
+        ids = list(self.offers)
+        before = ids[: ids.index(receiver_id)] if receiver_id in self.offers else ids
+        if not before:
+            return None
+        same = [r for r in before if self.offers[r].layout == layout] or before
+        pick = min(reversed(same), key=lambda r: self.readers.get(r, 0))
+        self.readers[pick] = self.readers.get(pick, 0) + 1
+        return self.offers[pick]
+
+    def leave(self, receiver_id: str) -> None:
+        self.offers.pop(receiver_id, None)
+        self.readers.pop(receiver_id, None)

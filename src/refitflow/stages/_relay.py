@@ -1,0 +1,142 @@
+"""Relays as the plan sees them (pipelined fan-out): what this rank would hold for others, and where an
+upstream relay holds each piece this rank reads.
+
+*Held boxes* (``held_boxes``): a plan's box copies are exactly what this rank will hold of each trainer
+shard — the copies into tensors of the shard's own dtype (no cast, no float8) are what it can serve as a
+relay (``core.relay``). Their layout digest names this rank's layout to the registry.
+
+*Geometry* (``Geometry``): for one relay layout, where the relay holds each piece of this plan. A piece
+is relayable when the relay's held boxes of its trainer shard tile its box into parts that are each one
+contiguous run of the piece (row-major) and one strided read of the relay's tensor; the bytes then land
+exactly as the trainer's read would land them, and verify checks them against the trainer's digests.
+Pieces with digest units split across pieces are never relayed (a relay's bad bytes are then re-read
+within their own bucket). Built once per (plan, relay layout).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import torch
+
+from refitflow.core.dtypes import dtype_name, itemsize
+from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, relay_layout
+from refitflow.layouts.boxes import contiguous_span, full, intersect, shape_of, shift, strided, volume
+from refitflow.stages._context import Landing, breathe
+from refitflow.stages.plan import Plan, PlannedRead, runs_read
+
+__all__ = ["RELAY", "Geometry", "RelayPiece", "Upstream", "geometry", "held_boxes"]
+
+log = logging.getLogger(__name__)
+
+RELAY = -1  # the source index of a read from the upstream relay (its region: the relay's tensor index)
+
+
+def held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
+    """What this rank holds of each trainer shard in the shard's dtype, and the layout digest (cached per plan)."""
+    cached = plan.derived.get("held")
+    if cached is None:
+        position = {n: i for i, n in enumerate(landing.params)}
+        dtypes = {n: dtype_name(t.dtype) for n, t in landing.params.items()}
+        held = tuple(
+            HeldBox(c.source, c.spec.name, c.sbox, position[c.param], c.dbox)
+            for c in plan.copies
+            if c.param not in landing.derived and dtypes[c.param] == c.spec.dtype
+        )
+        params = [RelayParam(n, dtypes[n], tuple(t.shape), 0) for n, t in landing.params.items()]
+        cached = plan.derived["held"] = (held, relay_layout(params, held))
+    return cached
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPiece:
+    """How one piece is read from the relay: its reads (source ``RELAY``, region = the relay's tensor
+    index) and the relay tensors whose progress it waits for."""
+
+    piece: int
+    reads: tuple[PlannedRead, ...]
+    params: np.ndarray
+
+
+class Geometry:
+    """Per bucket of a plan, the pieces one relay layout holds (``RelayPiece``), in piece order."""
+
+    def __init__(self, plan: Plan, offer: RelayOffer) -> None:
+        index: dict[tuple[int, str], list[HeldBox]] = {}
+        for h in offer.held:
+            index.setdefault((h.rank, h.tensor), []).append(h)
+        self.buckets: list[dict[int, RelayPiece]] = []
+        for b in plan.buckets:
+            breathe()
+            ch = b.checks
+            assert ch is not None
+            split = {s.land for s in ch.streams} | {
+                m.land for m in ch.mixes if (m.check & (m.covered < m.total)).any()
+            }  # units completed across pieces: never relayed
+            per: dict[int, RelayPiece] = {}
+            for k, p in enumerate(b.pieces):
+                if k not in split:
+                    found = _relayed(k, p, index.get((p.source, p.tensor), ()), offer.params)
+                    if found is not None:
+                        per[k] = found
+            self.buckets.append(per)
+
+
+def _relayed(k: int, p: Any, held: Any, params: tuple[RelayParam, ...]) -> RelayPiece | None:
+    box, item = p.box, itemsize(p.src_dtype)
+    shape = shape_of(box)
+    parts = []
+    for h in held:
+        if len(h.sbox) != len(box):
+            continue
+        common = intersect(box, h.sbox)
+        if common is None:
+            continue
+        span = contiguous_span(shift(common, box, full(shape)), shape)
+        try:
+            rbox = shift(common, h.sbox, h.dbox)
+        except ValueError:
+            return None
+        runs = strided(rbox, params[h.param].shape)
+        if span is None or runs is None:
+            return None
+        parts.append((span[0], span[1], h.param, runs))
+    parts.sort()
+    if sum(n for _, n, _, _ in parts) != volume(box) or any(a[0] + a[1] > b[0] for a, b in pairwise(parts)):
+        return None  # the relay does not hold all of it (or holds it twice)
+    param = p.scatters[0].param if p.direct else None
+    reads = tuple(
+        runs_read(RELAY, t, first * item, run * item, stride * item, count, param, p.landing_offset + at * item)
+        for at, _, t, (first, run, stride, count) in parts
+    )
+    return RelayPiece(k, reads, np.unique(np.array([t for _, _, t, _ in parts], dtype=np.int64)))
+
+
+def geometry(plan: Plan, offer: RelayOffer) -> Geometry:
+    """The geometry of ``offer``'s layout for ``plan`` (cached per plan)."""
+    key = ("relay", offer.layout)
+    cached = plan.derived.get(key)
+    if cached is None:
+        cached = plan.derived[key] = Geometry(plan, offer)
+    return cached
+
+
+class Upstream:
+    """The relay this attempt reads from: its offer, its layout's geometry for this plan, and the probe
+    (a registered int64 buffer shaped like its status) its progress is read into."""
+
+    def __init__(self, offer: RelayOffer, geometry: Geometry, probe: torch.Tensor) -> None:
+        self.offer = offer
+        self.geometry = geometry
+        self.probe = probe
+        self.failed: str | None = None  # why it is not read from any more in this attempt
+
+    def fail(self, why: str) -> None:
+        if self.failed is None:
+            log.warning("relay %s (%s): %s; reading its part from the trainer", self.offer.receiver,
+                        self.offer.source.agent, why)  # fmt: skip
+            self.failed = why
