@@ -4,11 +4,11 @@
 
 Every version is new bytes. Version 1 warms every receiver up (plans, connections); then, for each k of
 ``--together``, a new version is refitted by k receivers started at the same moment: the row shows the
-trainer's egress in model copies (bytes counted by the agent actually read from: each READ notifies its
-owner of its size), each receiver's refit time (``RefitResult.seconds``: found → prepared) against the
-lone receiver's of the same run (k = 1), and the bytes relayed. ``--frozen f``: one more version in
-which the first f of the tensors keep their bytes, refitted by one receiver (a delta refit), against the
-lone full refit. ``--no-relay``: receivers that serve nobody (every receiver reads the trainer).
+trainer's egress in model copies (counted by the trainer's agent: each READ of it notifies it of its
+size), the bytes relayed (counted by their readers), each receiver's refit time (``RefitResult.seconds``:
+found → prepared) and the slowest against the lone receiver's of the same run (k = 1). ``--frozen f``:
+one more version in which the first f of the tensors keep their bytes, refitted by one receiver (a delta
+refit), against the lone full refit. ``--no-relay``: receivers that serve nobody (all read the trainer).
 Prints the load average: on a machine shared with other work the seconds are noisy; the copies are not.
 """
 
@@ -52,14 +52,13 @@ async def _together(receivers: list[ReceiverProc], version: int, seed: int, **co
     return [results[i] for i in range(len(receivers))]
 
 
-async def _egress(trainer: Peer, relays: list[ReceiverProc], before: tuple[int, list[int]], owed: int) -> float:
-    """Bytes the trainer served since ``before``, once it and the relays together account for ``owed`` bytes
-    (NIXL notifications may trail the last READ a little: polled, another process)."""
+async def _egress(trainer: Peer, before: int, owed: int) -> int:
+    """Bytes the trainer served since ``before``, once they reach ``owed`` (NIXL notifications may trail the
+    last READ a little: polled, another process) or after 5 s."""
     deadline = time.monotonic() + 5
     while True:
-        egress = await trainer.served() - before[0]
-        relayed = sum([await r.served() for r in relays]) - sum(before[1])
-        if egress + relayed >= owed or time.monotonic() > deadline:
+        egress = await trainer.served() - before
+        if egress >= owed or time.monotonic() > deadline:
             return egress
         await anyio.sleep(0.05)
 
@@ -69,7 +68,7 @@ async def main(args: argparse.Namespace) -> None:
     spec = {"tensors": args.tensors, "numel": args.numel, "model": "fanout-bench"}
     model_bytes = sum((args.numel + i % 7) * 4 for i in range(args.tensors))
     address, n = _address(), max(together)
-    options = {"mode": args.mode, "serve": not args.no_relay}
+    options = {"mode": args.mode, "serve": not args.no_relay, "relay_bucket_bytes": int(args.relay_bucket_mb * 2**20)}
     print(f"model {model_bytes / 1e6:.1f} MB in {args.tensors} tensors; {n} receiver processes ({args.mode}, "
           f"{'relaying' if not args.no_relay else 'not relaying'}); {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -87,13 +86,16 @@ async def main(args: argparse.Namespace) -> None:
                 for k in together:
                     version += 1
                     await server.registry.publish(await trainer.publish(version, version))
-                    before = (await trainer.served(), [await r.served() for r in receivers])
+                    before = await trainer.served()
                     results = await _together(receivers[:k], version, version)
-                    egress = await _egress(trainer, receivers, before, k * model_bytes)
+                    relayed = sum(r["relay_bytes"] for r in results)  # counted by the readers
+                    egress = await _egress(trainer, before, k * model_bytes - relayed)
                     seconds = [res["seconds"] for res in results]
+                    if args.stages:
+                        for res in results:
+                            print("   ", res["seconds"], res["stages"])
                     lone = lone or max(seconds)
-                    relayed = sum(r["relay_bytes"] for r in results) / 1e6
-                    print(f"{k:>8} {egress / model_bytes:>15.2f} {relayed:>10.1f} {sum(seconds) / k:>7.3f} "
+                    print(f"{k:>8} {egress / model_bytes:>15.2f} {relayed / 1e6:>10.1f} {sum(seconds) / k:>7.3f} "
                           f"{max(seconds):>7.3f} {max(seconds) / lone:>10.2f}")  # fmt: skip
                 if args.frozen:
                     frozen = int(args.frozen * args.tensors)
@@ -118,4 +120,6 @@ if __name__ == "__main__":
     parser.add_argument("--frozen", type=float, default=0.5, help="share of tensors frozen in the delta row (0: none)")
     parser.add_argument("--mode", default="shadow", choices=["shadow", "in_place"])
     parser.add_argument("--no-relay", action="store_true", help="receivers that serve nobody (the baseline)")
+    parser.add_argument("--stages", action="store_true", help="print each receiver's stage table")
+    parser.add_argument("--relay-bucket-mb", type=float, default=4.0, help="relays' bucket cap (relay_bucket_bytes)")
     anyio.run(main, parser.parse_args())

@@ -93,11 +93,11 @@ class PauseBefore(LoopbackTransport):
         super().__init__()
         self.peer, self.paused, self.go = "", anyio.Event(), anyio.Event()
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         if any(r.peer == self.peer for r in reads) and not self.paused.is_set():
             self.paused.set()
             await self.go.wait()
-        await super().read(reads, key=key)
+        await super().read(reads, key=key, count=count)
 
 
 @pytest.mark.asyncio

@@ -28,10 +28,10 @@ class GatedLoopback(rf.LoopbackTransport):
         self.reading = anyio.Event()
         self.gate = anyio.Event()
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         self.reading.set()
         await self.gate.wait()
-        await super().read(reads, key=key)
+        await super().read(reads, key=key, count=count)
 
 
 @pytest.mark.asyncio

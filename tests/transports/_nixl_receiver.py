@@ -34,9 +34,9 @@ class SlowNixl(NixlTransport):
         super().__init__()
         self.delay = delay
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         await anyio.sleep(self.delay)
-        await super().read(reads, key=key)
+        await super().read(reads, key=key, count=count)
 
 
 async def main() -> None:
@@ -65,6 +65,7 @@ async def main() -> None:
             print(PREFIX + json.dumps({
                 "version": r.version, "nbytes": r.nbytes, "exact": exact, "seconds": r.seconds,
                 "relay_bytes": r.relay_bytes, "rerouted_bytes": r.rerouted_bytes, "skipped_bytes": r.skipped_bytes,
+                "stages": {k: [v.items, round(v.seconds, 4)] for k, v in r.stages.items()},
             }), flush=True)  # fmt: skip
 
 

@@ -66,11 +66,11 @@ class KillBefore(NixlTransport):
         self.nth, self.calls = nth, 0
         self.action: object = None
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         self.calls += 1
         if self.calls == self.nth and self.action is not None:
             await self.action()  # type: ignore[operator]
-        await super().read(reads, key=key)
+        await super().read(reads, key=key, count=count)
 
 
 @pytest.mark.asyncio

@@ -134,6 +134,8 @@ class Upstream:
         self.geometry = geometry
         self.probe = probe
         self.failed: str | None = None  # why it is not read from any more in this attempt
+        self.fresh = False  # the probe holds a status read since the last bytes read from it (see pull)
+        self.status_reads: list[Any] = []  # the one read of its status (transports.base.Read)
 
     def fail(self, why: str) -> None:
         if self.failed is None:

@@ -76,11 +76,13 @@ def _build_reads(ctx: StageContext, work: Work, planned: Sequence[PlannedRead]) 
     return out
 
 
-async def _read(ctx: StageContext, work: Work, reads: list[Read], key: Hashable | None) -> None:
+async def _read(ctx: StageContext, work: Work, reads: list[Read], key: Hashable | None, count: bool = True) -> None:
+    """Read under ``read_timeout_s``; ``count=False``: reads of a relay (not counted as served, see Transport)."""
     assert ctx.attempt is not None and ctx.transport is not None
     with anyio.move_on_after(ctx.limits.read_timeout_s) as scope:
         try:
-            await ctx.transport.read(reads, key=key)
+            options = {} if count else {"count": False}  # transports written before ``count`` read counted
+            await ctx.transport.read(reads, key=key, **options)
         except TransportError as exc:
             if exc.version is not None:
                 raise
@@ -111,38 +113,38 @@ def _lease(work: Work) -> int:
     return -1 if work.lease is None else work.lease.offset
 
 
-async def _status(ctx: StageContext, work: Work, up: Upstream, params: np.ndarray | None) -> np.ndarray | None:
-    """The relay's per-tensor progress (indexed by its tensor), or None once it holds another version.
-    ``params``: the tensors to read progress of (None: only the version word)."""
+async def _status(ctx: StageContext, work: Work, up: Upstream) -> bool:
+    """Read the relay's status into its probe: whether its storage still holds or receives this version."""
     assert ctx.attempt is not None
-    raw = as_bytes(up.probe)
-    peer, region = up.offer.source.agent, up.offer.status
-    reads = [Read(peer, region, 0, 8, raw[:8])]
-    if params is not None:
-        lo, hi = int(params.min()), int(params.max())
-        reads.append(Read(peer, region, 8 * (1 + lo), 8 * (hi - lo + 1), raw[8 * (1 + lo) : 8 * (2 + hi)]))
-    await _read(ctx, work, reads, None)
-    status = up.probe.numpy()
-    return status[1:] if int(status[0]) == ctx.attempt.version else None
+    if not up.status_reads:  # one list object, read again and again: a transport replays what it prepared
+        up.status_reads = [Read(up.offer.source.agent, up.offer.status, 0, up.probe.numel() * 8, as_bytes(up.probe))]
+    await _read(ctx, work, up.status_reads, ("relay-status", up.offer.source.agent, up.offer.status), count=False)
+    up.fresh = True
+    return int(up.probe[0]) == ctx.attempt.version
 
 
 async def _from_relay(ctx: StageContext, work: Work, owed: dict[int, RelayPiece]) -> None:
-    """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver."""
+    """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver.
+
+    One status read after each batch of pieces both checks that the relay's storage did not begin to change
+    while they were read and tells which pieces the next batch (of this bucket or the next) may take."""
     up: Upstream = ctx.upstream
     v = ctx.attempt.version if ctx.attempt is not None else None
+    flags = up.probe.numpy()[1:]
     deadline = anyio.current_time() + ctx.limits.relay_wait_s
     delay = 2e-4
     while owed and up.failed is None:
         try:
-            flags = await _status(ctx, work, up, np.concatenate([rp.params for rp in owed.values()]))
-            if flags is None:
-                up.fail(f"it no longer holds version {v}")
-                break
-            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
+            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()] if up.fresh else []
+            if not ready:
+                if not await _status(ctx, work, up):
+                    up.fail(f"it no longer holds version {v}")
+                    break
+                ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
             if ready:
                 planned = coalesce([r for rp in ready for r in rp.reads])
-                await _read(ctx, work, _build_reads(ctx, work, planned), None)
-                if await _status(ctx, work, up, None) is None:  # it moved on while we read: not served bytes
+                await _read(ctx, work, _build_reads(ctx, work, planned), None, count=False)
+                if not await _status(ctx, work, up):  # it moved on while we read: not served bytes
                     up.fail(f"it left version {v} while being read")
                     break
                 for rp in ready:
@@ -157,6 +159,7 @@ async def _from_relay(ctx: StageContext, work: Work, owed: dict[int, RelayPiece]
         if anyio.current_time() >= deadline:
             up.fail(f"no progress within relay_wait_s={ctx.limits.relay_wait_s} s")
             break
+        up.fresh = False
         await anyio.sleep(delay)
         delay = min(delay * 2, 5e-3)
     if owed:

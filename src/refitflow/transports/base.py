@@ -79,11 +79,13 @@ class Transport(ABC):
         """Learn (or refresh) a peer from its address. Idempotent."""
 
     @abstractmethod
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         """Perform the reads; return when every byte has landed.
 
         ``key`` names a list of reads that will be issued again with identical ranges (a cached
-        plan's bucket); a transport may prepare it once and replay it.
+        plan's bucket); a transport may prepare it once and replay it. ``count``: the peers count these
+        bytes in their ``served_bytes`` (NIXL: a READ posted with a notification, which completes only
+        once the peer progresses; reads from a relay, itself busy refitting, are posted without).
         Raises ``TransportError`` on any failure.
         """
 

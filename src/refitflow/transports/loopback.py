@@ -133,7 +133,7 @@ class LoopbackTransport(Transport):
     def served_bytes(self) -> int:
         return self._served
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         if self._closed:
             raise TransportError("transport is closed")
         cached = self._prepared.get(key) if key is not None else None
@@ -147,7 +147,7 @@ class LoopbackTransport(Transport):
                 self._prepared[key] = (reads, state, copies)
                 while len(self._prepared) > _CACHE:
                     self._prepared.popitem(last=False)
-        for peer, n in copies.served.items():
+        for peer, n in copies.served.items() if count else ():
             _AGENTS[peer]._served += n
         if copies.cuda or copies.nbytes >= _OFFLOAD_BYTES:
             await anyio.to_thread.run_sync(copies.run)

@@ -178,7 +178,7 @@ class NixlTransport(Transport):
 
     # -- reads ----------------------------------------------------------------------------------------
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         self._check_open()
         t0 = time.perf_counter()
         if self._index is None:
@@ -199,11 +199,11 @@ class NixlTransport(Transport):
             self.prep_seconds += time.perf_counter() - t0
             try:
                 if len(prepared) == 1:
-                    await self._transfer(prepared[0], peer)
+                    await self._transfer(prepared[0], peer, count)
                 else:
                     async with anyio.create_task_group() as tg:
                         for p in prepared:
-                            tg.start_soon(self._transfer, p, peer)
+                            tg.start_soon(self._transfer, p, peer, count)
             except BaseException as exc:
                 self._forget(lambda k, cks=ckeys: k in cks)
                 for p in prepared:
@@ -287,11 +287,13 @@ class NixlTransport(Transport):
                 return p
         return None
 
-    async def _transfer(self, prepared: _Prepared, peer: str) -> None:
-        """Post the READ off the event loop; poll a pending one with growing sleeps (no spinning)."""
+    async def _transfer(self, prepared: _Prepared, peer: str, count: bool = True) -> None:
+        """Post the READ off the event loop (with its served-bytes notification when ``count``); poll a pending
+        one with growing sleeps (no spinning)."""
         nx, handle = prepared.nx, prepared.handles[2]
+        notif = prepared.notif if count else b""
         try:
-            state = str(await anyio.to_thread.run_sync(nx.call, "transfer", nx.agent.transfer, handle, prepared.notif))
+            state = str(await anyio.to_thread.run_sync(nx.call, "transfer", nx.agent.transfer, handle, notif))
             delay = 50e-6
             while state == "PROC":
                 await anyio.sleep(delay)
