@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import refitflow as rf
-from refitflow.metrics import STAGES
+from refitflow.metrics import BYTE_KINDS, STAGES
 from refitflow.metrics.prometheus import PrometheusMetrics
 from tests.conftest import InjectedFailure, mlp
 
@@ -119,3 +119,27 @@ async def test_fence_gauge_follows_updating_ready_and_fenced(ident, registry) ->
     assert fenced[("refitflow_refits_total", (("outcome", "aborted"),))] == 1
     assert ready[("refitflow_refits_total", (("outcome", "committed"),))] == 1
     assert all(ready[("refitflow_stage_in_flight", (("stage", s),))] == 0 for s in STAGES)
+
+
+@pytest.mark.asyncio
+async def test_skipped_and_re_hashed_bytes_of_delta_refits_are_counted(ident, registry) -> None:
+    metrics = PrometheusMetrics()
+    port = metrics.serve()
+    try:
+        trainer = mlp(1)
+        assert {scrape(port)[("refitflow_refit_bytes_total", (("kind", k),))] for k in BYTE_KINDS} == {0}
+        with anyio.fail_after(20):
+            async with (
+                rf.Publisher(registry, identity=ident) as pub,
+                rf.Receiver(mlp(2), registry, identity=ident, observer=metrics, recheck_fraction=1.0) as recv,
+            ):
+                for version in (1, 2):  # the same bytes twice: the second refit pulls nothing
+                    await pub.publish(version, dict(trainer.named_parameters()))
+                    result = await recv.refit(version)
+        after = scrape(port)
+        assert result.nbytes == 0 and result.skipped_bytes == result.rechecked_bytes > 0
+        assert after[("refitflow_refit_bytes_total", (("kind", "skipped"),))] == result.skipped_bytes
+        assert after[("refitflow_refit_bytes_total", (("kind", "rechecked"),))] == result.rechecked_bytes
+        assert after[("refitflow_refit_bytes_total", (("kind", "relayed"),))] == 0
+    finally:
+        metrics.close()

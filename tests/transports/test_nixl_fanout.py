@@ -29,11 +29,11 @@ def _address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def _together(receivers: list[ReceiverProc], version: int, seed: int) -> list[dict]:
+async def _together(receivers: list[ReceiverProc], version: int, seed: int, **content: int) -> list[dict]:
     results: list[dict] = []
 
     async def one(r: ReceiverProc) -> None:
-        results.append(await r.refit(version, seed))
+        results.append(await r.refit(version, seed, **content))
 
     async with anyio.create_task_group() as tg:
         for r in receivers:
@@ -58,6 +58,16 @@ async def test_four_receivers_starting_together_cost_the_trainer_one_copy_and_ar
                 egress = await served_at_least(trainer, 4 * MODEL_BYTES - relayed)
                 assert egress + relayed == 4 * MODEL_BYTES, (egress, relayed)  # every byte came from one of them
                 assert egress <= 1.5 * MODEL_BYTES, (egress / MODEL_BYTES, results)
+                # a delta refit: half the tensors keep their bytes; nobody reads them, the rest is relayed
+                await server.registry.publish(await trainer.publish(2, 32, frozen=32))
+                before = await trainer.served()
+                results = await _together([r0, r1, r2, r3], 2, 32, frozen=32, base=31)
+                frozen = sum((SPEC["numel"] + i % 7) * 4 for i in range(32))
+                assert all(res["exact"] and res["skipped_bytes"] == frozen for res in results), results
+                assert all(res["nbytes"] == MODEL_BYTES - frozen for res in results), results
+                relayed = sum(res["relay_bytes"] for res in results)
+                egress = await served_at_least(trainer, before + 4 * results[0]["nbytes"] - relayed) - before
+                assert egress <= 0.75 * MODEL_BYTES, (egress / MODEL_BYTES, results)
 
 
 @pytest.mark.asyncio

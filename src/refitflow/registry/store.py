@@ -199,11 +199,13 @@ class RegistryStore:
     ) -> RelayOffer | None:
         """Join ``version``'s relays with ``offer`` (None: a reader that serves nobody); the upstream to read
         from (None: the trainer). Leaves every other version's relays (``registry.relays``)."""
-        pub = self._complete(identity, version, None, None)
-        if pub is None or pub.version != version:
+        model = self._peek(identity)
+        ranks = model.versions.get(version)
+        if ranks is None or version not in model.completed_at:  # complete, still held (newer ones may exist)
             raise VersionError("relays need their version complete and still offered", version=version)
         if offer is not None:
-            check_offer(pub, offer)
+            manifests = tuple(ranks[r] for r in range(len(ranks)))
+            check_offer(Publication(identity=manifests[0].identity, version=version, manifests=manifests), offer)
         model = self._model(identity)
         for v, relays in model.relays.items():
             if v != version:
