@@ -70,6 +70,7 @@ class Relaying:
         self._flags: np.ndarray | None = None
         self._version = -1
         self._probe: torch.Tensor | None = None
+        self._probe_for(1 + len(names))  # registered up front: an upstream of this layout needs no other
         self.joined = False
 
     def _target(self) -> int:

@@ -73,6 +73,7 @@ class Checks:
     mixes: tuple[Mix, ...]  # mix64 pieces, and xxh3 pieces whose whole tiles are strided (gathered)
     whole_bytes: int  # bytes the whole units of ``land_of``/``mixes`` verify
     piece_checked: np.ndarray  # per piece, its bytes inside whole units it checks (its nbytes: all of them)
+    piece_bytes: np.ndarray  # per piece, its bytes
 
 
 def digest_index(pub: Publication) -> dict[tuple[int, str], tuple[Tiling, int]]:
@@ -173,7 +174,8 @@ def build_checks(
     for m in mixes:
         checked[m.land] += int(m.covered[m.check & (m.covered == m.total)].sum())
     return Checks(tuple(lands), tuple(names), land_of, lo, hi, want, name_of, tuple(streams), tuple(mixes),
-                  whole_bytes, checked.astype(np.int64))  # fmt: skip
+                  whole_bytes, checked.astype(np.int64),
+                  np.array([land.nbytes for land in lands], dtype=np.int64))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

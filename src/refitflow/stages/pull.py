@@ -150,7 +150,7 @@ async def _from_relay(ctx: StageContext, work: Work, owed: dict[int, RelayPiece]
                 for rp in ready:
                     del owed[rp.piece]
                     work.relayed.append(rp.piece)
-                    ctx.counts.relayed += work.bucket.pieces[rp.piece].nbytes
+                ctx.counts.relayed += int(work.bucket.checks.piece_bytes[[rp.piece for rp in ready]].sum())
                 deadline, delay = anyio.current_time() + ctx.limits.relay_wait_s, 2e-4
                 continue
         except (TransportError, RefitTimeoutError) as exc:
@@ -164,7 +164,7 @@ async def _from_relay(ctx: StageContext, work: Work, owed: dict[int, RelayPiece]
         delay = min(delay * 2, 5e-3)
     if owed:
         await read_pieces(ctx, work, sorted(owed))
-        ctx.counts.rerouted += sum(work.bucket.pieces[k].nbytes for k in owed)
+        ctx.counts.rerouted += int(work.bucket.checks.piece_bytes[sorted(owed)].sum())
 
 
 async def _pull(ctx: StageContext, work: Work) -> None:
@@ -178,7 +178,7 @@ async def _pull(ctx: StageContext, work: Work) -> None:
         await read_pieces(ctx, work, mine)
     if owed:
         await _from_relay(ctx, work, owed)
-    ctx.counts.pulled += sum(b.pieces[k].nbytes for k in pull) if len(pull) < len(b.pieces) else b.nbytes
+    ctx.counts.pulled += int(b.checks.piece_bytes[list(pull)].sum()) if len(pull) < len(b.pieces) else b.nbytes
 
 
 def _writes_directly(work: Work) -> bool:

@@ -31,8 +31,9 @@ def copies_of(ctx: StageContext, work: Work) -> list:
     live storage (``COPY``) there, scatter by scatter."""
     if work.actions is not None:
         per = piece_copies(ctx, work)
+        assembled = tuple(p for k, p in enumerate(work.bucket.pieces) if not p.direct and k not in per)  # float8
         out = [c for k, a in enumerate(work.actions.tolist()) if a == PULL for c in per.get(k, ())]
-        return out + _from_live(ctx, work)
+        return out + _copies(ctx, work, assembled) + _from_live(ctx, work)
     if work.bucket.derived or ctx.plan is None:
         return _copies(ctx, work)
     cached = ctx.plan.read_lists.get(_key(ctx, work))
@@ -42,14 +43,17 @@ def copies_of(ctx: StageContext, work: Work) -> list:
 
 
 def piece_copies(ctx: StageContext, work: Work) -> dict[int, list]:
-    """The copies of each staged piece (by its index in the bucket), cached like ``copies_of``."""
+    """The copies of each staged piece (by its index in the bucket) but those into float8 assemblies
+    (made anew for every version; such pieces are never skipped or relayed), cached like ``copies_of``."""
     key = ("pieces", *_key(ctx, work)[1:])
-    cached = None if work.bucket.derived else ctx.plan.read_lists.get(key)
+    cached = ctx.plan.read_lists.get(key)
     if cached is None:
-        staged = {id(p): k for k, p in enumerate(work.bucket.pieces)}
-        cached = {staged[id(p)]: _copies(ctx, work, (p,)) for p in work.bucket.staged}
-        if not work.bucket.derived:
-            ctx.plan.read_lists[key] = cached
+        derived = ctx.landing.derived
+        cached = ctx.plan.read_lists[key] = {
+            k: _copies(ctx, work, (p,))
+            for k, p in enumerate(work.bucket.pieces)
+            if not p.direct and not any(s.param in derived for s in p.scatters)
+        }
     return cached
 
 

@@ -215,8 +215,8 @@ async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[in
         log.warning("%d skipped piece(s) of %s changed where they lie (behind refitflow's back): read again",
                     len(again), sorted({work.bucket.pieces[k].tensor for k in again})[:5])  # fmt: skip
     await read_pieces(ctx, work, pieces)
-    staged = set(piece_copies(ctx, work)) if work.bucket.staged else set()
-    work.copies = [c for k in pieces if k in staged for c in piece_copies(ctx, work)[k]]
+    per = piece_copies(ctx, work) if work.bucket.staged else {}
+    work.copies = [c for k in pieces for c in per.get(k, ())]
     await apply.write(ctx, work)  # marks the attempt written
     await ctx.devices.wait(work.marks)
     keep = np.zeros(len(work.bucket.pieces), dtype=bool)
@@ -225,10 +225,10 @@ async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[in
     if still:
         names = work.bucket.checks.names
         raise _integrity_error([names[k] for k in still], version)
-    n = sum(work.bucket.pieces[k].nbytes for k in pieces)
-    ctx.counts.pulled += n
-    ctx.counts.rerouted += sum(work.bucket.pieces[k].nbytes for k in pieces if k in relayed)
-    ctx.counts.repaired += sum(work.bucket.pieces[k].nbytes for k in again)
+    size = work.bucket.checks.piece_bytes
+    ctx.counts.pulled += int(size[pieces].sum())
+    ctx.counts.rerouted += int(size[[k for k in pieces if k in relayed]].sum())
+    ctx.counts.repaired += int(size[again].sum())
 
 
 def _plan_checks(work: Work) -> tuple[np.ndarray | None, list[int], int]:
@@ -237,10 +237,8 @@ def _plan_checks(work: Work) -> tuple[np.ndarray | None, list[int], int]:
     if work.actions is None:
         return None, [], b.nbytes
     pulled = work.actions == PULL
-    keep = pulled | work.recheck
-    staged = {id(p) for p in b.staged}
-    gather = [k for k in np.flatnonzero(work.recheck).tolist() if id(b.pieces[k]) in staged]
-    return keep, gather, int(sum(p.nbytes for p, x in zip(b.pieces, pulled.tolist(), strict=True) if x))
+    gather = [k for k in np.flatnonzero(work.recheck).tolist() if not b.pieces[k].direct]
+    return pulled | work.recheck, gather, int(b.checks.piece_bytes[pulled].sum())
 
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
