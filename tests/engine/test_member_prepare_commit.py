@@ -6,17 +6,23 @@ import anyio
 import pytest
 
 import refitflow as rf
+from refitflow.engine.solo_vote import SoloVote
 from refitflow.engine.vote import Ballot, Decision
 from tests.conftest import mlp, params, same
 
 
-class Solo:
-    """The vote of an engine of one rank (no peer to ask)."""
-
-    rank, size = 0, 1
-
-    async def exchange(self, ballot: Ballot, timeout: float) -> list[Ballot | None]:
-        return [ballot]
+@pytest.mark.asyncio
+async def test_a_one_rank_vote_decides_by_its_own_ballot_and_remembers_its_last_verdict() -> None:
+    solo = SoloVote()
+    ready = await solo.vote(Ballot(ready=True, began=True, version=3), timeout=1)
+    assert (ready.attempt, ready.decision, ready.version, ready.reason) == (1, Decision.COMMIT, 3, "")
+    failed = await solo.vote(Ballot(ready=False, began=True, version=4), timeout=1)
+    assert (failed.attempt, failed.decision, failed.version) == (2, Decision.ABORT, None)
+    assert "not ready" in failed.reason
+    nothing = await solo.vote(Ballot(ready=False, began=False, version=-1), timeout=1)
+    assert nothing.decision is Decision.NOTHING
+    assert solo.attempt == 3 and await solo.resolve(3, timeout=1) == nothing
+    assert (await solo.resolve(2, timeout=1)).decision is Decision.ABORT  # over, never in doubt
 
 
 @pytest.mark.asyncio
@@ -28,7 +34,7 @@ async def test_prepare_leaves_the_version_invisible_until_commit_and_abort_drops
             rf.Publisher(registry, identity=ident) as pub,
             rf.Receiver(server, registry, identity=ident, mode="shadow") as recv,
         ):
-            member = rf.EngineMember(recv, Solo())
+            member = rf.EngineMember(recv, SoloVote())
             await pub.publish(1, dict(trainer.named_parameters()))
             outcome = await member.prepare(1, timeout=5)
             assert outcome.decision is Decision.COMMIT and not outcome.committed and same(server, old)
