@@ -1,6 +1,7 @@
 """A CPU stand-in for one vLLM worker's model: a plain ``torch.nn.Module`` carrying vLLM's fused parameter
 names and shapes for its TP rank (``qkv_proj``, ``gate_up_proj``, Mixtral's ``block_sparse_moe.experts.
-w13_weight``/``w2_weight``, vocabulary rows padded to a multiple of 64), and a ``load_weights`` that takes
+w13_weight``/``w2_weight``, DeepSeek's latent attention ``fused_qkv_a_proj``/``q_b_proj``/``kv_b_proj``,
+vocabulary rows padded to a multiple of 64), and a ``load_weights`` that takes
 HF checkpoint names and shards/fuses them as vLLM's loaders do. vLLM's real model classes need its CUDA
 kernels to be built, so the test builds this module instead; the shapes below are written out from
 vLLM's layer rules, independently of refitflow's tables.
@@ -40,12 +41,20 @@ class FusedModel(torch.nn.Module):
         for i in range(d.layers):
             p = f"model.layers.{i}."
             qkv = (self.nq + 2 * self.nkv) * hd
-            shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.qkv_proj.weight": (qkv, h),
-                       p + "self_attn.o_proj.weight": (h, self.nq * hd)}  # fmt: skip
+            shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+            if d.kv_lora_rank:  # vLLM's DeepseekV2MLAAttention with a q LoRA rank
+                a, q, kv = d.kv_lora_rank + d.rope_dim, d.q_lora_rank, d.kv_lora_rank
+                shapes |= {p + "self_attn.fused_qkv_a_proj.weight": (q + a, h),
+                           p + "self_attn.q_a_layernorm.weight": (q,),
+                           p + "self_attn.q_b_proj.weight": (self.nq * (hd + d.rope_dim), q),
+                           p + "self_attn.kv_a_layernorm.weight": (kv,),
+                           p + "self_attn.kv_b_proj.weight": (self.nq * (hd + d.v_head_dim), kv),
+                           p + "self_attn.o_proj.weight": (h, self.nq * d.v_head_dim)}  # fmt: skip
+            else:
+                shapes |= {p + "self_attn.qkv_proj.weight": (qkv, h), p + "self_attn.o_proj.weight": (h, self.nq * hd)}
             if d.qkv_bias:
                 shapes[p + "self_attn.qkv_proj.bias"] = (qkv,)
-            if d.ffn:
+            if d.ffn and not d.moe_layer(i):
                 f = d.ffn // tp
                 shapes |= {p + "mlp.gate_up_proj.weight": (2 * f, h), p + "mlp.down_proj.weight": (h, f)}
             else:
@@ -69,6 +78,14 @@ class FusedModel(torch.nn.Module):
                 rows = w[r * self.vocab_rows : (r + 1) * self.vocab_rows]
                 self.param(name)[: rows.shape[0]] = rows
                 target = name
+            elif name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):  # replicated, [q_a; kv_a]
+                target = prefix.rsplit(".", 1)[0] + ".fused_qkv_a_proj.weight"
+                at = 0 if "q_a_proj" in name else self.d.q_lora_rank
+                self.param(target)[at : at + w.shape[0]] = w
+            elif name.endswith(("q_b_proj.weight", "kv_b_proj.weight")):  # column-parallel by heads
+                n = w.shape[0] // self.tp
+                target = name
+                self.param(target)[:] = w[r * n : (r + 1) * n]
             elif ".self_attn." in name and prefix.rsplit(".", 1)[1] in ("q_proj", "k_proj", "v_proj"):
                 which = prefix.rsplit(".", 1)[1][0]
                 target = prefix.rsplit(".", 1)[0] + ".qkv_proj." + leaf

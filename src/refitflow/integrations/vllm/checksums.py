@@ -5,7 +5,8 @@ SHA-256 of each parameter's bytes as the worker holds them (its TP slice, fused,
 trainer computes the same map from the canonical tensors it published (``expected_checksums``) and
 posts it as ``{"action": "compare", "baseline": ...}``: ``{"match": true}`` means every worker holds
 exactly the published bytes. vLLM zero-fills the vocabulary padding rows at load, and refitflow never
-writes them, so the expected padding is zeros. Covers plain (unquantised) parameters, ``pp == 1``.
+writes them, so the expected padding is zeros. Covers plain (unquantised) parameters, ``pp == 1``; the
+latent-attention weights vLLM derives after loading (MLA's ``W_UK_T``/``W_UV``) are not in it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from collections.abc import Mapping
 
 import torch
 
-from refitflow.integrations.fused_model import derive, local_shapes
 from refitflow.integrations.vllm.place import Place
+from refitflow.layouts import fused
 from refitflow.layouts.canonical import ModelDims, from_canonical
 
 __all__ = ["digest", "expected_checksums", "model_checksums", "prefix"]
@@ -39,22 +40,16 @@ def model_checksums(model: torch.nn.Module, key_prefix: str = "") -> dict[str, s
 
 def expected_checksums(
     canonical: Mapping[str, torch.Tensor], dims: ModelDims, *, tp: int = 1, dp: int = 1,
-    expert_parallel: bool = False, pad_to: int = 64,
+    expert_parallel: bool = False, vocab_padding: int = fused.VOCAB_PADDING, moe_module: str = "mlp",
 ) -> dict[str, str]:  # fmt: skip
-    """The ``/weight_checker`` checksums of a vLLM server holding ``canonical`` (the published version)."""
-    dtype = next(iter(canonical.values())).dtype
-    vocab_rows_per_rank = -(-dims.vocab // pad_to) * pad_to // tp
+    """The ``/weight_checker`` checksums of a vLLM server holding ``canonical`` (the published version):
+    every worker's parameters as the layout tables lay them out (``moe_module``: ``block_sparse_moe``
+    for Mixtral), the vocabulary padding zero."""
     out: dict[str, str] = {}
     for d in range(dp):
         for r in range(tp):
             place = Place(rank=r, world=tp, tp=tp, dp=dp, dp_index=d, expert_parallel=expert_parallel)
-            par = place.parallel(dims)
-            shapes = local_shapes(dims, par, vocab_rows_per_rank)
-            params = [(n, torch.zeros(s, dtype=dtype)) for n, s in shapes.items()]
-            derived = derive(params, dims, par)
-            local = from_canonical(derived.layout, canonical)
-            for name, tensor in params:
-                if name in local:
-                    tensor[: local[name].shape[0]] = local[name]
+            layout = fused.layout(dims, place.parallel(), vocab_padding=vocab_padding, moe_module=moe_module)
+            for name, tensor in from_canonical(layout, canonical).items():
                 out[prefix(dp=d, tp=r) + name] = digest(tensor)
     return out
