@@ -26,11 +26,10 @@ import torch
 
 from refitflow.api.receiver import Receiver
 from refitflow.core.dtypes import dtype_from_name
-from refitflow.core.errors import ConfigError, CoverageError, RefitError
+from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Publication, SourceAddress
-from refitflow.engine.member import EngineOutcome
-from refitflow.engine.vote import Ballot, Decision, VoteChannel, decide
-from refitflow.integrations.rank_session import SessionConfig
+from refitflow.engine.member import Preparer
+from refitflow.integrations.rank_session import Build, SessionConfig
 from refitflow.layouts.canonical import sliced
 from refitflow.layouts.wire import resolve
 from refitflow.pipeline.destination import ApplyMode, Destination
@@ -72,10 +71,11 @@ def published_tensors(pub: Publication) -> dict[str, tuple[tuple[int, ...], torc
 
 
 def checkpoint_names(name: str, tensor: torch.Tensor, family: str) -> list[tuple[str, torch.Tensor]]:
-    """A canonical tensor under the names a model's ``load_weights`` takes (stacked experts: one each)."""
+    """A canonical tensor under the names a model's ``load_weights`` takes: stacked experts one each, and
+    the MoE block under the family's module name (Mixtral's router: ``block_sparse_moe.gate.weight``)."""
     head, _, leaf = name.rpartition(".mlp.experts.")
     if not head or leaf not in ("gate", "up", "down"):
-        return [(name, tensor)]
+        return [(name if family == "mlp" else name.replace(".mlp.", f".{family}."), tensor)]
     pattern = EXPERT_NAMES[family][leaf]
     return [(f"{head}.{pattern.format(e=e)}", tensor[e]) for e in range(tensor.shape[0])]
 
@@ -117,20 +117,20 @@ class _Shared(Transport):
 
 
 class BucketLoader:
-    """``Writer`` of a ``RankSession``: buckets of whole tensors → verify → ``load_weights`` → vote."""
+    """A ``Preparer`` (``engine.member``) for a ``RankSession``: buckets of whole tensors → verify →
+    ``load_weights``, one transaction over the live parameters; the session's ``EngineMember`` votes."""
 
     def __init__(
-        self, model: torch.nn.Module, load: Load, config: SessionConfig, channel: VoteChannel,
-        stack: contextlib.AsyncExitStack,
-        transport: Transport, registry: RegistryClient, family: str,
+        self, params: Iterable[tuple[str, torch.Tensor]], load: Load, config: SessionConfig,
+        stack: contextlib.AsyncExitStack, transport: Transport, registry: RegistryClient, family: str,
     ) -> None:  # fmt: skip
-        self.model, self.load, self.config, self.channel, self.stack = model, load, config, channel, stack
+        self.load, self.config, self.stack = load, config, stack
         self.transport, self.registry, self.family = transport, registry, family
         self.fence = Fence()
         # the transaction counts what load_weights reports over the live parameters, as bytes: any dtype
         # (quantised formats included) is written and restored the same way
-        params = {n: p.detach().reshape(-1).view(torch.uint8) for n, p in model.named_parameters()}
-        self.ledger = Ledger(Destination(params, ApplyMode.IN_PLACE), self.fence)
+        views = {n: p.detach().reshape(-1).view(torch.uint8) for n, p in params}
+        self.ledger = Ledger(Destination(views, ApplyMode.IN_PLACE), self.fence)
         self.buckets: list[_Bucket] = []
         self._key: tuple[Any, ...] | None = None
         self._window: torch.Tensor | None = None
@@ -173,32 +173,18 @@ class BucketLoader:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         return self._window[offset : offset + nbytes].view(dtype).view(shape)
 
-    async def prepare(self, version: int, *, wait_s: float) -> EngineOutcome:
-        txn: Transaction | None = None
-        began_before = self.ledger.last_begun
-        error: RefitError | None = None
+    async def prepare(self, min_version: int | None = None, *, timeout: float = 60.0) -> tuple[Transaction, None]:
+        """Load the newest complete version ≥ ``min_version`` through ``load_weights`` and check coverage;
+        on failure the transaction is aborted (in place fenced once a bucket was loaded; shadow restored)."""
         try:
-            txn = await self._load(version, wait_s)
-        except RefitError as exc:
-            error = exc
-        except Exception as exc:  # the model's load_weights, a shape it refuses: a typed error, chained
-            error = RefitError(f"load_weights failed: {type(exc).__name__}: {exc}", version=version)
-            error.__cause__ = exc
-        began = self.ledger.last_begun != began_before
-        if error is not None and self.ledger.open is not None:
-            self._abort(self.ledger.open, str(error))
-        mine = Ballot(ready=txn is not None, began=began, version=txn.version if txn else -1)
-        ballots = await self.channel.exchange(mine, self.config.vote_timeout_s)
-        decision = decide(ballots)
-        if decision is Decision.COMMIT and txn is not None:
-            return EngineOutcome(decision=decision, committed=False, version=txn.version, ballots=tuple(ballots),
-                                 result=None, error=None, transaction=txn)  # fmt: skip
-        if txn is not None:
-            self._abort(txn, "engine vote: a peer was not ready")
-        elif decision is Decision.ABORT and not began:
-            self.ledger.fence_for_peers("a peer began and aborted")
-        return EngineOutcome(decision=decision, committed=False, version=self.ledger.last_begun if began else None,
-                             ballots=tuple(ballots), result=None, error=error)  # fmt: skip
+            return await self._load(min_version or 0, timeout), None
+        except BaseException as exc:
+            if self.ledger.open is not None:
+                self._abort(self.ledger.open, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, RefitError) or not isinstance(exc, Exception):
+                raise
+            # the model's load_weights, a shape it refuses: a typed error, chained
+            raise RefitError(f"load_weights failed: {type(exc).__name__}: {exc}", version=min_version) from exc
 
     async def _load(self, version: int, wait_s: float) -> Transaction:
         pub = await self.registry.wait_complete(self.config.identity, version, wait_s)
@@ -235,32 +221,26 @@ class BucketLoader:
             self._backup = {}
             self.fence.set(FenceState.READY)
 
-    async def commit(self, outcome: EngineOutcome) -> None:
-        if outcome.transaction is None:
-            raise CoverageError("nothing prepared to commit")
-        self.ledger.finish(outcome.transaction)
+    async def finish(self, txn: Transaction) -> None:
+        self.ledger.finish(txn)
         self._backup = {}
 
-    async def abort(self, outcome: EngineOutcome, reason: str) -> None:
-        if outcome.transaction is not None:
-            self._abort(outcome.transaction, reason)
-
-    @property
-    def status(self) -> dict[str, Any]:
-        return {"committed_version": self.ledger.committed_version, "fence": self.fence.state.value,
-                "first_failure": self.ledger.first_failure}  # fmt: skip
+    async def abort(self, txn: Transaction, reason: str) -> None:
+        self._abort(txn, reason)
 
 
-def load_weights_writer(model: torch.nn.Module, load: Load, family: str) -> Callable[..., Any]:
-    """``build`` for ``RankSession.open``: a ``BucketLoader`` feeding ``load`` (the model's ``load_weights``)."""
+def load_weights_writer(params: Iterable[tuple[str, torch.Tensor]], load: Load, family: str) -> Build:
+    """``build`` for ``RankSession.open``: a ``BucketLoader`` over ``params`` (the model's parameters less
+    any the engine derives itself) feeding ``load`` (the model's ``load_weights``)."""
     if family not in EXPERT_NAMES:
         raise ConfigError(f"expert naming must be one of {sorted(EXPERT_NAMES)}, got {family!r}")
+    params = list(params)
 
-    async def build(config: SessionConfig, channel: VoteChannel, stack: contextlib.AsyncExitStack) -> BucketLoader:
+    async def build(config: SessionConfig, stack: contextlib.AsyncExitStack) -> Preparer:
         transport = await anyio.to_thread.run_sync(make_transport, config.transport)
         stack.push_async_callback(transport.aclose)
         registry = RegistryClient(config.registry)
         stack.push_async_callback(registry.aclose)
-        return BucketLoader(model, load, config, channel, stack, _Shared(transport), registry, family)
+        return BucketLoader(params, load, config, stack, _Shared(transport), registry, family)
 
     return build
