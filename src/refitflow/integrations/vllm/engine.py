@@ -4,14 +4,16 @@
 vLLM calls, on every worker, ``init_transfer_engine`` once, then per version ``start_weight_update``
 → ``update_weights`` → ``finish_weight_update``. Here:
 
-- ``init_transfer_engine`` derives this worker's receiver layout from its own model and parallel
-  config and opens a refitflow session (a loop thread, a ``Receiver``, the engine vote);
+- ``init_transfer_engine`` derives this worker's receiver layout (the layout tables at the worker's
+  place, checked against its model's parameters) and opens a refitflow session: a loop thread, a
+  preparer (a ``Receiver``, or the ``load_weights`` loader), an ``EngineMember`` and its vote channel;
 - ``update_weights`` pulls, verifies and prepares the version, and runs the engine vote across the
-  workers before it returns: a failure on any worker makes every worker raise (vLLM closes the
-  update on each; nothing is rolled back by vLLM: in place the workers are fenced, shadow keeps the
-  previous version);
-- ``finish_weight_update`` makes the voted version visible (shadow: one device copy; pointers never
-  change, so captured CUDA graphs keep working).
+  workers before it returns: on an ABORT verdict every worker raises (vLLM closes the update on
+  each; in place the workers are fenced, shadow keeps the previous version); a worker that voted
+  ready and could not learn the verdict raises too, saying it is in doubt;
+- ``finish_weight_update`` makes the voted version visible (shadow: one device copy into the live
+  storage; pointers never change, so captured CUDA graphs keep working), then derives the
+  latent-attention weights of MLA models again (``mla``).
 
 Voting inside ``update_weights`` (not in ``finish_weight_update``) keeps vLLM's worker state right:
 vLLM closes an update whose ``update_weights`` raised, but keeps one whose ``finish`` raised open.
@@ -26,14 +28,14 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from refitflow.core.errors import ConfigError
+from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
 from refitflow.integrations.fused_model import derive, parameters
 from refitflow.integrations.load_weights import load_weights_writer
-from refitflow.integrations.rank_session import RankSession, SessionConfig, direct_writer
+from refitflow.integrations.rank_session import Build, RankSession, SessionConfig, direct_writer
+from refitflow.integrations.vllm import mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
-from refitflow.integrations.vllm.place import Place, expert_family, model_dims
-from refitflow.layouts.canonical import ModelDims
+from refitflow.integrations.vllm.place import Place, expert_family, receiver_layout
 
 __all__ = ["RefitflowEngine"]
 
@@ -50,12 +52,16 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         self.session: RankSession | None = None
         self.loader: str | None = None  # "direct" or "load_weights", chosen at init
         self.place = Place.of(self.parallel_config)
+        self.latent: set[str] = set()  # MLA weights derived after loading (re-derived after each commit)
 
     # -- vLLM's hooks --------------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: RefitflowInitInfo) -> None:
         if self.session is not None:
             raise ConfigError("the refitflow engine is already initialised: shut it down first")
+        self.latent = mla.derived_parameters(self.model)
+        if self.latent and not isinstance(self._dtype, torch.dtype):
+            raise ConfigError("an MLA model needs vLLM's model_config.dtype to derive its attention weights")
         self.loader, build = self._writer(init_info)
         vote, addresses = self._vote(init_info)
         gloo = _gloo_group() if vote == "gloo" else None
@@ -85,7 +91,9 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
                        wait_s=wait)  # fmt: skip
 
     def finish_weight_update(self) -> None:
-        self._open().commit()
+        session = self._open()
+        if session.commit() is not None and self.latent:
+            self._rederive(session)
 
     def shutdown(self) -> None:
         session, self.session = self.session, None
@@ -99,31 +107,47 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         """This worker's refitflow state: loader, committed version, fence, first failure since the last commit."""
         return {"loader": self.loader, **(self.session.status if self.session else {})}
 
+    @property
+    def _dtype(self) -> Any:
+        """The model's activation dtype (vLLM resolves ``model_config.dtype`` to a torch dtype)."""
+        return getattr(self.model_config, "dtype", None)
+
     def _open(self) -> RankSession:
         if self.session is None:
             raise ConfigError("the refitflow engine is not initialised: call init_weight_transfer_engine first")
         return self.session
 
-    def _writer(self, info: RefitflowInitInfo) -> tuple[str, Any]:
+    def _writer(self, info: RefitflowInitInfo) -> tuple[str, Build]:
         """The direct writer when every parameter maps (``loader`` auto or direct), else load_weights."""
-        params = parameters(self.model)
+        params = [(n, p) for n, p in parameters(self.model) if n not in self.latent]
         why = "loader='load_weights' asked for"
         if info.loader != "load_weights":
             try:
-                dims: ModelDims = model_dims(self.model_config)
-                derived = derive(params, dims, self.place.parallel(dims))
-                why = f"parameters refitflow cannot map: {derived.unmapped[:8]}"
+                derived = derive(params, receiver_layout(self.model_config, self.model, self.place))
+                if derived.complete:
+                    return "direct", direct_writer(derived)
+                why = f"parameters the layout tables do not map: {derived.why()}"
             except ConfigError as exc:
-                derived, why = None, str(exc)
-            if derived is not None and derived.complete:
-                return "direct", direct_writer(derived)
+                why = str(exc)
             if info.loader == "direct":
                 raise ConfigError(f"loader='direct' but the model does not map: {why}")
         load = getattr(self.model, "load_weights", None)
         if load is None:
             raise ConfigError(f"the model has no load_weights and cannot be mapped ({why})")
         log.info("refitflow: using the model's load_weights (%s)", why)
-        return "load_weights", load_weights_writer(self.model, load, expert_family(name for name, _ in params))
+        return "load_weights", load_weights_writer(params, load, expert_family(name for name, _ in params))
+
+    def _rederive(self, session: RankSession) -> None:
+        """The committed version's latent-attention weights, from its ``kv_b_proj``; a failure fences."""
+        try:
+            assert isinstance(self._dtype, torch.dtype)
+            moved = mla.rederive(self.model, self._dtype)
+            if moved:
+                raise RefitError(f"vLLM re-derived {moved[:4]} into new storage: captured CUDA graphs read the old")
+        except Exception as exc:
+            reason = f"deriving the MLA attention weights after the commit failed: {type(exc).__name__}: {exc}"
+            session.fence(reason)
+            raise RefitError(reason) from exc
 
     def _vote(self, info: RefitflowInitInfo) -> tuple[str, tuple[str, ...]]:
         size = self.place.vote_size
