@@ -151,30 +151,3 @@ async def test_failure_after_a_direct_read_fences_in_place_and_consumes_the_vers
             assert recv.fence.state == "fenced" and "partial write" in (recv.fence.reason or "")
             with pytest.raises(rf.VersionError):  # a failed attempt consumed its number
                 await recv.refit(1)
-
-
-@pytest.mark.asyncio
-async def test_shadow_committed_by_copy_keeps_pointers_and_a_failure_keeps_the_old_version(ident, registry) -> None:
-    trainer, server = mlp(1), mlp(2)
-    pointers = {n: p.data_ptr() for n, p in server.named_parameters()}
-    observer = FailAt("none")
-    with anyio.fail_after(20):
-        async with (
-            rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(
-                server, registry, identity=ident, mode="shadow", shadow_commit="copy", observer=observer
-            ) as recv,  # fmt: skip
-        ):
-            v1 = await _publish(pub, 1, trainer)
-            txn, _ = await recv.prepare(1)
-            assert not same(server, v1)  # prepared in the shadow: the live storage is untouched
-            await recv.finish(txn)
-            assert same(server, v1) and pointers == {n: p.data_ptr() for n, p in server.named_parameters()}
-            observer.stage, observer.after, observer.seen = "apply", 1, 0  # the next refit fails mid-way
-            await _publish(pub, 2, mlp(3))
-            with pytest.raises(rf.RefitError):
-                await recv.refit(2)
-            assert same(server, v1) and recv.fence.state == "ready"
-            v3 = await _publish(pub, 3, mlp(4))
-            await recv.refit(3)
-            assert same(server, v3) and pointers == {n: p.data_ptr() for n, p in server.named_parameters()}
