@@ -1,14 +1,15 @@
 """The vLLM backend's overhead over a bare ``Receiver.refit`` on the same bytes, in one run.
 
-    python bench/vllm_overhead.py [--hidden 1024] [--layers 8] [--vocab 32000] [--rounds 5] [--transport loopback]
+    python bench/vllm_overhead.py [--hidden 1024] [--layers 8] [--vocab 32000] [--rounds 5]
 
-A Megatron-layout publisher (TP 1) and a registry served over ZMQ, in this process. Two models of
-vLLM's fused names and shapes (the vocabulary padded to 64 rows): one refitted by a bare
-``rf.Receiver`` over the derived layout, the other by the ``refitflow`` backend built by vLLM's
+A Megatron-layout publisher (TP 1) and a registry served over ZMQ, in this process; reads over NIXL (the
+backend is given the registry's address, as a vLLM server is, so loopback is not an option). Two models of
+vLLM's fused names and shapes (the layout tables' ``fused`` layout: the vocabulary padded to 64 rows):
+one refitted by a bare ``rf.Receiver`` over that layout, the other by the ``refitflow`` backend built by vLLM's
 factory (``start_weight_update`` → ``update_weights`` → ``finish_weight_update``, called from a
 thread as a worker calls them). Each round publishes a version for each, alternating which goes
 first; the figures are wall seconds per version and the median overhead. Needs vLLM importable
-(``.ci/vllm-cpu.sh`` installs it on a CPU machine). GB/s = 10^9 bytes per second.
+(``.ci/engines-cpu.sh`` installs it on a CPU machine). GB/s = 10^9 bytes per second.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import torch
 import transformers as tf
 
 import refitflow as rf
-from refitflow.integrations.fused_model import derive, local_shapes, parameters
-from refitflow.layouts import Parallel, canonical_shapes, megatron
+from refitflow.integrations.fused_model import derive, parameters
+from refitflow.layouts import Parallel, canonical_shapes, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.hf import dims_from_config
 from refitflow.layouts.wire import layout_metadata
+
+TRANSPORT = "nixl"
 
 
 def _module(shapes: dict[str, tuple[int, ...]]) -> torch.nn.Module:
@@ -59,7 +62,8 @@ def _engine(hf_config: Any, model: torch.nn.Module) -> Any:
     register()
     vc = VllmConfig(parallel_config=ParallelConfig(), device_config=DeviceConfig(device="cpu"),
                     weight_transfer_config=WeightTransferConfig(backend="refitflow"))  # fmt: skip
-    vc.model_config = SimpleNamespace(hf_config=hf_config)  # what the backend reads of vLLM's model config
+    # what the backend reads of vLLM's model config (a real ModelConfig inspects vLLM's CUDA model classes)
+    vc.model_config = SimpleNamespace(hf_config=hf_config, dtype=torch.bfloat16)
     return WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
 
 
@@ -72,20 +76,21 @@ async def main(args: argparse.Namespace) -> None:
     d = dims_from_config(hf_config)
     canon = {n: torch.randn(s).to(torch.bfloat16) for n, s in canonical_shapes(d).items()}
     shards = from_canonical(megatron.layout(d, Parallel()), canon)
-    shapes = local_shapes(d, Parallel(), -(-d.vocab // 64) * 64)
+    layout = fused.layout_for(hf_config, fused.parallel(tp=1, tp_rank=0))  # vLLM's names, vocabulary padded to 64
+    shapes = {n: lt.shape for n, lt in layout.items()}
     bare_model, engine_model = _module(shapes), _module(shapes)
     nbytes = sum(t.numel() * t.element_size() for t in shards.values())
     ident = rf.Identity(model="bench-vllm", layout="megatron")
     async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
-        async with rf.Publisher(server.registry, identity=ident, transport=args.transport,
+        async with rf.Publisher(server.registry, identity=ident, transport=TRANSPORT,
                                 metadata=layout_metadata("megatron", d, Parallel())) as pub:  # fmt: skip
-            derived = derive(parameters(bare_model), d, Parallel())
+            derived = derive(parameters(bare_model), layout)
             engine = await anyio.to_thread.run_sync(_engine, hf_config, engine_model)
             info = engine.parse_init_info({
                 "registry": server.address, "model": "bench-vllm", "identity": {"layout": "megatron"},
-                "transport": args.transport, "budget_bytes": args.budget_mb << 20})  # fmt: skip
+                "transport": TRANSPORT, "budget_bytes": args.budget_mb << 20})  # fmt: skip
             await anyio.to_thread.run_sync(engine.init_transfer_engine, info)  # blocking: the registry is on this loop
-            async with rf.Receiver(derived.targets, server.address, identity=ident, transport=args.transport,
+            async with rf.Receiver(derived.targets, server.address, identity=ident, transport=TRANSPORT,
                                    layout=derived.layout, budget_bytes=args.budget_mb << 20) as recv:  # fmt: skip
 
                 async def bare(v: int) -> float:
@@ -113,7 +118,7 @@ async def main(args: argparse.Namespace) -> None:
             await anyio.to_thread.run_sync(engine.shutdown)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {nbytes / 1e6:.1f} MB ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}), "
-          f"transport {args.transport}, {args.rounds} rounds")  # fmt: skip
+          f"transport {TRANSPORT}, {args.rounds} rounds")  # fmt: skip
     for who, ts in times.items():
         print(f"  {who:8s} median {med[who] * 1e3:8.1f} ms  {nbytes / med[who] / 1e9:6.2f} GB/s  "
               f"all: {' '.join(f'{t * 1e3:.0f}' for t in ts)} ms")  # fmt: skip
@@ -128,5 +133,4 @@ if __name__ == "__main__":
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget-mb", type=int, default=64)
-    parser.add_argument("--transport", choices=("loopback", "nixl"), default="loopback")
     anyio.run(main, parser.parse_args())

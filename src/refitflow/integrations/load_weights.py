@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from refitflow.api._transport import choose_transport
 from refitflow.api.receiver import Receiver
 from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import ConfigError, RefitError
@@ -237,7 +238,8 @@ def load_weights_writer(params: Iterable[tuple[str, torch.Tensor]], load: Load, 
     params = list(params)
 
     async def build(config: SessionConfig, stack: contextlib.AsyncExitStack) -> Preparer:
-        transport = await anyio.to_thread.run_sync(make_transport, config.transport)
+        name = choose_transport(config.transport, config.registry)
+        transport = await anyio.to_thread.run_sync(make_transport, name)
         stack.push_async_callback(transport.aclose)
         registry = RegistryClient(config.registry)
         stack.push_async_callback(registry.aclose)

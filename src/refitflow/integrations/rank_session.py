@@ -52,7 +52,7 @@ class SessionConfig:
     receiver_id: str
     mode: str = "in_place"
     budget_bytes: int = 256 << 20
-    transport: str = "nixl"
+    transport: str = "auto"  # nixl beside a registry address (api._transport.choose_transport)
     vote: str = "none"  # none (one rank), zmq, gloo
     vote_rank: int = 0
     vote_addresses: tuple[str, ...] = ()

@@ -11,10 +11,11 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["LOADERS", "VOTES", "RefitflowInitInfo", "RefitflowUpdateInfo"]
+__all__ = ["LOADERS", "TRANSPORTS", "VOTES", "RefitflowInitInfo", "RefitflowUpdateInfo"]
 
 LOADERS = ("auto", "direct", "load_weights")
 VOTES = ("auto", "none", "zmq", "gloo")
+TRANSPORTS = ("auto", "nixl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +28,7 @@ class RefitflowInitInfo:
     mode: str = "in_place"  # in_place (a failure fences the engine) or shadow (a failure keeps the old version)
     loader: str = "auto"  # direct (write the live parameters), load_weights (the model's own), auto: direct if it maps
     budget_bytes: int = 256 << 20  # staging bytes per worker (load_weights: also the size of its buckets)
-    transport: str = "nixl"
+    transport: str = "auto"  # auto or nixl: the registry is another process's, so the reads go over NIXL
     vote: str = "auto"  # the engine vote across the workers: auto (zmq when more than one), none, zmq, gloo
     vote_addresses: list[str] | None = None  # zmq: one per worker (global rank order); None: exchanged at init
     vote_host: str = "127.0.0.1"  # zmq with exchanged addresses: the host this worker's vote socket binds
@@ -42,6 +43,9 @@ class RefitflowInitInfo:
             raise ConfigError(f"mode must be 'in_place' or 'shadow', got {self.mode!r}")
         if self.loader not in LOADERS:
             raise ConfigError(f"loader must be one of {LOADERS}, got {self.loader!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS} (the trainer is another process), got "
+                              f"{self.transport!r}")  # fmt: skip
         if self.vote not in VOTES:
             raise ConfigError(f"vote must be one of {VOTES}, got {self.vote!r}")
         if self.vote_timeout_s <= 0 or self.init_timeout_s <= 0:
