@@ -12,9 +12,35 @@ from typing import Any
 
 import torch
 
+from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.integrations.load_weights import checkpoint_names
 from tests.integrations._fused_model import SENTINEL, FusedModel
 from tests.integrations._tiny import canonical, config, dims
+
+
+class LostVerdict:
+    """A vote channel whose verdict is lost on its way back once (the real ZMQ vote runs underneath): the rank
+    is in doubt. A lost message cannot be provoked on purpose over loopback; the peers, the coordinator and
+    ``resolve`` are the real ones."""
+
+    def __init__(self, inner: VoteChannel) -> None:
+        self.inner, self.rank, self.size, self.lose = inner, inner.rank, inner.size, True
+        self.resolved: list[Verdict] = []
+
+    @property
+    def attempt(self) -> int:
+        return self.inner.attempt
+
+    async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
+        verdict = await self.inner.vote(ballot, timeout)
+        if self.lose:
+            self.lose = False
+            return Verdict(verdict.attempt, Decision.IN_DOUBT, None, "no verdict from the coordinator")
+        return verdict
+
+    async def resolve(self, attempt: int, timeout: float) -> Verdict:
+        self.resolved.append(await self.inner.resolve(attempt, timeout))
+        return self.resolved[-1]
 
 
 def latent_attention(model: FusedModel) -> FusedModel:

@@ -1,7 +1,7 @@
 """A vLLM API server in its own process: vLLM's RL router in a FastAPI app under uvicorn, refitflow behind it.
 
-``argv[1]``: ``{"kind": "qwen2", "tp": 2}``. It prints ``RF {"ready": true}`` then ``RF {"url": ...}`` and
-serves until stdin closes. Behind the router:
+``argv[1]``: ``{"kind": "qwen2", "tp": 2, "lose_verdict": null}``. It prints ``RF {"ready": true}`` then
+``RF {"url": ...}`` and serves until stdin closes. Behind the router:
 
 - one vLLM ``Worker`` per TP rank, running vLLM's own weight-update methods (its session state: start
   refuses an open update, a raise closes it); only the attributes those methods read are set, because
@@ -9,8 +9,11 @@ serves until stdin closes. Behind the router:
 - each worker's engine is built by ``make_engine`` (plugins, ``VllmConfig``, the factory) over a
   ``FusedModel``;
 - an engine client in the shape of vLLM's ``AsyncLLM`` for these routes: it fans each call out to
-  every worker at once (as ``collective_rpc`` does) and raises the first worker's failure; pausing only
-  records the state (there is no generation here); checksums are vLLM's own ``compute_tensor_digests``.
+  every worker at once (as ``collective_rpc`` does) and raises the first worker's failure the way vLLM's
+  multiprocess executor does (``RuntimeError("Worker failed with error '...'")``); vLLM's own exception
+  handlers turn it into the JSON error answer its API server gives; pausing only
+  records the state (there is no generation here); checksums are vLLM's own ``compute_tensor_digests``;
+- ``lose_verdict``: a worker whose first engine-vote verdict is lost (``LostVerdict``), so it is in doubt.
 """
 
 from __future__ import annotations
@@ -25,14 +28,14 @@ import anyio
 import anyio.to_thread
 import torch
 
-from tests.integrations._vllm_rank import make_engine
+from tests.integrations._vllm_rank import LostVerdict, make_engine
 
 PREFIX = "RF "
 
 
 class CpuEngineClient:
-    def __init__(self, workers: list[Any], models: list[torch.nn.Module]) -> None:
-        self.workers, self.models = workers, models
+    def __init__(self, workers: list[Any], models: list[torch.nn.Module], lose_verdict: int | None = None) -> None:
+        self.workers, self.models, self.lose_verdict = workers, models, lose_verdict
         self.paused = False
         self.weight_version: str | None = None
 
@@ -51,8 +54,9 @@ class CpuEngineClient:
         async with anyio.create_task_group() as tg:
             for i in range(len(self.workers)):
                 tg.start_soon(one, i)
-        if errors:
-            raise errors[0]
+        if errors:  # as vLLM's MultiprocExecutor.collective_rpc reports a failed worker
+            raise RuntimeError(f"Worker failed with error '{errors[0]}', please check the stack trace above "
+                               "for the root cause") from errors[0]  # fmt: skip
         return results
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
@@ -66,6 +70,9 @@ class CpuEngineClient:
 
     async def init_weight_transfer_engine(self, request: Any) -> None:
         await self._rpc("init_weight_transfer_engine", request.init_info)
+        if self.lose_verdict is not None:
+            member = self.workers[self.lose_verdict].weight_transfer_engine.session.member
+            member.channel = LostVerdict(member.channel)
 
     async def shutdown_weight_transfer_engine(self) -> None:
         await self._rpc("shutdown_weight_transfer_engine")
@@ -109,12 +116,16 @@ async def main() -> None:
     import uvicorn
     from fastapi import FastAPI
     from vllm.entrypoints.rl.online.api_router import router
+    from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
 
     spec = json.loads(sys.argv[1])
     built = [_worker(spec["kind"], spec["tp"], r) for r in range(spec["tp"])]
     app = FastAPI()
     app.include_router(router)
-    app.state.engine_client = CpuEngineClient([w for w, _ in built], [m for _, m in built])
+    # vLLM's API server's answer to a raw exception (its init_exception_handler imports watchfiles, not in CI)
+    app.exception_handler(Exception)(exception_handler)
+    app.state.args = SimpleNamespace(log_error_stack=False)  # the one server argument the handlers read
+    app.state.engine_client = CpuEngineClient([w for w, _ in built], [m for _, m in built], spec.get("lose_verdict"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     started = anyio.Event()

@@ -22,13 +22,13 @@ import torch
 import vllm  # noqa: F401  (a missing vLLM fails here, loudly)
 
 from refitflow.core.errors import ConfigError, CoverageError, IntegrityError, RefitError
-from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
+from refitflow.engine.vote import Decision
 from refitflow.integrations.vllm.engine import RefitflowEngine
 from refitflow.integrations.vllm.plugin import register
 from tests.conftest import free_ports
 from tests.integrations._fused_model import SENTINEL, FusedModel
 from tests.integrations._tiny import dims
-from tests.integrations._vllm_rank import expected, holds, make_engine, run_rank
+from tests.integrations._vllm_rank import LostVerdict, expected, holds, make_engine, run_rank
 from tests.transports._nixl_peer import LineChild
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
@@ -229,31 +229,6 @@ async def test_mla_weights_are_derived_after_each_commit_and_a_failed_derivation
             await update(engine, 3)
             assert engine.status["fence"] == "ready" and holds(model, expected("deepseek", 3, 2, 0))
             engine.shutdown()
-
-
-class LostVerdict:
-    """A vote channel whose verdict is lost on its way back once (the real ZMQ vote runs underneath): the rank
-    is in doubt. A lost message cannot be provoked on purpose over loopback; the peers, the coordinator and
-    ``resolve`` are the real ones."""
-
-    def __init__(self, inner: VoteChannel) -> None:
-        self.inner, self.rank, self.size, self.lose = inner, inner.rank, inner.size, True
-        self.resolved: list[Verdict] = []
-
-    @property
-    def attempt(self) -> int:
-        return self.inner.attempt
-
-    async def vote(self, ballot: Ballot, timeout: float) -> Verdict:
-        verdict = await self.inner.vote(ballot, timeout)
-        if self.lose:
-            self.lose = False
-            return Verdict(verdict.attempt, Decision.IN_DOUBT, None, "no verdict from the coordinator")
-        return verdict
-
-    async def resolve(self, attempt: int, timeout: float) -> Verdict:
-        self.resolved.append(await self.inner.resolve(attempt, timeout))
-        return self.resolved[-1]
 
 
 @pytest.mark.asyncio

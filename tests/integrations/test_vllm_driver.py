@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import anyio
 import pytest
 
@@ -20,3 +23,14 @@ async def test_an_unreachable_server_is_a_failed_engine_and_init_raises_naming_t
         assert fleet.paused == set()  # it never began: nothing to fence
         with pytest.raises(ServerError, match="init_weight_transfer_engine"):
             await fleet.init({"registry": "tcp://127.0.0.1:1", "model": "m"}, timeout_s=5)
+
+
+def test_the_driver_info_and_checksums_work_without_importing_vllm() -> None:
+    """A trainer process drives vLLM servers without vLLM's import cost (vLLM takes seconds to import)."""
+    code = (
+        "import sys, refitflow, refitflow.integrations.vllm as v; "
+        "v.VllmFleet, v.RefitflowInitInfo, v.RefitflowUpdateInfo, v.expected_checksums; "
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

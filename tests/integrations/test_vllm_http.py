@@ -28,8 +28,8 @@ from tests.transports._nixl_peer import LineChild
 
 
 class Server(LineChild):
-    def __init__(self, tp: int = 2) -> None:
-        spec = json.dumps({"kind": "qwen2", "tp": tp})
+    def __init__(self, tp: int = 2, lose_verdict: int | None = None) -> None:
+        spec = json.dumps({"kind": "qwen2", "tp": tp, "lose_verdict": lose_verdict})
         super().__init__([sys.executable, "-m", "tests.integrations._vllm_server", spec], path=[ROOT])
 
     async def __aenter__(self) -> Self:
@@ -112,4 +112,28 @@ async def test_the_fleet_driver_sees_a_failing_update_as_a_failure_and_fences_on
             assert result.committed and result.version == 3 and not fleet.paused, result
             assert not (await http.get("/is_paused")).json()["is_paused"]
             assert await fleet.compare(checksums_of(3)) == {"a": []}
+            await fleet.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_in_doubt_keeps_even_a_shadow_server_paused_until_the_next_update_resolves_it() -> None:
+    """Worker 1 loses the first verdict: the update is a failure saying so; the fleet finishes the update on
+    worker 0 (which learned COMMIT and kept vLLM's update open), so the server would serve two versions:
+    it stays paused. The next update: worker 1 learns the verdict first, both commit."""
+    with anyio.fail_after(300):
+        async with Trainer("qwen2") as trainer, Server(lose_verdict=1) as server:
+            init = info(trainer.registry, mode="shadow")
+            fleet = VllmFleet.for_backend({"a": server.url}, init)
+            await fleet.init(init)
+            await trainer.publish(1, seed=1)
+            result = (await fleet.refit(1, timeout_s=60))["a"]
+            assert not result.committed and "in doubt" in (result.ranks[0].error or ""), result
+            assert fleet.paused == {"a"} and result.ranks[0].fence == "fenced"
+            mismatches = (await fleet.compare(checksums_of(1)))["a"]
+            assert mismatches and all(k.startswith("dp0:pp0:pcp0:tp1:") for k in mismatches)  # worker 0 has v1
+
+            await trainer.publish(2, seed=2)
+            result = (await fleet.refit(2, timeout_s=60))["a"]
+            assert result.committed and result.version == 2 and not fleet.paused, result
+            assert await fleet.compare(checksums_of(2)) == {"a": []}
             await fleet.shutdown()

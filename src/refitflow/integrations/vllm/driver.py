@@ -9,11 +9,17 @@ deadline per server::
 and returns one ``rf.EngineResult`` per server (one ``RankReport``: vLLM's routes answer for all of a
 server's workers together). A server whose update failed is resumed only if it kept its previous
 version (``mode="shadow"``); an ``in_place`` server that failed stays paused — fenced — until a later
-version commits on it. Needs ``httpx`` (in the ``vllm`` extra); vLLM itself is not imported.
+version commits on it. A failed ``update_weights`` is followed by one ``finish_weight_update``: when a
+worker was in doubt (it voted ready and lost the verdict, so it raised) its peers learned COMMIT and
+keep vLLM's update open; finishing commits the version on them (the others refuse it, harmlessly) and
+lets the next ``start_weight_update`` through, and the server stays paused — in either mode — until
+the next update, where the doubtful worker learns the verdict first. Needs ``httpx`` (in the ``vllm``
+extra); vLLM itself is not imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -84,12 +90,11 @@ class VllmFleet:
 
     async def _refit_one(self, name: str, url: str, info: dict[str, Any], timeout_s: float,
                          into: dict[str, EngineResult]) -> None:  # fmt: skip
-        import httpx
 
         deadline = time.monotonic() + timeout_s + 2 * self.request_timeout_s
         version = info["version"]
         step, error = "pause", None
-        async with httpx.AsyncClient(base_url=url, timeout=self.request_timeout_s) as http:
+        async with _client(url, self.request_timeout_s) as http:
             try:
                 with anyio.fail_after(max(deadline - time.monotonic(), 0.001)):
                     await _post(http, "pause", None, params={"mode": self.pause_mode})
@@ -102,8 +107,13 @@ class VllmFleet:
             except (ServerError, TimeoutError) as exc:
                 error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
             committed = error is None
-            # in place, an update that got as far as pulling may have written: keep the server paused
-            fenced = not committed and self.mode == "in_place" and step in ("update_weights", "finish_weight_update")
+            if not committed and step == "update_weights":
+                await _close_update(http, self.request_timeout_s)
+            doubt = "in doubt" in str(error)  # vLLM answers with the first failing worker's error
+            # in place, an update that got as far as pulling may have written: keep the server paused; in doubt,
+            # some workers may have committed and others not yet: keep it paused in either mode
+            wrote = step in ("update_weights", "finish_weight_update")
+            fenced = not committed and wrote and (self.mode == "in_place" or doubt)
             if not fenced:
                 try:
                     with anyio.fail_after(self.request_timeout_s):
@@ -121,13 +131,12 @@ class VllmFleet:
         into[name] = EngineResult(engine=name, committed=report.committed, version=report.version, ranks=(report,))
 
     async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
-        import httpx
 
         replies: dict[str, Any] = {}
         errors: list[ServerError] = []
 
         async def one(name: str, url: str) -> None:
-            async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as http:
+            async with _client(url, timeout_s) as http:
                 try:
                     replies[name] = await _post(http, route, body)
                 except ServerError as exc:
@@ -141,6 +150,21 @@ class VllmFleet:
         if errors or missing:
             raise errors[0] if errors else ServerError(route, None, f"servers {missing} did not answer in time")
         return replies
+
+
+def _client(url: str, timeout_s: float) -> Any:
+    """An HTTP client of one server, a connection per request: a server may close a connection after an error
+    answer (uvicorn does after a 500), and a reused one would fail the next request."""
+    import httpx
+
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+async def _close_update(http: Any, timeout_s: float) -> None:
+    """After a failed update: finish it on the workers that voted COMMIT and keep it open (a peer was in
+    doubt); the workers whose update failed refuse it, which is the usual answer (every worker failed)."""
+    with contextlib.suppress(ServerError, TimeoutError), anyio.fail_after(timeout_s):
+        await _post(http, "finish_weight_update", None)
 
 
 async def _post(http: Any, route: str, body: dict[str, Any] | None, *, params: dict[str, str] | None = None,
