@@ -286,14 +286,27 @@ async def test_two_worker_processes_commit_together_or_neither_does(mode: str) -
             procs = [ctx.Process(target=run_rank, args=(r, port, trainer.registry, mode, go, done)) for r in (0, 1)]
             for p in procs:
                 p.start()
+            reports: dict[int, dict[str, Any]] = {}  # a rank sends its report when done (or crashed)
+
+            async def step_done(version: int) -> None:
+                ranks: set[int] = set()
+                while len(ranks) < len(procs):  # a faster rank's report may come before a slower rank's step
+                    rank, what = await anyio.to_thread.run_sync(done.get, True, 200)
+                    if isinstance(what, dict):
+                        assert "crash" not in what, what["crash"]
+                        reports[rank] = what
+                    else:
+                        assert what == version, (rank, what)
+                        ranks.add(rank)
+
             try:
                 for version, corrupt in ((1, None), (2, 0), (3, None)):  # version 2: only rank 0's slice is bad
                     await trainer.publish(version, seed=version, corrupt=corrupt)
                     go[version - 1].set()
-                    for _ in procs:
-                        got = await anyio.to_thread.run_sync(done.get, True, 200)
-                        assert got[1] == version, got
-                reports = dict([await anyio.to_thread.run_sync(done.get, True, 60) for _ in procs])
+                    await step_done(version)
+                while len(reports) < len(procs):
+                    rank, report = await anyio.to_thread.run_sync(done.get, True, 60)
+                    reports[rank] = report
             finally:
                 for p in procs:
                     p.join(timeout=30)
