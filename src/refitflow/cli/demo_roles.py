@@ -3,12 +3,16 @@ what every demo role shares: progress metrics, refit events, the child-process e
 
 Roles are async functions that report events (plain dicts) through a callback, so the same code runs
 as child processes (events over a multiprocessing queue) or as tasks of one process (loopback).
+
+Timestamps that cross processes (the trainer's ``t_go``, a receiver's ``t_commit``) are
+``time.monotonic()``: on Linux ``CLOCK_MONOTONIC``, one clock for every process of a host (not
+stepped by NTP), so ``t_commit - t_go`` is the publish-to-commit time of a trainer and a receiver
+on the same host. Peak RSS is each process's own (``peak_rss_bytes``).
 """
 
 from __future__ import annotations
 
 import functools
-import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ from typing import Any
 
 import anyio
 import torch
+import xxhash
 
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, RefitResult
@@ -29,11 +34,13 @@ __all__ = [
     "ProgressMetrics",
     "Report",
     "RoleConfig",
+    "peak_rss_bytes",
     "publisher_role",
     "receiver_role",
     "refit_event",
     "run_role_process",
     "wait_for_receivers",
+    "weights_digest",
 ]
 
 IDENTITY = Identity(model="demo-llama", dtype="bfloat16", parallelism="tp2")
@@ -80,13 +87,14 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
                 await p0.released(version - 1, timeout=cfg.timeout_s)
                 for t in model.values():  # a training step changes the weights in place
                     t.add_(0.25)
-            t0 = time.perf_counter()
+            t_go = time.monotonic()  # the trainer's go: its digests count
             m0 = await p0.publish(version, _shards(model, 0))
             m1 = await p1.publish(version, _shards(model, 1))
             revision = Publication(identity=IDENTITY, version=version, manifests=(m0, m1)).revision
-            report({"kind": "published", "version": version, "revision": revision,
-                    "seconds": time.perf_counter() - t0})  # fmt: skip
+            report({"kind": "published", "version": version, "revision": revision, "t_go": t_go,
+                    "seconds": time.monotonic() - t_go})  # fmt: skip
         await p0.released(cfg.versions, timeout=cfg.timeout_s)
+        report({"kind": "trainer_done", "rss": peak_rss_bytes(), "digest": weights_digest(model)})
 
 
 async def wait_for_receivers(pub: Publisher, receivers: int, timeout_s: float) -> None:
@@ -104,9 +112,31 @@ def refit_event(name: str, result: RefitResult, recv: Preparer, committed: bool)
         "committed": committed and recv.ledger.committed_version == result.version
         and recv.ledger.fence.state == "ready",
         "peak_staging": result.peak_staging_bytes,
-        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss": peak_rss_bytes(),
         "stages": {k: v.seconds for k, v in result.stages.items()},
     }  # fmt: skip
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident set size (``VmHWM``; Linux).
+
+    Not ``ru_maxrss``: a spawned child inherits its parent's high-water mark across fork and exec,
+    while ``VmHWM`` belongs to the address space that exec creates.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def weights_digest(model: dict[str, torch.Tensor]) -> str:
+    """xxh3_64 of every tensor's name and bytes, in name order: equal on two sides means bit-exact."""
+    h = xxhash.xxh3_64()
+    for name in sorted(model):
+        h.update(name.encode())
+        h.update(model[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 class ProgressMetrics(PrometheusMetrics):
@@ -149,9 +179,14 @@ async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, re
             for version in range(1, cfg.versions + 1):
                 metrics.done = 0
                 txn, result = await recv.prepare(version, timeout=cfg.timeout_s)  # refit = prepare + finish
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
                 await recv.finish(txn)  # the commit: a swap, or the device copy of shadow_commit="copy"
-                report(refit_event(name, result, recv, committed=True) | {"finish_seconds": time.perf_counter() - t0})
+                t_commit = time.monotonic()
+                event = refit_event(name, result, recv, committed=True)
+                event |= {"finish_seconds": t_commit - t0, "t_commit": t_commit}
+                if version == cfg.versions:  # after the timings: the bench checks these bytes against the trainer's
+                    event["digest"] = weights_digest(model)
+                report(event)
     finally:
         metrics.close()
 

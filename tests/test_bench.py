@@ -1,0 +1,52 @@
+"""``python -m bench --quick`` runs end to end: every row, with positive figures and bit-exact results (no timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRANSFERS = {  # every row that moves the trainer's bytes into a receiving process
+    "raw NIXL READ into the parameters (no pipeline)",
+    "refitflow over NIXL, in place",
+    "refitflow over NIXL, shadow",
+    "gloo broadcast into the parameters (per tensor)",
+    "gloo packed 64 MiB buckets, reused (NCCL shape)",
+    "/dev/shm safetensors: save, open, copy in",
+}
+END_TO_END = TRANSFERS - {"raw NIXL READ into the parameters (no pipeline)"}
+RECEIVER_ONLY = {"raw NIXL READ into the parameters (no pipeline)", "refitflow over NIXL, in place",
+                 "refitflow over NIXL, shadow"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bench_quick_reports_every_row_bit_exact(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "bench", "--quick", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    threads = result["machine"]["torch_threads"]
+    assert set(rows) == TRANSFERS | {"memcpy, 1 thread (limit)", f"memcpy, torch's default {threads} threads"}
+    assert result["versions"] == 2 and result["nbytes"] > 0 and len(result["load_before"]) == 3
+    for name in TRANSFERS:
+        row = rows[name]
+        assert row["exact"] is True, f"{name}: the receiver's weights differ from the trainer's"
+        assert row["trainer_rss"] > 0 and row["receiver_rss"] > 0 and row["peak_staging"] >= 0, (name, row)
+    assert all(rows[name]["e2e_gbps"] > 0 for name in END_TO_END)
+    assert all(rows[name]["receiver_gbps"] > 0 for name in RECEIVER_ONLY)
+    assert rows["memcpy, 1 thread (limit)"]["receiver_gbps"] > 0
+    assert rows["gloo packed 64 MiB buckets, reused (NCCL shape)"]["peak_staging"] > 0  # its receiver's bucket
+    for name in ("refitflow over NIXL, in place", "refitflow over NIXL, shadow"):
+        assert len(rows[name]["e2e_seconds"]) == 2 and all(s > 0 for s in rows[name]["e2e_seconds"])
+        pairs = zip(rows[name]["e2e_seconds"], rows[name]["receiver_seconds"], strict=True)
+        assert all(e2e > recv for e2e, recv in pairs), f"{name}: publish→commit must contain the receiver's part"
+    assert set(result["ratios"]) and all(x > 0 for x in result["ratios"].values())
+    assert "publish→commit" in done.stdout and "load average" in done.stdout
