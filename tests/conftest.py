@@ -8,6 +8,7 @@ deselected, and the header and the summary say which and why (never a silent ski
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable
@@ -101,6 +102,15 @@ class FailAt(NullObserver):
         self.outcomes.append((outcome, version))
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 just now (held open together, so never the same one twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def mlp(seed: int, width: int = 64, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8)).to(dtype)
@@ -116,13 +126,8 @@ def same(model: torch.nn.Module | dict, expected: dict[str, torch.Tensor]) -> bo
 
 
 def free_addresses(n: int) -> list[str]:
-    """``n`` loopback TCP addresses free a moment ago."""
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
-    return out
+    """``n`` distinct loopback TCP addresses free a moment ago."""
+    return [f"tcp://127.0.0.1:{p}" for p in free_ports(n)]
 
 
 @pytest.fixture

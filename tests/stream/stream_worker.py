@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import traceback
 from typing import Any
 
@@ -164,6 +165,21 @@ def run(rank: int, ports: tuple[int, int], script: list[tuple[str, int]], opts: 
         queue.put((rank, report))
     except BaseException:
         queue.put((rank, [{"crash": traceback.format_exc()}]))
+    if rank > 0:  # the vote's store lives in rank 1: it leaves last, or a slower peer loses its last verdict
+        _leave_together(rank - 1)
     queue.close()
     queue.join_thread()
     os._exit(0)  # a torn-down group may not be destroyed cleanly: do not wait in its destructor
+
+
+def _leave_together(vote_rank: int) -> None:
+    import torch.distributed as dist
+
+    try:
+        store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+        store.add("left", 1)
+        deadline = time.monotonic() + 30
+        while vote_rank == 0 and int(store.add("left", 0)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # a peer that crashed took nothing with it: leave anyway
+        pass

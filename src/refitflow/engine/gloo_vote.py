@@ -80,7 +80,14 @@ class GlooVote(AttemptIds):
         except (TimeoutError, RuntimeError) as exc:  # past the deadline, or the store failed (c10d errors)
             if not isinstance(exc, TimeoutError):
                 log.warning("engine vote: store failed during attempt %d: %s", attempt, exc)
-        return await self.resolve(attempt, timeout=max(1.0, min(timeout, 5.0)))
+        verdict = await self.resolve(attempt, timeout=max(1.0, min(timeout, 5.0)))
+        if verdict.decision is not Decision.IN_DOUBT:  # learned past the deadline: linger for the peers too
+            with anyio.move_on_after(self.linger_s + 1.0):
+                try:
+                    await self._settle(attempt)
+                except RuntimeError:
+                    pass  # the store went away after answering: the peers learn it elsewhere or are in doubt
+        return verdict
 
     async def resolve(self, attempt: int, timeout: float) -> Verdict:
         """The register's verdict; this rank's deadline is past, so it writes ABORT if nothing is written."""

@@ -8,12 +8,12 @@ receiver is another as long as it keeps the same four.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import anyio
 
-from refitflow.core.errors import RefitError
+from refitflow.core.errors import RefitError, VersionError
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.pipeline.transaction import Ledger, Transaction
 
@@ -42,6 +42,8 @@ class EngineOutcome:
     reason: str  # why the engine did not commit (empty when it did)
     result: Any  # this rank's prepared refit (a RefitResult), when it got that far
     error: BaseException | None  # this rank's own failure, if any
+    # ``prepare`` only: the engine decided COMMIT and this version waits for ``commit`` (not yet visible)
+    transaction: Transaction | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,15 @@ class EngineMember:
         return None if self._doubt is None else self._doubt.attempt
 
     async def refit(self, min_version: int | None = None, *, timeout: float = 60.0) -> EngineOutcome:
+        """Prepare, vote, then commit or abort as the engine decides (``prepare`` then ``commit``)."""
+        outcome = await self.prepare(min_version, timeout=timeout)
+        return await self.commit(outcome) if outcome.transaction is not None else outcome
+
+    async def prepare(self, min_version: int | None = None, *, timeout: float = 60.0) -> EngineOutcome:
+        """Prepare this rank and vote. On an ABORT verdict the version is abandoned here; on COMMIT it
+        stays prepared (``outcome.transaction``) until ``commit`` makes it visible — for hosts whose
+        commit is a call of its own (vLLM's ``finish_weight_update``). The verdict is final either way:
+        a host that then gives up calls ``abort``, which leaves this rank fenced."""
         async with self._lock:
             await self._leave_doubt()
             ledger = self.receiver.ledger
@@ -98,7 +109,26 @@ class EngineMember:
                 if txn is not None:
                     self._hold(self.channel.attempt, txn, result)
                 raise
-            return await self._apply(verdict, txn, began, result, error)
+            return await self._apply(verdict, txn, began, result, error, defer=True)
+
+    async def commit(self, outcome: EngineOutcome) -> EngineOutcome:
+        """Make visible the version a ``prepare`` left waiting under a COMMIT verdict."""
+        if outcome.transaction is None:
+            raise VersionError("nothing prepared to commit: the engine vote did not decide to commit here")
+        async with self._lock:
+            await self.receiver.finish(outcome.transaction)
+        return replace(outcome, committed=True, transaction=None)
+
+    async def abort(self, outcome: EngineOutcome, reason: str) -> None:
+        """Give up a version the engine decided to commit (the host will not commit it): this rank drops
+        it and stays fenced, since its peers may serve it."""
+        if outcome.transaction is None:
+            return
+        async with self._lock:
+            await self.receiver.abort(outcome.transaction, reason)
+            self.receiver.ledger.fence_for_peers(
+                f"version {outcome.transaction.version} was committed by the engine and abandoned here: {reason}"
+            )
 
     async def resolve(self, timeout: float | None = None) -> EngineOutcome | None:
         """Ask the peers for the verdict this rank is in doubt about; the outcome once learned.
@@ -141,7 +171,7 @@ class EngineMember:
         self._doubt = _Doubt(attempt, txn, result)
 
     async def _apply(self, v: Verdict, txn: Transaction | None, began: bool, result: Any,
-                     error: BaseException | None) -> EngineOutcome:  # fmt: skip
+                     error: BaseException | None, *, defer: bool = False) -> EngineOutcome:  # fmt: skip
         recv, ledger = self.receiver, self.receiver.ledger
         decision = v.decision
         if decision is Decision.IN_DOUBT and txn is None:
@@ -153,6 +183,8 @@ class EngineMember:
                                  reason=reason, result=result, error=error)  # fmt: skip
 
         if decision is Decision.COMMIT and txn is not None and txn.version == v.version:
+            if defer:
+                return replace(outcome(False, txn.version), reason="", transaction=txn)
             await recv.finish(txn)
             return outcome(True, txn.version)
         if decision is Decision.IN_DOUBT:

@@ -36,6 +36,7 @@ def warn_if_exposed(address: str, what: str) -> None:
     if not loopback:
         log.warning("%s bound on %s without CURVE: anyone who reaches it can send it commands", what, address)
 
+
 log = logging.getLogger(__name__)
 
 

@@ -1,0 +1,209 @@
+"""One inference rank's refitflow side, behind synchronous calls: update (pull, verify, vote), commit.
+
+An engine's worker (vLLM, SGLang) calls ``update`` and ``commit`` from its own thread; the session
+runs them on its ``LoopThread`` under deadlines. Every writer is an ``EngineMember`` around a
+``Preparer``, voting through the engine's channel (``SoloVote`` for one rank, ``ZmqVote``,
+``GlooVote``): ``update`` prepares the version on this rank and votes at once, so every rank leaves
+``update`` knowing the engine's verdict — COMMIT (the version waits, invisible, for ``commit``),
+ABORT (in place fenced, shadow still serving the previous version; ``update`` raises) — or, having
+voted ready and lost touch with the vote, in doubt (``update`` raises saying so; the next ``update``
+learns the verdict first). Two preparers:
+
+- ``direct``: a ``Receiver`` writing the live parameters (or their shadows, copied in at commit)
+  through the layout derived from the model (``fused_model.derive``): only this rank's slices are read.
+- ``load_weights``: the publication's whole tensors, HF-named, fed through the model's own
+  ``load_weights`` in budget-sized buckets (``load_weights.BucketLoader``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from refitflow.api.receiver import Receiver, RefitResult
+from refitflow.core.errors import ConfigError, RefitError
+from refitflow.core.types import Identity
+from refitflow.engine.gloo_vote import GlooVote
+from refitflow.engine.member import EngineMember, EngineOutcome, Preparer
+from refitflow.engine.solo_vote import SoloVote
+from refitflow.engine.vote import Decision, VoteChannel
+from refitflow.engine.zmq_vote import ZmqVote
+from refitflow.integrations.fused_model import Derived
+from refitflow.integrations.loop_thread import LoopThread
+
+__all__ = ["Build", "RankSession", "SessionConfig", "direct_writer"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("in_place", "shadow")
+VOTES = ("none", "zmq", "gloo")
+# receiver options the session sets itself (a shadow commits by copy: the engine's CUDA graphs hold pointers)
+_OWN = ("mode", "shadow_commit", "layout", "budget_bytes", "transport", "receiver_id", "identity")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionConfig:
+    registry: str
+    identity: Identity
+    receiver_id: str
+    mode: str = "in_place"
+    budget_bytes: int = 256 << 20
+    transport: str = "auto"  # nixl beside a registry address (api._transport.choose_transport)
+    vote: str = "none"  # none (one rank), zmq, gloo
+    vote_rank: int = 0
+    vote_addresses: tuple[str, ...] = ()
+    vote_timeout_s: float = 30.0
+    init_timeout_s: float = 120.0
+    receiver_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.vote not in VOTES:
+            raise ConfigError(f"the engine vote must be one of {VOTES}, got {self.vote!r}")
+        own = sorted(set(self.receiver_options) & set(_OWN))
+        if own:
+            raise ConfigError(f"receiver_options may not set {own}: the session sets them (shadow commits by copy)")
+
+
+# ``build`` for ``RankSession.open``: makes this rank's preparer (its resources on ``stack``)
+Build = Callable[[SessionConfig, contextlib.AsyncExitStack], Awaitable[Preparer]]
+
+
+def _vote_channel(config: SessionConfig, gloo_group: Any) -> VoteChannel:
+    if config.vote == "zmq":
+        return ZmqVote(config.vote_rank, list(config.vote_addresses), group=f"{config.identity.model}-engine")
+    if config.vote == "gloo":
+        return GlooVote(gloo_group)
+    return SoloVote()
+
+
+class RankSession:
+    """Opened once per trainer connection (``open`` with ``direct_writer`` or ``load_weights_writer``)."""
+
+    def __init__(self, config: SessionConfig, loop: LoopThread) -> None:
+        self.config = config
+        self.loop = loop
+        self._stack = contextlib.AsyncExitStack()
+        self.member: EngineMember | None = None
+        self.pending: EngineOutcome | None = None  # voted to commit, waiting for ``commit``
+        self.last_result: RefitResult | None = None
+
+    @classmethod
+    def open(cls, config: SessionConfig, build: Build, *, gloo_group: Any = None) -> RankSession:
+        """Start the loop thread and, on it, the preparer ``build`` makes and the vote channel."""
+        session = cls(config, LoopThread(f"refitflow-{config.receiver_id}"))
+
+        async def start() -> None:
+            channel = _vote_channel(config, gloo_group)  # made on the loop: its sockets belong to it
+            if isinstance(channel, ZmqVote):
+                session._stack.callback(channel.close)
+            preparer = await build(config, session._stack)
+            session.member = EngineMember(preparer, channel, vote_timeout=config.vote_timeout_s)
+
+        try:
+            session.loop.run(start, timeout=config.init_timeout_s, what="opening the refitflow receiver")
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def update(self, version: int, *, timeout_s: float, wait_s: float) -> RefitResult | None:
+        """Pull, verify and prepare ``version`` (or newer) and vote; raise unless the engine decided COMMIT."""
+        if self.pending is not None:
+            raise ConfigError(f"version {self.pending.version} is prepared and not yet committed: finish it first")
+        member = self._member()
+        prepare = functools.partial(member.prepare, version, timeout=wait_s)
+        outcome = self.loop.run(prepare, timeout=timeout_s, what="the refitflow update")
+        if outcome.transaction is None:
+            raise self._failure(outcome, version)
+        self.pending = outcome
+        self.last_result = outcome.result
+        return outcome.result
+
+    def _failure(self, outcome: EngineOutcome, version: int) -> RefitError:
+        if outcome.decision is Decision.IN_DOUBT:
+            return RefitError(
+                f"in doubt: version {outcome.version} is prepared on this rank, which voted ready in engine vote "
+                f"attempt {outcome.attempt} and could not learn the verdict ({outcome.reason}); the version is not "
+                "visible and the fence is 'updating'. The next update asks the peers first: a COMMIT is then made "
+                "visible; if nobody can tell, the version is abandoned and this rank stays fenced until a newer "
+                "version commits",
+                version=outcome.version,
+            )  # fmt: skip
+        vote = outcome.reason or outcome.decision.value
+        message = f"version {version} not committed (engine vote: {vote}; {self.status})"
+        if isinstance(outcome.error, RefitError):  # this rank's own failure, typed, with the vote noted
+            outcome.error.add_note(message)
+            return outcome.error
+        return RefitError(f"{message}: a peer was not ready", version=version)
+
+    def commit(self) -> int | None:
+        """Make the prepared version visible on this rank; the version committed (None: nothing pending)."""
+        outcome, self.pending = self.pending, None
+        if outcome is None:
+            return None
+        done = self.loop.run(self._member().commit, outcome, timeout=self.config.vote_timeout_s,
+                             what="the refitflow commit")  # fmt: skip
+        return done.version
+
+    def drop_pending(self, reason: str) -> None:
+        """Abandon a version voted to commit that the host never finished: this rank stays fenced (its
+        peers may serve that version)."""
+        outcome, self.pending = self.pending, None
+        if outcome is not None:
+            log.warning("abandoning prepared version %s: %s", outcome.version, reason)
+            self.loop.run(self._member().abort, outcome, reason, timeout=self.config.vote_timeout_s)
+
+    def fence(self, reason: str) -> None:
+        """Close this rank's fence: the host found the committed version unusable (it stays fenced until a
+        later version commits)."""
+        ledger = self._member().receiver.ledger
+
+        async def close() -> None:
+            ledger.fence_for_peers(reason)
+
+        self.loop.run(close, timeout=self.config.vote_timeout_s, what="fencing the rank")
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """Committed version, fence, first failure since the last commit, the attempt this rank is in doubt about."""
+        if self.member is None:
+            return {}
+        ledger = self.member.receiver.ledger
+        return {"committed_version": ledger.committed_version, "fence": ledger.fence.state.value,
+                "first_failure": ledger.first_failure, "in_doubt": self.member.in_doubt}  # fmt: skip
+
+    def _member(self) -> EngineMember:
+        if self.member is None:
+            raise ConfigError("the refitflow session did not open")
+        return self.member
+
+    def close(self) -> None:
+        try:
+            with contextlib.suppress(RefitError):  # closing is best effort: the registry's lease expires us anyway
+                self.loop.run(self._stack.aclose, timeout=self.config.init_timeout_s, what="closing refitflow")
+        finally:
+            self.loop.close()
+
+
+def direct_writer(derived: Derived) -> Build:
+    """``build`` for ``RankSession.open``: a ``Receiver`` writing the derived targets through their layout."""
+
+    async def build(config: SessionConfig, stack: contextlib.AsyncExitStack) -> Preparer:
+        options: dict[str, Any] = dict(config.receiver_options)
+        if config.mode == "shadow":  # written in the shadow, copied in at commit: every pointer stays
+            options["shadow_commit"] = "copy"
+        receiver = Receiver(
+            derived.targets, config.registry, identity=config.identity, transport=config.transport,
+            mode=config.mode, budget_bytes=config.budget_bytes, receiver_id=config.receiver_id,
+            layout=derived.layout, **options,
+        )  # fmt: skip
+        await stack.enter_async_context(receiver)
+        return receiver
+
+    return build

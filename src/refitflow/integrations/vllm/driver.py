@@ -1,0 +1,181 @@
+"""Drive a fleet of vLLM servers running the ``refitflow`` backend over vLLM's own RL routes.
+
+``await VllmFleet({"a": "http://host:8000", ...}).refit(v)`` runs, on every server at once, under one
+deadline per server::
+
+    POST /pause?mode=keep → /start_weight_update → /update_weights {"update_info": {"version": v}}
+         → /finish_weight_update {"weight_version": "v"} → /resume
+
+and returns one ``rf.EngineResult`` per server (one ``RankReport``: vLLM's routes answer for all of a
+server's workers together). A server whose update failed is resumed only if it kept its previous
+version (``mode="shadow"``); an ``in_place`` server that failed stays paused — fenced — until a later
+version commits on it. A failed ``update_weights`` is followed by one ``finish_weight_update``: when a
+worker was in doubt (it voted ready and lost the verdict, so it raised) its peers learned COMMIT and
+keep vLLM's update open; finishing commits the version on them (the others refuse it, harmlessly) and
+lets the next ``start_weight_update`` through, and the server stays paused — in either mode — until
+the next update, where the doubtful worker learns the verdict first. Needs ``httpx`` (in the ``vllm``
+extra); vLLM itself is not imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from refitflow.core.errors import ConfigError, RefitError
+from refitflow.engine.controller import EngineResult, RankReport
+from refitflow.integrations.vllm.info import RefitflowInitInfo
+
+__all__ = ["ServerError", "VllmFleet"]
+
+
+class ServerError(RefitError):
+    """A vLLM route answered with an error, or not at all (``status`` None: refused or timed out)."""
+
+    def __init__(self, route: str, status: int | None, detail: str) -> None:
+        super().__init__(f"{route}: {status or 'no answer'} {detail}")
+        self.route, self.status, self.detail = route, status, detail
+
+
+class VllmFleet:
+    def __init__(
+        self, servers: Mapping[str, str] | Sequence[str], *, mode: str = "in_place", pause_mode: str = "keep",
+        request_timeout_s: float = 30.0,
+    ) -> None:  # fmt: skip
+        named = dict(servers) if isinstance(servers, Mapping) else {url: url for url in servers}
+        if not named:
+            raise ConfigError("a fleet needs at least one server URL")
+        if mode not in ("in_place", "shadow"):
+            raise ConfigError(f"mode must be the backend's: 'in_place' or 'shadow', got {mode!r}")
+        self.servers = {name: url.rstrip("/") for name, url in named.items()}
+        self.mode, self.pause_mode, self.request_timeout_s = mode, pause_mode, request_timeout_s
+        self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
+
+    @classmethod
+    def for_backend(cls, servers: Mapping[str, str] | Sequence[str], init_info: RefitflowInitInfo) -> VllmFleet:
+        return cls(servers, mode=init_info.mode)
+
+    async def init(self, init_info: RefitflowInitInfo | Mapping[str, Any], *, timeout_s: float = 180.0) -> None:
+        """``/init_weight_transfer_engine`` on every server; raises the first failure."""
+        info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
+        await self._all("init_weight_transfer_engine", {"init_info": info}, timeout_s)
+
+    async def shutdown(self, *, timeout_s: float = 60.0) -> None:
+        await self._all("shutdown_weight_transfer_engine", None, timeout_s)
+
+    async def refit(self, version: int, *, timeout_s: float = 600.0, **update: Any) -> dict[str, EngineResult]:
+        """Update every server to ``version`` (or newer); ``update``: more ``RefitflowUpdateInfo`` fields."""
+        info = {"version": version, "timeout_s": timeout_s, **update}
+        results: dict[str, EngineResult] = {}
+        async with anyio.create_task_group() as tg:
+            for name, url in self.servers.items():
+                tg.start_soon(self._refit_one, name, url, info, timeout_s, results)
+        return results
+
+    async def checksums(self, *, timeout_s: float = 120.0) -> dict[str, dict[str, str]]:
+        """Every server's ``/weight_checker`` checksums."""
+        replies = await self._all("weight_checker", {"action": "checksum"}, timeout_s)
+        return {name: dict(r["checksums"]) for name, r in replies.items()}
+
+    async def compare(self, baseline: Mapping[str, str], *, timeout_s: float = 120.0) -> dict[str, list[str]]:
+        """Every server's mismatches against ``baseline`` (``checksums.expected_checksums``): empty = match."""
+        replies = await self._all("weight_checker", {"action": "compare", "baseline": dict(baseline)}, timeout_s)
+        return {name: list(r["mismatches"]) for name, r in replies.items()}
+
+    # -- one server --------------------------------------------------------------------------------
+
+    async def _refit_one(self, name: str, url: str, info: dict[str, Any], timeout_s: float,
+                         into: dict[str, EngineResult]) -> None:  # fmt: skip
+
+        deadline = time.monotonic() + timeout_s + 2 * self.request_timeout_s
+        version = info["version"]
+        step, error = "pause", None
+        async with _client(url, self.request_timeout_s) as http:
+            try:
+                with anyio.fail_after(max(deadline - time.monotonic(), 0.001)):
+                    await _post(http, "pause", None, params={"mode": self.pause_mode})
+                    step = "start_weight_update"
+                    await _post(http, step, None)
+                    step = "update_weights"
+                    await _post(http, step, {"update_info": info}, timeout=timeout_s + self.request_timeout_s)
+                    step = "finish_weight_update"
+                    await _post(http, step, {"weight_version": str(version)})
+            except (ServerError, TimeoutError) as exc:
+                error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
+            committed = error is None
+            if not committed and step == "update_weights":
+                await _close_update(http, self.request_timeout_s)
+            doubt = "in doubt" in str(error)  # vLLM answers with the first failing worker's error
+            # in place, an update that got as far as pulling may have written: keep the server paused; in doubt,
+            # some workers may have committed and others not yet: keep it paused in either mode
+            wrote = step in ("update_weights", "finish_weight_update")
+            fenced = not committed and wrote and (self.mode == "in_place" or doubt)
+            if not fenced:
+                try:
+                    with anyio.fail_after(self.request_timeout_s):
+                        await _post(http, "resume", None)
+                    self.paused.discard(name)
+                except (ServerError, TimeoutError) as exc:
+                    error = error or (exc if isinstance(exc, ServerError) else ServerError("resume", None, "timed out"))
+            else:
+                self.paused.add(name)
+        report = RankReport(
+            committed=committed and error is None, decision="commit" if committed else "abort",
+            version=version if committed else None, committed_version=version if committed else None,
+            fence="fenced" if fenced else "ready", error=None if error is None else str(error),
+        )  # fmt: skip
+        into[name] = EngineResult(engine=name, committed=report.committed, version=report.version, ranks=(report,))
+
+    async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+
+        replies: dict[str, Any] = {}
+        errors: list[ServerError] = []
+
+        async def one(name: str, url: str) -> None:
+            async with _client(url, timeout_s) as http:
+                try:
+                    replies[name] = await _post(http, route, body)
+                except ServerError as exc:
+                    errors.append(exc)
+
+        with anyio.move_on_after(timeout_s + self.request_timeout_s):
+            async with anyio.create_task_group() as tg:
+                for name, url in self.servers.items():
+                    tg.start_soon(one, name, url)
+        missing = sorted(set(self.servers) - set(replies))
+        if errors or missing:
+            raise errors[0] if errors else ServerError(route, None, f"servers {missing} did not answer in time")
+        return replies
+
+
+def _client(url: str, timeout_s: float) -> Any:
+    """An HTTP client of one server, a connection per request: a server may close a connection after an error
+    answer (uvicorn does after a 500), and a reused one would fail the next request."""
+    import httpx
+
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+async def _close_update(http: Any, timeout_s: float) -> None:
+    """After a failed update: finish it on the workers that voted COMMIT and keep it open (a peer was in
+    doubt); the workers whose update failed refuse it, which is the usual answer (every worker failed)."""
+    with contextlib.suppress(ServerError, TimeoutError), anyio.fail_after(timeout_s):
+        await _post(http, "finish_weight_update", None)
+
+
+async def _post(http: Any, route: str, body: dict[str, Any] | None, *, params: dict[str, str] | None = None,
+                timeout: float | None = None) -> Any:  # fmt: skip
+    import httpx
+
+    try:
+        extra = {} if timeout is None else {"timeout": timeout}
+        response = await http.post(f"/{route}", json=body, params=params, **extra)
+    except httpx.HTTPError as exc:
+        raise ServerError(route, None, f"{type(exc).__name__}: {exc}") from exc
+    if response.status_code >= 400:
+        raise ServerError(route, response.status_code, response.text[:500])
+    return response.json() if response.content else None
