@@ -110,8 +110,8 @@ class _Shared(Transport):
     def connect(self, source: SourceAddress) -> None:
         self.inner.connect(source)
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None) -> None:
-        await self.inner.read(reads, key=key)
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
+        await self.inner.read(reads, key=key, count=count)
 
     async def aclose(self) -> None:
         return None
