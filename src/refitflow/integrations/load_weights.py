@@ -155,7 +155,11 @@ class BucketLoader:
         device = next(iter(self.ledger.destination.params.values())).device
         self._window = torch.empty(max(size, self.config.budget_bytes), dtype=torch.uint8, device=device)
         staging = max(1 << 16, self.config.budget_bytes // 4)
-        options = {k: v for k, v in self.config.receiver_options.items() if k != "shadow_commit"}
+        own = ("shadow_commit", "serve_replicas")
+        options = {k: v for k, v in self.config.receiver_options.items() if k not in own}
+        # every bucket's views share one window, rewritten by the next bucket: nothing is held there between
+        # versions (no delta refit) and nothing can be relayed from it
+        options["skip_unchanged"] = False
         self.buckets = []
         for i, group in enumerate(groups):
             views = {n: self._view(tensors[n], off) for n, off in group}
