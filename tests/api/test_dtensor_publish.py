@@ -71,9 +71,7 @@ async def test_fsdp2_ranks_publish_local_shards_and_a_receiver_gets_the_model_bi
             rf.Receiver(dst, server.address, identity=IDENTITY, transport="nixl") as recv,
         ):
             (port,) = free_ports(1)
-            procs = [
-                ctx.Process(target=run_rank, args=(r, port, server.address, str(tmp_path), queue)) for r in (0, 1)
-            ]
+            procs = [ctx.Process(target=run_rank, args=(r, port, server.address, str(tmp_path), queue)) for r in (0, 1)]
             for p in procs:
                 p.start()
 
