@@ -50,12 +50,12 @@ class WorkerStandIn:
         self.calls.append("clear_kv_cache")
 
 
-def _backend(**extra: Any) -> Any:
+def make_backend(**extra: Any) -> Any:
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
     import_external_libs("refitflow.integrations.verl")  # what verl does with custom_backend_module
-    return CheckpointEngineRegistry.new("refitflow", bucket_size=1 << 20, **extra, **KWARGS)
+    return CheckpointEngineRegistry.new("refitflow", bucket_size=1 << 20, **(KWARGS | extra))
 
 
 def _actor(rank: int, engine: Any, command: str, args: Any) -> Any:
@@ -88,7 +88,7 @@ def run_role(role: str, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     rank = int(role.removeprefix("actor")) if role.startswith("actor") else None
-    engine = _backend(is_master=True) if rank == 0 else _backend()
+    engine = make_backend(is_master=True) if rank == 0 else make_backend()
     state: dict[str, Any] = {}
     if rank is None:
         from tests.integrations._vllm_rank import make_engine

@@ -12,7 +12,9 @@ import multiprocessing as mp
 import os
 from typing import Any
 
+import anyio
 import pytest
+import torch
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
 
@@ -101,3 +103,27 @@ def test_the_registered_backend_round_trips_versions_from_actor_ranks_to_a_vllm_
         "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
         "clear_kv_cache", "start_weight_update", "update_weights", "finish_weight_update", "clear_kv_cache",
     ]  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_refit_that_fails_on_the_server_fails_receive_weights_and_leaves_the_model_alone() -> None:
+    from tests.integrations._verl_roles import WorkerStandIn, make_backend
+    from tests.integrations._vllm_rank import make_engine
+
+    vllm, model = make_engine(MODEL, 1, 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stand_in = WorkerStandIn(vllm)
+    engine = make_backend(update_timeout_s=2.0)  # nothing is ever published: the server's wait runs out
+    try:
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+            engine.init_process_group(registry=server.address, rollout_rank=0)
+            engine.attach_server(stand_in)
+            with anyio.fail_after(120), pytest.raises(rf.RefitError, match="version 1"):
+                async for _ in engine.receive_weights(global_steps=1):
+                    pass
+    finally:
+        vllm.shutdown()
+    # the failed update is finished once (peers that learned COMMIT beside one in doubt), the cache kept
+    assert stand_in.calls == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                              "finish_weight_update"]  # fmt: skip
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
