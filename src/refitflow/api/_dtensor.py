@@ -23,7 +23,7 @@ import torch
 from refitflow.api._sharded import Sharded
 from refitflow.core.errors import ConfigError
 
-__all__ = ["chunk_range", "local_part", "shard_box"]
+__all__ = ["chunk_range", "is_dtensor", "local_part", "shard_box"]
 
 
 def chunk_range(size: int, chunks: int, index: int) -> tuple[int, int]:
@@ -61,15 +61,19 @@ def shard_box(
     return axis, *chunk_range(shape[axis], mesh_shape[mdim], coordinate[mdim])
 
 
+def is_dtensor(value: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
 def local_part(name: str, value: Any) -> Any:
     """``value`` itself unless it is a DTensor; a DTensor's local tensor (replicated: the whole tensor)
     or ``Sharded`` along its one sharded dimension; ``None`` when this rank's chunk is empty (it
     publishes nothing for the tensor)."""
-    if not torch.distributed.is_available():
-        return value
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(value, DTensor):
+    if not is_dtensor(value):
         return value
     mesh, shape = value.device_mesh, tuple(value.shape)
     coordinate = mesh.get_coordinate()

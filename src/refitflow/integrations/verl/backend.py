@@ -35,7 +35,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from refitflow.core.errors import ConfigError
 from refitflow.integrations.verl.config import VerlBackendConfig
-from refitflow.integrations.verl.rollout import RayVllmServer, VllmServer, refit_server
+from refitflow.integrations.verl.rollout import RayVllmServer, VllmServer, init_server, refit_server
 from refitflow.integrations.verl.trainer import TrainerSide, collect
 
 __all__ = ["BACKEND", "RefitflowCheckpointEngine"]
@@ -114,11 +114,14 @@ class RefitflowCheckpointEngine(CheckpointEngine):  # type: ignore[misc, unused-
         if self.server is not None:
             if self.registry is None:
                 raise ConfigError("receive_weights before init_process_group: no registry address")
-            init = None if self._initialised else self.config.init_info(self.registry)
+            if not self._initialised:
+                await init_server(self.server, self.config.init_info(self.registry),
+                                  timeout_s=self.config.init_timeout_s + REQUEST_TIMEOUT_S)  # fmt: skip
+                self._initialised = True
             version = max(global_steps or 0, self._asked + 1)  # the newest complete one at or above
-            await refit_server(self.server, version, init_info=init, timeout_s=self.config.update_timeout_s,
-                               request_timeout_s=REQUEST_TIMEOUT_S + self.config.init_timeout_s)  # fmt: skip
-            self._initialised, self._asked = True, version
+            await refit_server(self.server, version, timeout_s=self.config.update_timeout_s,
+                               request_timeout_s=REQUEST_TIMEOUT_S)  # fmt: skip
+            self._asked = version
         return
         yield  # an async generator that yields nothing: no tensor passes through verl
 

@@ -24,7 +24,7 @@ import anyio
 
 from refitflow.core.errors import RefitError, RefitTimeoutError
 
-__all__ = ["RayVllmServer", "VllmServer", "refit_server"]
+__all__ = ["RayVllmServer", "VllmServer", "init_server", "refit_server"]
 
 
 class VllmServer(Protocol):
@@ -56,30 +56,36 @@ class RayVllmServer:
             await self._handle().clear_kv_cache.remote()
 
 
-async def refit_server(
-    server: VllmServer, version: int, *, init_info: Mapping[str, Any] | None, timeout_s: float, request_timeout_s: float
+async def _call(
+    server: VllmServer, method: str, timeout: float, slack: float, version: int | None, **kwargs: Any
 ) -> None:
-    """Bring one server to ``version`` (or newer); ``init_info``: initialise its backend first (once)."""
-
-    async def call(method: str, timeout: float = request_timeout_s, **kwargs: Any) -> None:
-        try:
-            with anyio.fail_after(timeout + request_timeout_s):
-                await server.call(method, timeout, **kwargs)
-        except TimeoutError as exc:
-            raise RefitTimeoutError(f"vLLM's {method} did not answer within {timeout} s", version=version) from exc
-        except RefitError:
-            raise
-        except Exception as exc:  # Ray wraps the worker's error: keep its words
-            raise RefitError(f"vLLM's {method} failed: {exc}", version=version) from exc
-
-    if init_info is not None:
-        await call("init_weight_transfer_engine", init_info=dict(init_info))
-    await call("start_weight_update")
+    """``method`` on every worker of ``server`` under ``timeout`` (+ ``slack`` for the call itself)."""
     try:
-        await call("update_weights", timeout_s, update_info={"version": version, "timeout_s": timeout_s})
+        with anyio.fail_after(timeout + slack):
+            await server.call(method, timeout, **kwargs)
+    except TimeoutError as exc:
+        raise RefitTimeoutError(f"vLLM's {method} did not answer within {timeout} s", version=version) from exc
+    except RefitError:
+        raise
+    except Exception as exc:  # Ray wraps the worker's error: keep its words
+        raise RefitError(f"vLLM's {method} failed: {exc}", version=version) from exc
+
+
+async def init_server(server: VllmServer, init_info: Mapping[str, Any], *, timeout_s: float) -> None:
+    """Initialise the server's refitflow backend (once per server: a second init is refused there)."""
+    await _call(server, "init_weight_transfer_engine", timeout_s, timeout_s, None, init_info=dict(init_info))
+
+
+async def refit_server(server: VllmServer, version: int, *, timeout_s: float, request_timeout_s: float) -> None:
+    """Bring one server to ``version`` (or newer)."""
+    slack = request_timeout_s
+    await _call(server, "start_weight_update", request_timeout_s, slack, version)
+    try:
+        update = {"version": version, "timeout_s": timeout_s}
+        await _call(server, "update_weights", timeout_s, slack, version, update_info=update)
     except RefitError:
         with contextlib.suppress(RefitError):  # the workers that learned COMMIT beside a peer in doubt
-            await call("finish_weight_update")
+            await _call(server, "finish_weight_update", request_timeout_s, slack, version)
         raise
-    await call("finish_weight_update")
+    await _call(server, "finish_weight_update", request_timeout_s, slack, version)
     await server.clear_kv_cache(request_timeout_s)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from refitflow.api._dtensor import chunk_range
+from refitflow.api._dtensor import chunk_range, is_dtensor
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.core.errors import ConfigError
 from refitflow.integrations.loop_thread import LoopThread
@@ -68,7 +68,7 @@ async def collect(
             raise ConfigError(f"send_weights: {name!r} appears twice in one version")
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"send_weights: {name!r} is a {type(value).__name__}, not a tensor")
-        if _is_dtensor(value):
+        if is_dtensor(value):
             out[name] = value  # its local shard, in place (the publisher reads its placements)
         elif (part := rows.part(name, value)) is not None:
             out[name] = part
@@ -80,14 +80,6 @@ async def collect(
         for name, value in weights:
             take(name, value)
     return out
-
-
-def _is_dtensor(value: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 class TrainerSide:
