@@ -15,10 +15,9 @@ TP on the same dimension) and a tensor split over several mesh dimensions are a 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from refitflow.api._sharded import Sharded
 from refitflow.core.errors import ConfigError
@@ -62,11 +61,9 @@ def shard_box(
 
 
 def is_dtensor(value: Any) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+    """Without importing ``torch.distributed.tensor`` (a second's import): a DTensor implies its module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def local_part(name: str, value: Any) -> Any:
