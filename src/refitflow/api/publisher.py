@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -19,6 +18,8 @@ import numpy as np
 import torch
 import xxhash
 
+from refitflow.api._dtensor import local_part
+from refitflow.api._sharded import Sharded
 from refitflow.api._transport import choose_transport
 from refitflow.core.digests import (
     ALGORITHMS,
@@ -39,16 +40,6 @@ from refitflow.registry.release import ReleasePolicy
 from refitflow.transports import Transport, make_transport
 
 __all__ = ["Publisher", "Sharded"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sharded:
-    """The part of a tensor this rank holds: ``tensor`` is ``global[start:stop]`` along ``axis``."""
-
-    tensor: torch.Tensor
-    axis: int
-    start: int
-    global_shape: tuple[int, ...]
 
 
 class PublishRegistry(Protocol):
@@ -252,8 +243,10 @@ class Publisher:
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded]) -> Manifest:
         """Register, digest and announce this rank's tensors as ``version`` (greater than the last one).
 
-        ``tensors``: name -> tensor (the whole tensor) or ``rf.Sharded`` (this rank's part of it). The
-        tensors must stay unchanged until ``await released(version)`` returns.
+        ``tensors``: name -> tensor (the whole tensor), ``rf.Sharded`` (this rank's part of it), or a
+        ``DTensor`` (an FSDP2 parameter: its local part, placed by its placements — ``api/_dtensor.py``;
+        a rank whose chunk is empty publishes nothing for it). The tensors must stay unchanged until
+        ``await released(version)`` returns.
         """
         if self.published and version <= self.published[-1]:
             raise VersionError(
@@ -262,7 +255,8 @@ class Publisher:
             )
         if not isinstance(tensors, Mapping):
             raise ConfigError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
-        prepared = [(name, *self._spec(name, value)) for name, value in tensors.items()]  # every check first
+        held = {name: local_part(name, value) for name, value in tensors.items()}  # every check first
+        prepared = [(name, *self._spec(name, value)) for name, value in held.items() if value is not None]
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step

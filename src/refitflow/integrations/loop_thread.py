@@ -10,6 +10,7 @@ blocking portal — and runs each call there under a deadline: the coroutine is 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -31,6 +32,9 @@ class LoopThread:
             name=name
         )
         self._portal: anyio.from_thread.BlockingPortal | None = self._cm.__enter__()
+        # a host that never closes it (verl has no hook for it) must still exit: the interpreter joins its
+        # threads before atexit runs, so close where concurrent.futures stops its own workers, and first
+        threading._register_atexit(self.close)  # type: ignore[attr-defined]
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float, what: str = "call", **kwargs: Any) -> T:
         """Run ``await fn(*args, **kwargs)`` on the loop thread; block until it returns, raises or times out."""
