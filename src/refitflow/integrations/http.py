@@ -1,0 +1,41 @@
+"""What the fleet drivers (``vllm.VllmFleet``, ``sglang.SglangFleet``) share: one POST under httpx, and the
+error a server's answer becomes. Needs ``httpx`` (in the ``vllm`` and ``sglang`` extras)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refitflow.core.errors import RefitError
+
+__all__ = ["ServerError", "client", "post"]
+
+
+class ServerError(RefitError):
+    """A server's route answered with an error, or not at all (``status`` None: refused or timed out)."""
+
+    def __init__(self, route: str, status: int | None, detail: str) -> None:
+        super().__init__(f"{route}: {status or 'no answer'} {detail}")
+        self.route, self.status, self.detail = route, status, detail
+
+
+def client(url: str, timeout_s: float) -> Any:
+    """An HTTP client of one server, a connection per request: a server may close a connection after an error
+    answer (uvicorn does after a 500), and a reused one would fail the next request."""
+    import httpx
+
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+async def post(http: Any, route: str, body: dict[str, Any] | None, *, params: dict[str, str] | None = None,
+               timeout: float | None = None) -> Any:  # fmt: skip
+    """POST ``/route``; the JSON answer, or ``ServerError`` (status ≥ 400, or no answer)."""
+    import httpx
+
+    try:
+        extra = {} if timeout is None else {"timeout": timeout}
+        response = await http.post(f"/{route}", json=body, params=params, **extra)
+    except httpx.HTTPError as exc:
+        raise ServerError(route, None, f"{type(exc).__name__}: {exc}") from exc
+    if response.status_code >= 400:
+        raise ServerError(route, response.status_code, response.text[:500])
+    return response.json() if response.content else None
