@@ -25,10 +25,10 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from tests.integrations._http_child import serve_until_stdin_closes
 from tests.integrations._sglang_rank import serve
 from tests.integrations._sglang_stub import stub_torchvision
 
-PREFIX = "RF "
 TIMEOUT_S = 300  # one scheduler request (a refit waits for its version and the vote)
 
 
@@ -85,7 +85,6 @@ def tokenizer_manager(ranks: list[Any], args: Any) -> Any:
 
 
 async def main() -> None:
-    import uvicorn
     from sglang.srt.entrypoints import http_server
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
@@ -126,24 +125,7 @@ async def main() -> None:
     async def weight_version() -> dict[str, Any]:
         return {"weight_version": manager.weight_version, "paused": manager.is_pause}
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    started = anyio.Event()
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            started.set()
-
-    server = Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: server.serve(sockets=[sock]))
-        with anyio.fail_after(60):
-            await started.wait()
-        print(PREFIX + json.dumps({"ready": True}), flush=True)
-        print(PREFIX + json.dumps({"url": f"http://127.0.0.1:{sock.getsockname()[1]}"}), flush=True)
-        await anyio.to_thread.run_sync(sys.stdin.read)  # until the test closes our stdin
-        server.should_exit = True
+    await serve_until_stdin_closes(app, lifespan="off")
     for conn in ranks:
         conn.close()
     for proc in procs:

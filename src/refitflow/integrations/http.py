@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from refitflow.core.errors import RefitError
+from refitflow.engine.controller import EngineResult, RankReport
 
-__all__ = ["ServerError", "client", "post"]
+__all__ = ["ServerError", "client", "post", "server_result"]
 
 
 class ServerError(RefitError):
@@ -39,3 +40,15 @@ async def post(http: Any, route: str, body: dict[str, Any] | None, *, params: di
     if response.status_code >= 400:
         raise ServerError(route, response.status_code, response.text[:500])
     return response.json() if response.content else None
+
+
+def server_result(name: str, version: int, *, committed: bool, fenced: bool, error: Exception | None) -> EngineResult:
+    """One server's outcome as ``rf.Controller`` reports an engine's: one ``RankReport`` for all its ranks (the
+    server answers for them together). ``committed``: the update committed; ``error``: the first failure, of
+    the update or of a step after it (then the server does not count as committed)."""
+    rank = RankReport(
+        committed=committed and error is None, decision="commit" if committed else "abort",
+        version=version if committed else None, committed_version=version if committed else None,
+        fence="fenced" if fenced else "ready", error=None if error is None else str(error),
+    )  # fmt: skip
+    return EngineResult(engine=name, committed=rank.committed, version=rank.version, ranks=(rank,))

@@ -26,8 +26,8 @@ from typing import Any
 import anyio
 
 from refitflow.core.errors import ConfigError
-from refitflow.engine.controller import EngineResult, RankReport
-from refitflow.integrations.http import ServerError, client, post
+from refitflow.engine.controller import EngineResult
+from refitflow.integrations.http import ServerError, client, post, server_result
 from refitflow.integrations.sglang.payload import LOADER, encode
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 
@@ -96,12 +96,7 @@ class SglangFleet:
                 if failed is None:
                     self.paused.discard(name)
                 error = error or failed
-        report = RankReport(
-            committed=committed and error is None, decision="commit" if committed else "abort",
-            version=version if committed else None, committed_version=version if committed else None,
-            fence="fenced" if fenced else "ready", error=None if error is None else str(error),
-        )  # fmt: skip
-        into[name] = EngineResult(engine=name, committed=report.committed, version=report.version, ranks=(report,))
+        into[name] = server_result(name, version, committed=committed, fenced=fenced, error=error)
 
     async def _step(self, http: Any, route: str) -> ServerError | None:
         """POST ``route`` with an empty body under the request deadline; its error, if any."""

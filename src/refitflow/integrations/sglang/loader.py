@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _guard = threading.local()
 _workers: dict[int, Worker] = {}  # id(model) -> its session: one model per scheduler (selector "target")
+_plans: dict[int, tuple[RefitflowInitInfo, tuple[str, tuple[str, ...], Any]]] = {}  # id(model) -> its vote
 
 
 @contextlib.contextmanager
@@ -92,9 +93,7 @@ class Worker:
 
     @classmethod
     def open(cls, model: torch.nn.Module, init: RefitflowInitInfo, place: Place) -> Worker:
-        # the vote's addresses first: a collective every rank reaches before anything rank-specific can fail
-        vote, addresses = vote_setup.plan(init.vote, init.vote_addresses, init.vote_host, place.size, _world)
-        gloo = vote_setup.gloo_group() if vote == "gloo" else None
+        vote, addresses, gloo = _vote_plan(model, init, place)
         params = parameters(model)
         loader, build = writers.choose(init.loader, params, lambda: receiver_layout(model, place), model)
         config = SessionConfig(
@@ -137,6 +136,19 @@ class Worker:
 
 def _pointers(model: torch.nn.Module) -> dict[str, int]:
     return {name: p.data_ptr() for name, p in parameters(model)}
+
+
+def _vote_plan(model: torch.nn.Module, init: RefitflowInitInfo, place: Place) -> tuple[str, tuple[str, ...], Any]:
+    """The vote, its ZMQ addresses and gloo group, made once per init info: exchanging addresses and making a
+    group are collectives every rank must reach together, so a rank that retries opening its session after
+    a failure (its peers opened theirs) reuses them instead of waiting alone in a collective."""
+    cached = _plans.get(id(model))
+    if cached is not None and cached[0] == init:
+        return cached[1]
+    vote, addresses = vote_setup.plan(init.vote, init.vote_addresses, init.vote_host, place.size, _world)
+    plan = (vote, addresses, vote_setup.gloo_group() if vote == "gloo" else None)
+    _plans[id(model)] = (init, plan)
+    return plan
 
 
 def _world() -> Any:

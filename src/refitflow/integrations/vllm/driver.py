@@ -27,8 +27,8 @@ from typing import Any
 import anyio
 
 from refitflow.core.errors import ConfigError
-from refitflow.engine.controller import EngineResult, RankReport
-from refitflow.integrations.http import ServerError
+from refitflow.engine.controller import EngineResult
+from refitflow.integrations.http import ServerError, server_result
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
 from refitflow.integrations.vllm.info import RefitflowInitInfo
@@ -118,12 +118,7 @@ class VllmFleet:
                     error = error or (exc if isinstance(exc, ServerError) else ServerError("resume", None, "timed out"))
             else:
                 self.paused.add(name)
-        report = RankReport(
-            committed=committed and error is None, decision="commit" if committed else "abort",
-            version=version if committed else None, committed_version=version if committed else None,
-            fence="fenced" if fenced else "ready", error=None if error is None else str(error),
-        )  # fmt: skip
-        into[name] = EngineResult(engine=name, committed=report.committed, version=report.version, ranks=(report,))
+        into[name] = server_result(name, version, committed=committed, fenced=fenced, error=error)
 
     async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
 
