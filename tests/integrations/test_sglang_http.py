@@ -70,10 +70,9 @@ class Server(LineChild):
 
 
 def init_info(registry: str, **extra: Any) -> RefitflowInitInfo:
-    return RefitflowInitInfo(
-        registry=registry, model="tiny-vllm", identity={"layout": "megatron"}, budget_bytes=1 << 16,
-        vote_timeout_s=20, **{"vote_addresses": [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]} | extra,
-    )  # fmt: skip
+    fields: dict[str, Any] = {"identity": {"layout": "megatron"}, "budget_bytes": 1 << 16, "vote_timeout_s": 20,
+                              "vote_addresses": [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]}  # fmt: skip
+    return RefitflowInitInfo(registry=registry, model="tiny-vllm", **fields | extra)
 
 
 def update_body(init: RefitflowInitInfo, version: int) -> dict[str, Any]:
@@ -151,7 +150,7 @@ async def test_the_fleet_driver_keeps_a_failed_shadow_server_serving_the_previou
     """``SglangFleet`` in shadow mode, the vote's addresses exchanged over SGLang's gloo world group: a
     version corrupted on TP rank 1's slice is a failed engine (SGLang answers with rank 0's result, which
     names the rank that was not ready), the server is continued and still holds version 1 bit-exactly;
-    the next version commits."""
+    the next version commits; new init info reopens each rank's session, and the version after commits."""
     with anyio.fail_after(400):
         async with Trainer("qwen2") as trainer, Server(tmp_path) as server:
             init = init_info(trainer.registry, mode="shadow", vote_addresses=None)
@@ -172,3 +171,12 @@ async def test_the_fleet_driver_keeps_a_failed_shadow_server_serving_the_previou
             assert result.committed and result.version == 3, result
             for rank in await server.state(seed=3):
                 assert rank["holds"] and rank["pointers_kept"], rank
+
+            # new init info (a smaller staging budget): each rank closes its session and opens a new one
+            fleet = SglangFleet({"a": server.url}, init_info(trainer.registry, mode="shadow", vote_addresses=None,
+                                                             budget_bytes=1 << 15), tp=2)  # fmt: skip
+            await trainer.publish(4, seed=4)
+            result = (await fleet.refit(4, timeout_s=60))["a"]
+            assert result.committed and result.version == 4, result
+            for rank in await server.state(seed=4):
+                assert rank["holds"] and rank["pointers_kept"] and rank["committed_version"] == 4, rank
