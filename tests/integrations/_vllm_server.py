@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -28,9 +27,8 @@ import anyio
 import anyio.to_thread
 import torch
 
+from tests.integrations._http_child import serve_until_stdin_closes
 from tests.integrations._vllm_rank import LostVerdict, make_engine
-
-PREFIX = "RF "
 
 
 class CpuEngineClient:
@@ -113,7 +111,6 @@ def _worker(kind: str, tp: int, rank: int) -> tuple[Any, torch.nn.Module]:
 
 
 async def main() -> None:
-    import uvicorn
     from fastapi import FastAPI
     from vllm.entrypoints.rl.online.api_router import router
     from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
@@ -126,24 +123,7 @@ async def main() -> None:
     app.exception_handler(Exception)(exception_handler)
     app.state.args = SimpleNamespace(log_error_stack=False)  # the one server argument the handlers read
     app.state.engine_client = CpuEngineClient([w for w, _ in built], [m for _, m in built], spec.get("lose_verdict"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    started = anyio.Event()
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            started.set()
-
-    server = Server(uvicorn.Config(app, log_level="warning"))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: server.serve(sockets=[sock]))
-        with anyio.fail_after(60):
-            await started.wait()
-        print(PREFIX + json.dumps({"ready": True}), flush=True)
-        print(PREFIX + json.dumps({"url": f"http://127.0.0.1:{sock.getsockname()[1]}"}), flush=True)
-        await anyio.to_thread.run_sync(sys.stdin.read)  # until the test closes our stdin
-        server.should_exit = True
+    await serve_until_stdin_closes(app)
     for worker, _ in built:
         worker.weight_transfer_engine.shutdown()
 

@@ -8,12 +8,10 @@ process, read over NIXL. vLLM must be installed (``.ci/engines-cpu.sh``): withou
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import pathlib
-import sys
 from types import SimpleNamespace
-from typing import Any, Self
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -28,26 +26,8 @@ from refitflow.integrations.vllm.plugin import register
 from tests.conftest import free_ports
 from tests.integrations._fused_model import SENTINEL, FusedModel
 from tests.integrations._tiny import dims
+from tests.integrations._trainer import ROOT, Trainer
 from tests.integrations._vllm_rank import LostVerdict, expected, holds, make_engine, run_rank
-from tests.transports._nixl_peer import LineChild
-
-ROOT = str(pathlib.Path(__file__).resolve().parents[2])
-
-
-class Trainer(LineChild):
-    """The Megatron-layout publisher process (``_megatron_publisher``) and the registry it serves."""
-
-    def __init__(self, kind: str, tp: int = 2, ep: int = 1) -> None:
-        spec = json.dumps({"kind": kind, "tp": tp, "ep": ep})
-        super().__init__([sys.executable, "-m", "tests.integrations._megatron_publisher", spec], path=[ROOT])
-
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
-        self.registry = str((await self._ask(None))["registry"])
-        return self
-
-    async def publish(self, version: int, seed: int, corrupt: int | None = None) -> None:
-        assert await self._ask({"version": version, "seed": seed, "corrupt": corrupt}) == {"published": version}
 
 
 def init_info(registry: str, **extra: Any) -> dict[str, Any]:

@@ -26,19 +26,14 @@ from typing import Any
 
 import anyio
 
-from refitflow.core.errors import ConfigError, RefitError
-from refitflow.engine.controller import EngineResult, RankReport
+from refitflow.core.errors import ConfigError
+from refitflow.engine.controller import EngineResult
+from refitflow.integrations.http import ServerError, server_result
+from refitflow.integrations.http import client as _client
+from refitflow.integrations.http import post as _post
 from refitflow.integrations.vllm.info import RefitflowInitInfo
 
 __all__ = ["ServerError", "VllmFleet"]
-
-
-class ServerError(RefitError):
-    """A vLLM route answered with an error, or not at all (``status`` None: refused or timed out)."""
-
-    def __init__(self, route: str, status: int | None, detail: str) -> None:
-        super().__init__(f"{route}: {status or 'no answer'} {detail}")
-        self.route, self.status, self.detail = route, status, detail
 
 
 class VllmFleet:
@@ -123,12 +118,7 @@ class VllmFleet:
                     error = error or (exc if isinstance(exc, ServerError) else ServerError("resume", None, "timed out"))
             else:
                 self.paused.add(name)
-        report = RankReport(
-            committed=committed and error is None, decision="commit" if committed else "abort",
-            version=version if committed else None, committed_version=version if committed else None,
-            fence="fenced" if fenced else "ready", error=None if error is None else str(error),
-        )  # fmt: skip
-        into[name] = EngineResult(engine=name, committed=report.committed, version=report.version, ranks=(report,))
+        into[name] = server_result(name, version, committed=committed, fenced=fenced, error=error)
 
     async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
 
@@ -152,30 +142,8 @@ class VllmFleet:
         return replies
 
 
-def _client(url: str, timeout_s: float) -> Any:
-    """An HTTP client of one server, a connection per request: a server may close a connection after an error
-    answer (uvicorn does after a 500), and a reused one would fail the next request."""
-    import httpx
-
-    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
-
-
 async def _close_update(http: Any, timeout_s: float) -> None:
     """After a failed update: finish it on the workers that voted COMMIT and keep it open (a peer was in
     doubt); the workers whose update failed refuse it, which is the usual answer (every worker failed)."""
     with contextlib.suppress(ServerError, TimeoutError), anyio.fail_after(timeout_s):
         await _post(http, "finish_weight_update", None)
-
-
-async def _post(http: Any, route: str, body: dict[str, Any] | None, *, params: dict[str, str] | None = None,
-                timeout: float | None = None) -> Any:  # fmt: skip
-    import httpx
-
-    try:
-        extra = {} if timeout is None else {"timeout": timeout}
-        response = await http.post(f"/{route}", json=body, params=params, **extra)
-    except httpx.HTTPError as exc:
-        raise ServerError(route, None, f"{type(exc).__name__}: {exc}") from exc
-    if response.status_code >= 400:
-        raise ServerError(route, response.status_code, response.text[:500])
-    return response.json() if response.content else None

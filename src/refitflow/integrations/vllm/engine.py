@@ -22,7 +22,6 @@ vLLM closes an update whose ``update_weights`` raised, but keeps one whose ``fin
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 import torch
@@ -30,12 +29,12 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
-from refitflow.integrations.fused_model import derive, parameters
-from refitflow.integrations.load_weights import load_weights_writer
-from refitflow.integrations.rank_session import Build, RankSession, SessionConfig, direct_writer
+from refitflow.integrations import vote_setup, writers
+from refitflow.integrations.fused_model import parameters
+from refitflow.integrations.rank_session import Build, RankSession, SessionConfig
 from refitflow.integrations.vllm import mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
-from refitflow.integrations.vllm.place import Place, expert_family, receiver_layout
+from refitflow.integrations.vllm.place import Place, receiver_layout
 
 __all__ = ["RefitflowEngine"]
 
@@ -120,22 +119,8 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
     def _writer(self, info: RefitflowInitInfo) -> tuple[str, Build]:
         """The direct writer when every parameter maps (``loader`` auto or direct), else load_weights."""
         params = [(n, p) for n, p in parameters(self.model) if n not in self.latent]
-        why = "loader='load_weights' asked for"
-        if info.loader != "load_weights":
-            try:
-                derived = derive(params, receiver_layout(self.model_config, self.model, self.place))
-                if derived.complete:
-                    return "direct", direct_writer(derived)
-                why = f"parameters the layout tables do not map: {derived.why()}"
-            except ConfigError as exc:
-                why = str(exc)
-            if info.loader == "direct":
-                raise ConfigError(f"loader='direct' but the model does not map: {why}")
-        load = getattr(self.model, "load_weights", None)
-        if load is None:
-            raise ConfigError(f"the model has no load_weights and cannot be mapped ({why})")
-        log.info("refitflow: using the model's load_weights (%s)", why)
-        return "load_weights", load_weights_writer(params, load, expert_family(name for name, _ in params))
+        return writers.choose(info.loader, params, lambda: receiver_layout(self.model_config, self.model, self.place),
+                              self.model)  # fmt: skip
 
     def _rederive(self, session: RankSession) -> None:
         """The committed version's latent-attention weights, from its ``kv_b_proj``; a failure fences."""
@@ -150,21 +135,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
             raise RefitError(reason) from exc
 
     def _vote(self, info: RefitflowInitInfo) -> tuple[str, tuple[str, ...]]:
-        size = self.place.vote_size
-        vote = info.vote if info.vote != "auto" else ("zmq" if size > 1 else "none")
-        if vote != "zmq":
-            return vote, ()
-        if info.vote_addresses is not None:
-            if len(info.vote_addresses) != size:
-                raise ConfigError(f"vote_addresses names {len(info.vote_addresses)} workers, the engine has {size}")
-            return vote, tuple(info.vote_addresses)
-        return vote, tuple(_exchange(f"tcp://{info.vote_host}:{_free_port(info.vote_host)}", size))
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        return vote_setup.plan(info.vote, info.vote_addresses, info.vote_host, self.place.vote_size, _world)
 
 
 def _world() -> Any:
@@ -181,19 +152,6 @@ def _world() -> Any:
     raise ConfigError("the engine vote needs vote_addresses: there is no torch.distributed group to exchange them")
 
 
-def _exchange(mine: str, size: int) -> list[str]:
-    import torch.distributed as dist
-
-    group = _world()
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, mine, group=group)
-    if len(out) != size:
-        raise ConfigError(f"the worker group has {len(out)} ranks, the engine vote expects {size}")
-    return [str(a) for a in out]
-
-
 def _gloo_group() -> Any:
-    import torch.distributed as dist
-
     _world()  # a clear error when there is no group
-    return dist.new_group(backend="gloo")  # our own: a failed vote must not break vLLM's groups
+    return vote_setup.gloo_group()  # our own: a failed vote must not break vLLM's groups

@@ -11,7 +11,6 @@ uses the ``load_weights`` loader): EPLB's redundant experts, ``round_robin`` exp
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from refitflow.layouts import fused
 from refitflow.layouts.canonical import LayoutMap
 from refitflow.layouts.rules import Parallel
 
-__all__ = ["Place", "expert_family", "receiver_layout", "vocab_padding"]
+__all__ = ["Place", "receiver_layout", "vocab_padding"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +102,3 @@ def receiver_layout(model_config: Any, model: torch.nn.Module, place: Place) -> 
         return fused.layout_for(hf_config, place.parallel(), vocab_padding=vocab_padding(model))
     except (AttributeError, TypeError) as exc:
         raise ConfigError(f"cannot read the model's dimensions from its config: {exc}") from exc
-
-
-def expert_family(names: Iterable[str]) -> str:
-    """The checkpoint naming of experts the model's ``load_weights`` takes (``load_weights.EXPERT_NAMES``)."""
-    return "block_sparse_moe" if any(".block_sparse_moe." in n for n in names) else "mlp"

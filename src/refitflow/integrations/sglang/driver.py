@@ -1,0 +1,110 @@
+"""Drive a fleet of SGLang servers that run refitflow's loader, over SGLang's own HTTP routes.
+
+``await SglangFleet({"a": "http://host:30000"}, init, tp=4).refit(v)`` runs, on every server at once,
+under one deadline per server::
+
+    POST /pause_generation {"mode": pause_mode} → /begin_weight_update {"selector": "target"}
+         → /update_weights_from_tensor {serialized_named_tensors: payload.encode(...), load_format: LOADER,
+                                        weight_version: "v", flush_cache: true}
+         → /end_weight_update → /continue_generation
+
+and returns one ``rf.EngineResult`` per server (one ``RankReport``: SGLang answers for all of a server's
+ranks, with its TP rank 0's result; the engine vote makes every rank's outcome the same, except a rank
+in doubt). ``/end_weight_update`` is posted whenever ``/begin_weight_update`` succeeded, so SGLang's
+update session is always closed. A server whose update failed is continued only if it kept its
+previous version (``mode="shadow"``, and not in doubt); an ``in_place`` server that failed stays paused
+— fenced — until a later version commits on it (``paused`` lists them). Needs ``httpx`` (the
+``sglang`` extra); SGLang itself is not imported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from refitflow.core.errors import ConfigError
+from refitflow.engine.controller import EngineResult
+from refitflow.integrations.http import ServerError, client, post, server_result
+from refitflow.integrations.sglang.payload import LOADER, encode
+from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
+
+__all__ = ["SglangFleet"]
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SglangFleet:
+    def __init__(
+        self, servers: Mapping[str, str] | Sequence[str], init: RefitflowInitInfo, *, tp: int = 1,
+        pause_mode: str | None = "retract", request_timeout_s: float = 30.0,
+    ) -> None:  # fmt: skip
+        named = dict(servers) if isinstance(servers, Mapping) else {url: url for url in servers}
+        if not named:
+            raise ConfigError("a fleet needs at least one server URL")
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES} or None (no pause), got {pause_mode!r}")
+        if tp < 1:
+            raise ConfigError(f"tp must be the servers' TP size (at least 1), got {tp}")
+        self.servers = {name: url.rstrip("/") for name, url in named.items()}
+        self.init, self.tp, self.pause_mode, self.request_timeout_s = init, tp, pause_mode, request_timeout_s
+        self.paused: set[str] = set()  # servers left paused (fenced) by a failed update
+
+    async def refit(
+        self, version: int, *, timeout_s: float = 600.0, wait_s: float | None = None
+    ) -> dict[str, EngineResult]:
+        """Update every server to ``version`` (or newer)."""
+        update = RefitflowUpdateInfo(version=version, timeout_s=timeout_s, wait_s=wait_s)
+        body = {"serialized_named_tensors": encode(self.init, update, tp=self.tp), "load_format": LOADER,
+                "flush_cache": True, "weight_version": str(version), "selector": "target"}  # fmt: skip
+        results: dict[str, EngineResult] = {}
+        async with anyio.create_task_group() as tg:
+            for name, url in self.servers.items():
+                tg.start_soon(self._refit_one, name, url, version, body, timeout_s, results)
+        return results
+
+    async def _refit_one(self, name: str, url: str, version: int, body: dict[str, Any], timeout_s: float,
+                         into: dict[str, EngineResult]) -> None:  # fmt: skip
+        deadline = time.monotonic() + timeout_s + 3 * self.request_timeout_s
+        step, error, began = "pause_generation", None, False
+        async with client(url, self.request_timeout_s) as http:
+            try:
+                with anyio.fail_after(max(deadline - time.monotonic(), 0.001)):
+                    if self.pause_mode is not None:
+                        await post(http, step, {"mode": self.pause_mode})
+                    step = "begin_weight_update"
+                    await post(http, step, {"selector": "target"})
+                    began, step = True, "update_weights_from_tensor"
+                    await post(http, step, body, timeout=timeout_s + self.request_timeout_s)
+            except (ServerError, TimeoutError) as exc:
+                error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
+            if began:  # close SGLang's update session in every case (the next begin refuses an open one)
+                ended = await self._step(http, "end_weight_update")  # posted even after a failed update
+                error = error or ended
+            committed = error is None
+            doubt = "in doubt" in str(error)
+            # in place, an update that reached the loader may have written: keep the server paused; in doubt,
+            # some ranks may have committed and others not: keep it paused in either mode
+            wrote = step == "update_weights_from_tensor"
+            fenced = not committed and wrote and (self.init.mode == "in_place" or doubt)
+            if fenced:
+                self.paused.add(name)
+            elif self.pause_mode is not None:
+                failed = await self._step(http, "continue_generation")
+                if failed is None:
+                    self.paused.discard(name)
+                error = error or failed
+        into[name] = server_result(name, version, committed=committed, fenced=fenced, error=error)
+
+    async def _step(self, http: Any, route: str) -> ServerError | None:
+        """POST ``route`` with an empty body under the request deadline; its error, if any."""
+        try:
+            with anyio.fail_after(self.request_timeout_s):
+                await post(http, route, {})
+        except ServerError as exc:
+            return exc
+        except TimeoutError:
+            return ServerError(route, None, f"no answer within {self.request_timeout_s} s")
+        return None
