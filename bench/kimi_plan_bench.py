@@ -21,8 +21,7 @@ import time
 import torch
 
 import refitflow as rf
-from refitflow.api.publisher import block_rows
-from refitflow.core.dtypes import itemsize
+from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata, resolve
 from refitflow.pipeline.config import ReceiverConfig
@@ -39,13 +38,13 @@ def kimi_k2(layers: int, experts: int) -> ModelDims:
     )  # fmt: skip
 
 
-def _spec(name: str, shape: tuple[int, ...], dtype: str = "bfloat16") -> rf.ShardSpec:
-    rows = block_rows(shape, itemsize(dtype))
-    count = max(1, -(-(shape[0] if shape else 1) // rows))
-    blocks = base64.b64encode(bytes(8 * count)).decode()
+def _spec(name: str, shape: tuple[int, ...], dtype: str = "bfloat16", algo: str = "xxh3") -> rf.ShardSpec:
+    """A shape-only shard: the publisher's tile geometry, zero digests, no bytes."""
+    rows, cols = choose_tiling(shape, 2)
+    blocks = base64.b64encode(bytes(8 * Tiling(algo, shape, 2, rows, cols).count)).decode()
     return rf.ShardSpec(
         name=name, dtype=dtype, global_shape=shape, axis=None, start=0, stop=shape[0] if shape else 1,
-        digest="0" * 16, region=0, block_rows=rows, blocks=blocks,
+        digest="0" * 16, region=0, algo=algo, tile_rows=rows, tile_cols=cols, blocks=blocks,
     )  # fmt: skip
 
 

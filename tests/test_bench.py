@@ -50,3 +50,17 @@ def test_bench_quick_reports_every_row_bit_exact(tmp_path: pathlib.Path) -> None
         assert all(e2e > recv for e2e, recv in pairs), f"{name}: publish→commit must contain the receiver's part"
     assert set(result["ratios"]) and all(x > 0 for x in result["ratios"].values())
     assert "publish→commit" in done.stdout and "load average" in done.stdout
+
+
+@pytest.mark.parametrize("receiver", ["tp16", "dp16"])
+def test_the_kimi_plan_bench_runs_small_and_pulls_about_each_ranks_slice(receiver: str) -> None:
+    """The bench's shape-only publication keeps pace with the manifest format (it once fell behind it)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(ROOT / "bench" / "kimi_plan_bench.py"), "--layers", "3", "--experts", "16",
+           "--receiver", receiver, "--ranks", "0,15"]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if "pulled for a" in line]
+    assert len(rows) == 2, out
+    for row in rows:
+        pulled, ideal = float(row[row.index("pulled") - 2]), float(row[row.index("slice") - 2])
+        assert 0 < ideal <= pulled <= 1.1 * ideal, out
