@@ -79,6 +79,14 @@ def test_wrong_argument_types_are_config_errors(ident, registry) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_value_that_is_not_a_tensor_is_refused_before_anything_is_announced(ident, registry) -> None:
+    async with rf.Publisher(registry, identity=ident) as pub:
+        with pytest.raises(rf.ConfigError, match="got NoneType"):
+            await pub.publish(1, {"w": torch.zeros(2), "oops": None})  # type: ignore[dict-item]
+        assert not pub.published and registry.newest_complete(ident) is None
+
+
+@pytest.mark.asyncio
 async def test_republishing_a_version_from_the_same_publisher_is_a_version_error(ident, registry) -> None:
     async with rf.Publisher(registry, identity=ident) as pub:
         await pub.publish(2, {"w": torch.ones(2)})

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from refitflow.api._dtensor import local_part
+from refitflow.api._dtensor import is_dtensor, local_part
 from refitflow.api._sharded import Sharded
 from refitflow.api._transport import choose_transport
 from refitflow.core.digests import (
@@ -256,7 +256,8 @@ class Publisher:
         if not isinstance(tensors, Mapping):
             raise ConfigError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
         held = {name: local_part(name, value) for name, value in tensors.items()}  # every check first
-        prepared = [(name, *self._spec(name, value)) for name, value in held.items() if value is not None]
+        empty = {name for name, value in tensors.items() if held[name] is None and is_dtensor(value)}
+        prepared = [(name, *self._spec(name, value)) for name, value in held.items() if name not in empty]
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step

@@ -39,7 +39,10 @@ async def post(http: Any, route: str, body: dict[str, Any] | None, *, params: di
         raise ServerError(route, None, f"{type(exc).__name__}: {exc}") from exc
     if response.status_code >= 400:
         raise ServerError(route, response.status_code, response.text[:500])
-    return response.json() if response.content else None
+    try:
+        return response.json() if response.content else None
+    except ValueError as exc:  # an answer that is not JSON (a proxy's error page, a truncated body)
+        raise ServerError(route, response.status_code, f"not JSON: {response.text[:200]!r}") from exc
 
 
 def server_result(name: str, version: int, *, committed: bool, fenced: bool, error: Exception | None) -> EngineResult:

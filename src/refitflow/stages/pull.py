@@ -44,8 +44,10 @@ async def reads_of(ctx: StageContext, work: Work) -> list[Read]:
     if cached is None:
         many = len(work.bucket.reads) > 64
         planned = work.bucket.reads
-        cached = await anyio.to_thread.run_sync(_build_reads, ctx, work, planned) if many else _build_reads(
-            ctx, work, planned
+        cached = (
+            await anyio.to_thread.run_sync(_build_reads, ctx, work, planned)
+            if many
+            else _build_reads(ctx, work, planned)
         )
         ctx.plan.read_lists[key] = cached
     return cached

@@ -67,23 +67,25 @@ class SglangFleet:
 
     async def _refit_one(self, name: str, url: str, version: int, body: dict[str, Any], timeout_s: float,
                          into: dict[str, EngineResult]) -> None:  # fmt: skip
-        deadline = time.monotonic() + timeout_s + 3 * self.request_timeout_s
+        deadline = time.monotonic() + timeout_s + self.init.vote_timeout_s + 3 * self.request_timeout_s
         step, error, began = "pause_generation", None, False
         async with client(url, self.request_timeout_s) as http:
             try:
                 with anyio.fail_after(max(deadline - time.monotonic(), 0.001)):
                     if self.pause_mode is not None:
                         await post(http, step, {"mode": self.pause_mode})
-                    step = "begin_weight_update"
+                    # from here on the session may be open even if begin's answer never comes: end it always
+                    step, began = "begin_weight_update", True
                     await post(http, step, {"selector": "target"})
-                    began, step = True, "update_weights_from_tensor"
-                    await post(http, step, body, timeout=timeout_s + self.request_timeout_s)
+                    step = "update_weights_from_tensor"
+                    await post(http, step, body, timeout=timeout_s + self.init.vote_timeout_s + self.request_timeout_s)
             except (ServerError, TimeoutError) as exc:
                 error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
+            committed = error is None  # the update's own outcome: a failed end after it does not undo a commit
             if began:  # close SGLang's update session in every case (the next begin refuses an open one)
-                ended = await self._step(http, "end_weight_update")  # posted even after a failed update
+                with anyio.CancelScope(shield=True):  # bounded by the request deadline
+                    ended = await self._step(http, "end_weight_update")  # posted even after a failed update
                 error = error or ended
-            committed = error is None
             doubt = "in doubt" in str(error)
             # in place, an update that reached the loader may have written: keep the server paused; in doubt,
             # some ranks may have committed and others not: keep it paused in either mode
@@ -92,7 +94,8 @@ class SglangFleet:
             if fenced:
                 self.paused.add(name)
             elif self.pause_mode is not None:
-                failed = await self._step(http, "continue_generation")
+                with anyio.CancelScope(shield=True):  # bounded by the request deadline
+                    failed = await self._step(http, "continue_generation")
                 if failed is None:
                     self.paused.discard(name)
                 error = error or failed

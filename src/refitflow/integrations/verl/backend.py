@@ -119,8 +119,10 @@ class RefitflowCheckpointEngine(CheckpointEngine):  # type: ignore[misc, unused-
                                   timeout_s=self.config.init_timeout_s + REQUEST_TIMEOUT_S)  # fmt: skip
                 self._initialised = True
             version = max(global_steps or 0, self._asked + 1)  # the newest complete one at or above
-            await refit_server(self.server, version, timeout_s=self.config.update_timeout_s,
-                               request_timeout_s=REQUEST_TIMEOUT_S)  # fmt: skip
+            await refit_server(
+                self.server, version, timeout_s=self.config.update_timeout_s,
+                vote_timeout_s=self.config.vote_timeout_s, request_timeout_s=REQUEST_TIMEOUT_S,
+            )  # fmt: skip
             self._asked = version
         return
         yield  # an async generator that yields nothing: no tensor passes through verl

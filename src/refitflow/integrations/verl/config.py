@@ -73,6 +73,11 @@ class VerlBackendConfig:
     def full_identity(self) -> Identity:
         return Identity(model=self.model, **dict(self.identity))
 
+    @property
+    def vote_timeout_s(self) -> float:
+        """How long the vLLM workers' engine vote may take after an update (their init info's)."""
+        return float(self.vllm.get("vote_timeout_s", RefitflowInitInfo.vote_timeout_s))
+
     def init_info(self, registry: str) -> dict[str, Any]:
         """What every vLLM worker's refitflow backend is initialised with (checked as vLLM will)."""
         info = RefitflowInitInfo(registry=registry, model=self.model, identity=dict(self.identity), **dict(self.vllm))

@@ -52,17 +52,20 @@ class RayVllmServer:
         return await self._handle().collective_rpc.remote(method, timeout=timeout, kwargs=kwargs)
 
     async def clear_kv_cache(self, timeout: float) -> None:
-        with anyio.fail_after(timeout):
-            await self._handle().clear_kv_cache.remote()
+        await self._handle().clear_kv_cache.remote()
 
 
 async def _call(
     server: VllmServer, method: str, timeout: float, slack: float, version: int | None, **kwargs: Any
 ) -> None:
-    """``method`` on every worker of ``server`` under ``timeout`` (+ ``slack`` for the call itself)."""
+    """``method`` on every worker of ``server`` under ``timeout`` (+ ``slack`` for the call itself);
+    ``clear_kv_cache``: the server's own method."""
     try:
         with anyio.fail_after(timeout + slack):
-            await server.call(method, timeout, **kwargs)
+            if method == "clear_kv_cache":
+                await server.clear_kv_cache(timeout)
+            else:
+                await server.call(method, timeout, **kwargs)
     except TimeoutError as exc:
         raise RefitTimeoutError(f"vLLM's {method} did not answer within {timeout} s", version=version) from exc
     except RefitError:
@@ -76,16 +79,18 @@ async def init_server(server: VllmServer, init_info: Mapping[str, Any], *, timeo
     await _call(server, "init_weight_transfer_engine", timeout_s, timeout_s, None, init_info=dict(init_info))
 
 
-async def refit_server(server: VllmServer, version: int, *, timeout_s: float, request_timeout_s: float) -> None:
-    """Bring one server to ``version`` (or newer)."""
+async def refit_server(server: VllmServer, version: int, *, timeout_s: float, vote_timeout_s: float,
+                       request_timeout_s: float) -> None:  # fmt: skip
+    """Bring one server to ``version`` (or newer). A worker's update may take ``timeout_s`` and then its
+    vote ``vote_timeout_s``: vLLM is given both, so it never gives up on workers still deciding."""
     slack = request_timeout_s
     await _call(server, "start_weight_update", request_timeout_s, slack, version)
     try:
         update = {"version": version, "timeout_s": timeout_s}
-        await _call(server, "update_weights", timeout_s, slack, version, update_info=update)
+        await _call(server, "update_weights", timeout_s + vote_timeout_s, slack, version, update_info=update)
     except RefitError:
         with contextlib.suppress(RefitError):  # the workers that learned COMMIT beside a peer in doubt
             await _call(server, "finish_weight_update", request_timeout_s, slack, version)
         raise
     await _call(server, "finish_weight_update", request_timeout_s, slack, version)
-    await server.clear_kv_cache(request_timeout_s)
+    await _call(server, "clear_kv_cache", request_timeout_s, slack, version)
