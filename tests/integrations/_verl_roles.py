@@ -42,6 +42,7 @@ class WorkerStandIn:
             "start_weight_update": e.start_weight_update,
             "update_weights": e.update_weights,
             "finish_weight_update": e.finish_weight_update,
+            "shutdown_weight_transfer_engine": e.shutdown,
         }
         with anyio.fail_after(timeout):
             return await anyio.to_thread.run_sync(functools.partial(hooks[method], **kwargs))

@@ -127,3 +127,40 @@ async def test_a_refit_that_fails_on_the_server_fails_receive_weights_and_leaves
     assert stand_in.calls == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
                               "finish_weight_update"]  # fmt: skip
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.asyncio
+async def test_an_init_that_fails_on_one_worker_shuts_the_others_down_so_the_next_sync_inits_again() -> None:
+    from tests.integrations._verl_roles import WorkerStandIn, make_backend
+    from tests.integrations._vllm_rank import make_engine
+
+    class OnePeerFails(WorkerStandIn):
+        """This worker initialises; a peer of it (not run here) fails the collective init, the first time."""
+
+        failed = False
+
+        async def call(self, method: str, timeout: float, **kwargs: Any) -> Any:
+            out = await super().call(method, timeout, **kwargs)
+            if method == "init_weight_transfer_engine" and not self.failed:
+                self.failed = True
+                raise RuntimeError("injected: worker 1 could not initialise")
+            return out
+
+    vllm, _ = make_engine(MODEL, 1, 0)
+    stand_in = OnePeerFails(vllm)
+    engine = make_backend(update_timeout_s=2.0)
+    try:
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+            engine.init_process_group(registry=server.address, rollout_rank=0)
+            engine.attach_server(stand_in)
+            with anyio.fail_after(120):
+                with pytest.raises(rf.RefitError, match="worker 1 could not initialise"):
+                    async for _ in engine.receive_weights(global_steps=1):
+                        pass
+                with pytest.raises(rf.RefitError, match="version 1"):  # init accepted; nothing is published
+                    async for _ in engine.receive_weights(global_steps=1):
+                        pass
+    finally:
+        vllm.shutdown()
+    assert stand_in.calls[:4] == ["init_weight_transfer_engine", "shutdown_weight_transfer_engine",
+                                  "init_weight_transfer_engine", "start_weight_update"]  # fmt: skip

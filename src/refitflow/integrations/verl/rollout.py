@@ -75,8 +75,14 @@ async def _call(
 
 
 async def init_server(server: VllmServer, init_info: Mapping[str, Any], *, timeout_s: float) -> None:
-    """Initialise the server's refitflow backend (once per server: a second init is refused there)."""
-    await _call(server, "init_weight_transfer_engine", timeout_s, timeout_s, None, init_info=dict(init_info))
+    """Initialise the server's refitflow backend (once per server: a second init is refused there). If it
+    fails, the workers that did initialise are shut down again, so that the next sync's init is not refused."""
+    try:
+        await _call(server, "init_weight_transfer_engine", timeout_s, timeout_s, None, init_info=dict(init_info))
+    except RefitError:
+        with contextlib.suppress(RefitError):
+            await _call(server, "shutdown_weight_transfer_engine", timeout_s, timeout_s, None)
+        raise
 
 
 async def refit_server(server: VllmServer, version: int, *, timeout_s: float, vote_timeout_s: float,
