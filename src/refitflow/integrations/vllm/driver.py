@@ -39,7 +39,7 @@ __all__ = ["ServerError", "VllmFleet"]
 class VllmFleet:
     def __init__(
         self, servers: Mapping[str, str] | Sequence[str], *, mode: str = "in_place", pause_mode: str = "keep",
-        request_timeout_s: float = 30.0,
+        request_timeout_s: float = 30.0, vote_timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
         named = dict(servers) if isinstance(servers, Mapping) else {url: url for url in servers}
         if not named:
@@ -48,11 +48,12 @@ class VllmFleet:
             raise ConfigError(f"mode must be the backend's: 'in_place' or 'shadow', got {mode!r}")
         self.servers = {name: url.rstrip("/") for name, url in named.items()}
         self.mode, self.pause_mode, self.request_timeout_s = mode, pause_mode, request_timeout_s
+        self.vote_timeout_s = vote_timeout_s  # the backend's: an update's vote may take this long after its pull
         self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
 
     @classmethod
     def for_backend(cls, servers: Mapping[str, str] | Sequence[str], init_info: RefitflowInitInfo) -> VllmFleet:
-        return cls(servers, mode=init_info.mode)
+        return cls(servers, mode=init_info.mode, vote_timeout_s=init_info.vote_timeout_s)
 
     async def init(self, init_info: RefitflowInitInfo | Mapping[str, Any], *, timeout_s: float = 180.0) -> None:
         """``/init_weight_transfer_engine`` on every server; raises the first failure."""
@@ -86,7 +87,7 @@ class VllmFleet:
     async def _refit_one(self, name: str, url: str, info: dict[str, Any], timeout_s: float,
                          into: dict[str, EngineResult]) -> None:  # fmt: skip
 
-        deadline = time.monotonic() + timeout_s + 2 * self.request_timeout_s
+        deadline = time.monotonic() + timeout_s + self.vote_timeout_s + 2 * self.request_timeout_s
         version = info["version"]
         step, error = "pause", None
         async with _client(url, self.request_timeout_s) as http:
@@ -96,7 +97,8 @@ class VllmFleet:
                     step = "start_weight_update"
                     await _post(http, step, None)
                     step = "update_weights"
-                    await _post(http, step, {"update_info": info}, timeout=timeout_s + self.request_timeout_s)
+                    wait = timeout_s + self.vote_timeout_s + self.request_timeout_s
+                    await _post(http, step, {"update_info": info}, timeout=wait)
                     step = "finish_weight_update"
                     await _post(http, step, {"weight_version": str(version)})
             except (ServerError, TimeoutError) as exc:
@@ -111,7 +113,7 @@ class VllmFleet:
             fenced = not committed and wrote and (self.mode == "in_place" or doubt)
             if not fenced:
                 try:
-                    with anyio.fail_after(self.request_timeout_s):
+                    with anyio.CancelScope(shield=True), anyio.fail_after(self.request_timeout_s):  # bounded
                         await _post(http, "resume", None)
                     self.paused.discard(name)
                 except (ServerError, TimeoutError) as exc:
@@ -145,5 +147,5 @@ class VllmFleet:
 async def _close_update(http: Any, timeout_s: float) -> None:
     """After a failed update: finish it on the workers that voted COMMIT and keep it open (a peer was in
     doubt); the workers whose update failed refuse it, which is the usual answer (every worker failed)."""
-    with contextlib.suppress(ServerError, TimeoutError), anyio.fail_after(timeout_s):
+    with contextlib.suppress(ServerError, TimeoutError), anyio.CancelScope(shield=True), anyio.fail_after(timeout_s):
         await _post(http, "finish_weight_update", None)
