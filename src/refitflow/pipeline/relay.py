@@ -120,7 +120,11 @@ class Relaying:
     async def join(self, ctx: StageContext) -> None:
         """Join this version's relays (offering this rank if it serves) and bind the upstream named."""
         assert ctx.attempt is not None and ctx.plan is not None
-        held, layout = held_boxes(ctx.plan, ctx.landing)
+        plan, landing = ctx.plan, ctx.landing
+        if "held" in plan.derived or len(plan.copies) <= 256:
+            held, layout = held_boxes(plan, landing)
+        else:  # the first refit of a large plan: tens of ms of Python, off the event loop
+            held, layout = await anyio.to_thread.run_sync(held_boxes, plan, landing)
         offer = self._offer(ctx, held, layout) if self.serve else None
         up: RelayOffer | None = None
         with anyio.move_on_after(JOIN_TIMEOUT_S):
