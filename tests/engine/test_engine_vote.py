@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from typing import Any
 
 import pytest
 
 from refitflow.engine.vote import Ballot, Decision, decide
+from tests.conftest import free_ports
 from tests.engine.engine_worker import run_rank
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 KINDS = pytest.mark.parametrize("kind", ["gloo", "zmq"])
 
@@ -24,7 +17,7 @@ KINDS = pytest.mark.parametrize("kind", ["gloo", "zmq"])
 def run_engine(scenario: str, mode: str, kind: str) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    ports = [_port() for _ in range(3)]
+    ports = free_ports(3)
     procs = [ctx.Process(target=run_rank, args=(r, ports, scenario, mode, kind, queue)) for r in range(3)]
     for p in procs:
         p.start()

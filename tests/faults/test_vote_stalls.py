@@ -11,18 +11,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 
 import pytest
 
+from tests.conftest import free_ports
 from tests.faults._stall_rank import run_rank
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stopped(pid: int) -> bool:
@@ -33,7 +27,7 @@ def _stopped(pid: int) -> bool:
 def _run(kind: str, stall: tuple[int, str]) -> tuple[dict[int, dict], dict[int, dict]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    ports = [_port() for _ in range(3)]
+    ports = free_ports(3)
     procs = [ctx.Process(target=run_rank, args=(r, ports, kind, stall, queue)) for r in range(3)]
     for p in procs:
         p.start()

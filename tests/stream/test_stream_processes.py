@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import free_ports
 from tests.stream import stream_worker
 from tests.stream._frames import CASES
-from tests.stream._inproc import free_port
 
 Script = list[tuple[str, int]]
 
@@ -19,7 +19,7 @@ def run_stream(script: Script, opts: dict | None = None) -> dict[int, list[dict[
     """Start the three processes, walk the script, return each rank's reports; fail if one hangs."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    ports = (free_port(), free_port())
+    ports = tuple(free_ports(2))  # distinct: two ports taken one after the other may be the same one
     procs = [ctx.Process(target=stream_worker.run, args=(r, ports, script, opts or {}, queue)) for r in range(3)]
     for p in procs:
         p.start()
