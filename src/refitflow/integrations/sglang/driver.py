@@ -11,10 +11,11 @@ under one deadline per server::
 and returns one ``rf.EngineResult`` per server (one ``RankReport``: SGLang answers for all of a server's
 ranks, with its TP rank 0's result; the engine vote makes every rank's outcome the same, except a rank
 in doubt). ``/end_weight_update`` is posted whenever ``/begin_weight_update`` was sent (its answer may be
-lost while the session opened), shielded from cancellation, so SGLang's update session is always closed. A server whose update failed is continued only if it kept its
-previous version (``mode="shadow"``, and not in doubt); an ``in_place`` server that failed stays paused
-— fenced — until a later version commits on it (``paused`` lists them). Needs ``httpx`` (the
-``sglang`` extra); SGLang itself is not imported.
+lost while the session opened), shielded from cancellation, so SGLang's update session is always
+closed. A server whose update failed is continued only if it kept its previous version
+(``mode="shadow"``, and not in doubt); an ``in_place`` server that failed stays paused — fenced — until
+a later version commits on it (``paused`` lists them). Needs ``httpx`` (the ``sglang`` extra); SGLang
+itself is not imported.
 """
 
 from __future__ import annotations
