@@ -12,6 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitflow.core import digests as digests_module
 from refitflow.core.digests import (
     Tiling,
     _hash_ranges_bounced,
@@ -23,6 +24,7 @@ from refitflow.core.digests import (
     unit_count,
     units_array,
     units_of,
+    xxh3_gathered,
 )
 from refitflow.core.dtypes import _BY_NAME
 
@@ -113,6 +115,49 @@ def test_xxh3_digests_are_of_contiguous_tiles_then_of_row_blocks() -> None:
     assert int(d[t.nc + 1]) == xxhash.xxh3_64_intdigest(tile)
     rows = x[128:130].contiguous().view(torch.uint8).numpy().tobytes()
     assert int(d[t.tiles + 2]) == xxhash.xxh3_64_intdigest(rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    planes=st.integers(1, 3),
+    rows=st.integers(1, 40),
+    parts=st.integers(1, 4),
+    tile_rows=st.integers(1, 9),
+    cut=st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 3), st.integers(1, 4)),
+    gather=st.sampled_from([1, 96, 1 << 20]),
+)
+def test_gathered_tiles_hash_as_each_tile_copied_out_alone(planes, rows, parts, tile_rows, cut, gather) -> None:
+    """Runs of whole row blocks are permuted into the scratch in groups (``GATHER_BYTES``): every
+    grouping, a shorter last block, partial blocks and column ranges give each tile's own xxh3."""
+    tile_rows = min(tile_rows, rows)
+    shape, bc = (planes, rows, parts * 4), 4
+    x = _random(shape, torch.int16, seed=rows * 7 + parts)
+    t = Tiling("xxh3", shape, 2, tile_rows, bc)
+    r0, r1 = sorted((cut[0] % rows, cut[1] % rows))
+    j0, j1 = min(cut[2], parts - 1), min(cut[2] + cut[3], parts)
+    box = ((0, planes), (r0, r1 + 1), (j0 * bc, j1 * bc))
+    want = []
+    for p in range(planes):
+        for i in range(r0 // tile_rows, -(-(r1 + 1) // tile_rows)):
+            a, b = i * tile_rows, min((i + 1) * tile_rows, rows)
+            for j in range(j0, j1):
+                whole = a >= r0 and b <= r1 + 1
+                tile = x[p, a:b, j * bc : (j + 1) * bc].contiguous().view(torch.uint8).numpy().tobytes()
+                want.append(xxhash.xxh3_64_intdigest(tile) if whole else 0)
+    data = x[:, r0 : r1 + 1, j0 * bc : j1 * bc].contiguous()
+    old = digests_module.GATHER_BYTES
+    digests_module.GATHER_BYTES = gather
+    whole_rows = (j0, j1) == (0, parts) and r0 % tile_rows == 0 and ((r1 + 1) % tile_rows == 0 or r1 + 1 == rows)
+    blocks: list[int] | None = [] if whole_rows else None
+    try:
+        got = xxh3_gathered(data, t, box, blocks)
+    finally:
+        digests_module.GATHER_BYTES = old
+    assert got.tolist() == want
+    if blocks is not None:  # a reader of whole rows: one digest per row block, its bytes as they lie
+        starts = range(r0, r1 + 1, tile_rows)
+        assert blocks == [xxhash.xxh3_64_intdigest(x[p, a : min(a + tile_rows, rows)].contiguous().numpy().tobytes())
+                          for p in range(planes) for a in starts]  # fmt: skip
 
 
 def test_device_bytes_hash_through_a_bounded_bounce_buffer() -> None:

@@ -68,6 +68,7 @@ MAX_TILE_BYTES = 4 << 20
 COLUMN_PARTS = 8  # TP degrees up to 8 slice columns at multiples of C/8
 MIN_COLUMN_BYTES = 128  # narrower column ranges are not worth their digests
 BOUNCE_BYTES = 16 << 20  # host bounce buffer for xxh3 of device bytes
+GATHER_BYTES = 1 << 20  # xxh3's tile gather permutes this much at a time (in cache)
 _CPU_CHUNK_WORDS = 1 << 15  # mix64 works through this many words at a time: in cache on a CPU,
 _DEVICE_CHUNK_WORDS = 1 << 24  # big launches on a device
 
@@ -381,40 +382,58 @@ def _hash_ranges_bounced(
 def xxh3_gathered(data: torch.Tensor, t: Tiling, box: Box, blocks: list[int] | None = None) -> np.ndarray:
     """xxh3 of every tile touched by ``box`` (whole tiles only), gathered through a bounded scratch.
 
-    ``data`` holds the box row-major (any device: a block at a time comes to the host). Results are
+    ``data`` holds the box row-major (any device: the gathered tiles come to the host). Results are
     in ``units_of`` tile order; a tile the box does not hold whole gets 0 (its unit is not checked).
-    ``blocks``: also append the xxh3 of each row block (the box must be whole rows), hashed just
-    before its tiles while it is in cache.
+    ``blocks``: also append the xxh3 of each row block (the box must be whole rows).
+
+    Runs of whole row blocks of whole, equal column ranges are permuted into the scratch by one copy
+    per ``GATHER_BYTES`` (a copy per block cost more than its hashing: 3× slower at 2 KiB rows).
     """
     planes, r0, r1, c0, c1 = frame(t, box)
     br, bc, item = t.tile_rows, t.tile_cols, t.item
     rows = data.reshape(-1).view(torch.uint8).view(len(planes), r1 - r0, (c1 - c0) * item)
     j0, j1 = c0 // bc, -(-c1 // bc)
     regular = c0 % bc == 0 and (c1 - c0) % bc == 0  # whole column ranges of equal width
-    w = bc * item
-    scratch = torch.empty(min(br, r1 - r0) * (c1 - c0) * item, dtype=torch.uint8)
+    w, nj = bc * item, j1 - j0
+    block_bytes = br * (c1 - c0) * item
+    group = max(1, GATHER_BYTES // block_bytes)
+    scratch = torch.empty(min(group * br, r1 - r0) * (c1 - c0) * item, dtype=torch.uint8)
     mv = scratch.numpy().data
     h = xxhash.xxh3_64_intdigest
     out: list[int] = []
     for k in range(len(planes)):
-        for i in range(r0 // br, -(-r1 // br)):
+        i, i1 = r0 // br, -(-r1 // br)
+        while i < i1:
             a, b = max(r0, i * br), min(r1, (i + 1) * br, t.rows)
+            if regular and a == i * br and b - a == br:  # a run of whole, full blocks: permute them at once
+                g = min(group, (min(r1, t.rows) - a) // br)
+                src = rows[k, a - r0 : a - r0 + g * br]
+                if blocks is not None:
+                    whole = src if src.device.type == "cpu" else src.cpu()
+                    wv, bb = whole.reshape(-1).numpy().data, block_bytes
+                    blocks += [h(wv[q * bb : (q + 1) * bb]) for q in range(g)]
+                n = br * w
+                scratch[: g * block_bytes].view(g, nj, br, w).copy_(src.view(g, br, nj, w).transpose(1, 2))
+                out += [h(mv[q * n : (q + 1) * n]) for q in range(g * nj)]
+                i += g
+                continue
             whole_rows = a == i * br and b == min((i + 1) * br, t.rows)
             block = rows[k, a - r0 : b - r0]
             if blocks is not None:
                 blocks.append(h((block if block.device.type == "cpu" else block.cpu()).numpy().data))
-            if regular and whole_rows:  # one permuting copy, then one call per tile
+            if regular and whole_rows:  # the last, shorter block
                 n = (b - a) * w
-                scratch[: n * (j1 - j0)].view(j1 - j0, b - a, w).copy_(block.reshape(b - a, j1 - j0, w).transpose(0, 1))
-                out += [h(mv[q * n : (q + 1) * n]) for q in range(j1 - j0)]
-                continue
-            for j in range(j0, j1):
-                x, y = max(c0, j * bc), min(c1, (j + 1) * bc, t.cols)
-                if not (whole_rows and x == j * bc and y == min((j + 1) * bc, t.cols)):
-                    out.append(0)
-                    continue
-                tile = block[:, (x - c0) * item : (y - c0) * item].contiguous().cpu()
-                out.append(h(tile.numpy().data))
+                scratch[: n * nj].view(nj, b - a, w).copy_(block.reshape(b - a, nj, w).transpose(0, 1))
+                out += [h(mv[q * n : (q + 1) * n]) for q in range(nj)]
+            else:
+                for j in range(j0, j1):
+                    x, y = max(c0, j * bc), min(c1, (j + 1) * bc, t.cols)
+                    if not (whole_rows and x == j * bc and y == min((j + 1) * bc, t.cols)):
+                        out.append(0)
+                        continue
+                    tile = block[:, (x - c0) * item : (y - c0) * item].contiguous().cpu()
+                    out.append(h(tile.numpy().data))
+            i += 1
     return np.array(out, dtype=np.uint64)
 
 
@@ -504,13 +523,13 @@ def shard_digests(tensor: torch.Tensor, t: Tiling) -> np.ndarray:
     full = tuple((0, d) for d in t.shape)
     if t.algo == "mix64":
         return mix64_box(tensor.detach(), t, full)
-    units = units_of(t, full)
     out = np.empty(t.count, dtype=np.uint64)
     if t.row_digests:  # the tiles are strided: gather them, each row block hashed first (one pass)
         blocks: list[int] = []
         out[: t.tiles] = xxh3_gathered(tensor.detach(), t, full, blocks)
         out[t.tiles :] = blocks
         return out
+    units = units_of(t, full)
     lo = np.array([u.lo for u in units], dtype=np.int64)
     out[[u.slot for u in units]] = hash_ranges(data, lo, lo + np.array([u.covered for u in units], dtype=np.int64))
     return out
