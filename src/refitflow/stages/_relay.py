@@ -26,7 +26,7 @@ import torch
 from refitflow.core.dtypes import dtype_name, itemsize
 from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, relay_layout
 from refitflow.layouts.boxes import contiguous_span, full, intersect, shape_of, shift, strided, volume
-from refitflow.stages._context import Landing, breathe
+from refitflow.stages._context import Landing, breathe, building
 from refitflow.stages.plan import Plan, PlannedRead, runs_read
 
 __all__ = ["RELAY", "Geometry", "RelayPiece", "Upstream", "geometry", "held_boxes"]
@@ -40,16 +40,21 @@ def held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
     """What this rank holds of each trainer shard in the shard's dtype, and the layout digest (cached per plan)."""
     cached = plan.derived.get("held")
     if cached is None:
-        position = {n: i for i, n in enumerate(landing.params)}
-        dtypes = {n: dtype_name(t.dtype) for n, t in landing.params.items()}
-        held = tuple(
-            HeldBox(c.source, c.spec.name, c.sbox, position[c.param], c.dbox)
-            for c in plan.copies
-            if c.param not in landing.derived and dtypes[c.param] == c.spec.dtype
-        )
-        params = [RelayParam(n, dtypes[n], tuple(t.shape), 0) for n, t in landing.params.items()]
-        cached = plan.derived["held"] = (held, relay_layout(params, held))
+        with building():  # tens of thousands of acyclic objects: no collector passes over the heap
+            cached = plan.derived["held"] = _held_boxes(plan, landing)
     return cached
+
+
+def _held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
+    position = {n: i for i, n in enumerate(landing.params)}
+    dtypes = {n: dtype_name(t.dtype) for n, t in landing.params.items()}
+    held = tuple(
+        HeldBox(c.source, c.spec.name, c.sbox, position[c.param], c.dbox)
+        for c in plan.copies
+        if c.param not in landing.derived and dtypes[c.param] == c.spec.dtype
+    )
+    params = [RelayParam(n, dtypes[n], tuple(t.shape), 0) for n, t in landing.params.items()]
+    return held, relay_layout(params, held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,8 @@ def geometry(plan: Plan, offer: RelayOffer) -> Geometry:
     key = ("relay", offer.layout)
     cached = plan.derived.get(key)
     if cached is None:
-        cached = plan.derived[key] = Geometry(plan, offer)
+        with building():
+            cached = plan.derived[key] = Geometry(plan, offer)
     return cached
 
 

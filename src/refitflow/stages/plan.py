@@ -39,7 +39,7 @@ from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, contiguous_span, intersect, shape_of, shift, strided, volume
 from refitflow.layouts.canonical import sliced
 from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index, digest_vector
-from refitflow.stages._context import Landing, Limits, StageContext, Work, breathe, gc_paused
+from refitflow.stages._context import Landing, Limits, StageContext, Work, breathe, built
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
 from refitflow.stages._regions import chunks, regions
@@ -321,8 +321,7 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
 
 def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable = None) -> Plan:
     """Every read this rank needs, grouped into buckets of at most the limits' sizes."""
-    with gc_paused():
-        return _build(pub, landing, limits, key)
+    return built(_build, pub, landing, limits, key)
 
 
 def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) -> Plan:
@@ -399,7 +398,7 @@ class PlanCache:
     async def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
         """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""
         if self._landing is None or self._landing[0] is not landing:  # once per landing: off the loop
-            key = await anyio.to_thread.run_sync(self.key, pub, landing, limits)
+            key = await anyio.to_thread.run_sync(built, self.key, pub, landing, limits)
         else:
             key = self.key(pub, landing, limits)
         plan = self.lookup(key)
@@ -423,7 +422,7 @@ async def run(
             t0 = time.perf_counter()
             plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
-            ctx.digests = await anyio.to_thread.run_sync(digest_vector, pub)
+            ctx.digests = await anyio.to_thread.run_sync(built, digest_vector, pub)
             assert ctx.attempt is not None
             ctx.attempt.hold(plan.digest_geometry, ctx.digests)
             if ctx.limits.skip_unchanged:
@@ -443,7 +442,7 @@ async def _skips(ctx: StageContext, plan: Plan) -> Skips | None:
         return None
     index = plan.derived.get("delta")
     if index is None:
-        index = plan.derived["delta"] = await anyio.to_thread.run_sync(DeltaIndex, plan, ctx.landing)
+        index = plan.derived["delta"] = await anyio.to_thread.run_sync(built, DeltaIndex, plan, ctx.landing)
     assert ctx.attempt is not None
     skips = decide(index, plan.digest_geometry, ctx.digests, target, live, turn=ctx.attempt.version,
                    recheck_fraction=ctx.limits.recheck_fraction)  # fmt: skip

@@ -21,7 +21,7 @@ import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
-from refitflow.stages._context import StageContext, Work
+from refitflow.stages._context import StageContext, Work, built
 from refitflow.stages._delta import PULL
 from refitflow.stages._relay import RELAY, RelayPiece, Upstream
 from refitflow.stages.plan import PlannedRead, coalesce, piece_read
@@ -45,7 +45,7 @@ async def reads_of(ctx: StageContext, work: Work) -> list[Read]:
         many = len(work.bucket.reads) > 64
         planned = work.bucket.reads
         cached = (
-            await anyio.to_thread.run_sync(_build_reads, ctx, work, planned)
+            await anyio.to_thread.run_sync(built, _build_reads, ctx, work, planned)
             if many
             else _build_reads(ctx, work, planned)
         )

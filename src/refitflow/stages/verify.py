@@ -38,7 +38,7 @@ from refitflow.core.digests import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.core.errors import IntegrityError
 from refitflow.stages import apply
 from refitflow.stages._checks import Checks, digest_vector
-from refitflow.stages._context import StageContext, Work
+from refitflow.stages._context import StageContext, Work, building
 from refitflow.stages._delta import PULL
 from refitflow.stages.pull import read_pieces
 from refitflow.stages.translate import piece_copies
@@ -77,11 +77,12 @@ def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | Non
     key = (work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
     if key in ctx.plan.views:
         return ctx.plan.views[key]
-    bufs = _buffers(ctx, work, ch)
     cached = None
-    if all(b.device.type == "cpu" for b in bufs):
-        mvs = [b.numpy().data for b in bufs]
-        cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
+    with building():  # once per plan and bucket: one view per unit
+        bufs = _buffers(ctx, work, ch)
+        if all(b.device.type == "cpu" for b in bufs):
+            mvs = [b.numpy().data for b in bufs]
+            cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
     ctx.plan.views[key] = cached
     return cached
 
