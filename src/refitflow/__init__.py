@@ -7,6 +7,7 @@ transactionally (nothing half-updated is ever served). See README.md and docs/ar
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, ReceiverStatus, RefitResult, StageStats
 from refitflow.core.errors import (
+    AlreadyCommittedError,
     AuthenticationError,
     ConfigError,
     CoverageError,
@@ -45,6 +46,7 @@ from refitflow.transports import LoopbackTransport, Transport
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyCommittedError",
     "ApplyMode",
     "AuthenticationError",
     "Ballot",

@@ -82,3 +82,32 @@ async def test_a_participant_that_dies_mid_refit_aborts_its_engine_at_the_coordi
     alive, dead = results["a"].ranks
     assert "no answer" in (dead.error or "") and not alive.committed and alive.decision == "abort", results["a"]
     assert status["a"][0]["fence"] == "ready" and status["a"][0]["committed_version"] is None, status  # shadow
+
+
+@pytest.mark.asyncio
+async def test_two_refits_of_one_controller_at_once_both_see_the_engine_commit() -> None:
+    """Each rank runs one command at a time and answers another 'busy'. Two refits sent at once could
+    reach the two ranks in opposite orders: each rank would run a different attempt, neither vote would
+    gather both ballots, and the version would commit nowhere. A controller runs its refits one at a
+    time, so the second finds the version committed."""
+    engines, procs = _start({"a": ["clean", "clean"]})
+    controller = rf.Controller(engines, slack_s=10)
+    got: list[dict[str, rf.EngineResult]] = []
+
+    async def refit() -> None:
+        got.append(await controller.refit(1, timeout=20))
+
+    try:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(refit)
+            status = await controller.status()
+            await controller.stop_agents()
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.exitcode is None:
+                p.kill()
+    assert len(got) == 3 and all(r["a"].committed and r["a"].version == 1 for r in got), got
+    assert all(s["committed_version"] == 1 for s in status["a"]), status

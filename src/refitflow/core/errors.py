@@ -28,6 +28,7 @@ from __future__ import annotations
 
 __all__ = [
     "RELEASED_HINT",
+    "AlreadyCommittedError",
     "AuthenticationError",
     "ConfigError",
     "CoverageError",
@@ -109,6 +110,10 @@ class OutOfStepError(TransportError):
 
 class VersionError(RefitError):
     """Version ordering or transaction state was violated."""
+
+
+class AlreadyCommittedError(VersionError):
+    """The version asked for is the one this rank already serves (nothing to refit)."""
 
 
 class FencedError(RefitError):

@@ -75,14 +75,21 @@ class Controller:
         self.security = security
         # command ids double as vote attempt ids: they increase across controller restarts too
         self._ids = itertools.count(time.time_ns() // 1000)
+        self._refitting = anyio.Lock()
 
     async def refit(self, version: int, *, timeout: float = 60.0) -> dict[str, EngineResult]:
         """Refit every engine to the newest version ≥ ``version`` (waiting up to ``timeout`` s for one).
 
         An engine's result is committed only when every rank committed, and all the same version.
+
+        Refits of one controller run one at a time (a later call waits for the earlier one, then finds
+        its version committed): a rank runs one command at a time and answers another "busy", so two
+        commands sent at once could reach an engine's ranks in opposite orders — each rank in a
+        different attempt, neither vote complete, the version committed nowhere.
         """
-        command = {"op": "refit", "id": next(self._ids), "version": version, "timeout": timeout}
-        replies = await self._ask_all(command, timeout + self.slack_s)
+        async with self._refitting:
+            command = {"op": "refit", "id": next(self._ids), "version": version, "timeout": timeout}
+            replies = await self._ask_all(command, timeout + self.slack_s)
         results = {}
         for name, ranks in replies.items():
             reports = tuple(_report(r) for r in ranks)

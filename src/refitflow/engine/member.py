@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from refitflow.core.errors import RefitError, VersionError
+from refitflow.core.errors import AlreadyCommittedError, RefitError, VersionError
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.pipeline.transaction import Ledger, Transaction
 
@@ -193,6 +193,9 @@ class EngineMember:
             return outcome(False, txn.version)
         if txn is not None:
             await recv.abort(txn, f"engine vote: {v.reason or decision.value}")
+        if decision is Decision.NOTHING and isinstance(error, AlreadyCommittedError) and not began:
+            # nobody began, and this rank serves the very version asked for (a repeated refit): done here
+            return outcome(True, ledger.committed_version)
         if decision is Decision.COMMIT:  # never, unless a verdict was forged
             ledger.fence_for_peers(f"the engine committed version {v.version}, which this rank did not prepare")
         elif decision is Decision.ABORT and not began:

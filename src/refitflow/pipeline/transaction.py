@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from refitflow.core.errors import VersionError
+from refitflow.core.errors import AlreadyCommittedError, VersionError
 from refitflow.pipeline.coverage import CoverageTracker
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.pipeline.fence import Fence, FenceState
@@ -55,6 +55,8 @@ class Ledger:
     def begin(self, version: int, revision: str) -> Transaction:
         if self.open is not None:
             raise VersionError(f"transaction for version {self.open.version} is still open", version=version)
+        if version == self.committed_version and self.fence.state is FenceState.READY:
+            raise AlreadyCommittedError(f"this rank already serves version {version}", version=version)
         if self.last_begun is not None and version <= self.last_begun:
             raise VersionError(f"version must increase: last begun on this rank was {self.last_begun}", version=version)
         self.last_begun = version
