@@ -1,14 +1,18 @@
-"""What the fleet drivers (``vllm.VllmFleet``, ``sglang.SglangFleet``) share: one POST under httpx, and the
-error a server's answer becomes. Needs ``httpx`` (in the ``vllm`` and ``sglang`` extras)."""
+"""What the fleet drivers (``vllm.VllmFleet``, ``sglang.SglangFleet``) share: one POST under httpx, the
+error a server's answer becomes, the servers by name, and how a server's update ends (fenced and left
+paused, or resumed). Needs ``httpx`` (in the ``vllm`` and ``sglang`` extras)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from refitflow.core.errors import RefitError
+import anyio
+
+from refitflow.core.errors import ConfigError, RefitError
 from refitflow.engine.controller import EngineResult, RankReport
 
-__all__ = ["ServerError", "client", "post", "server_result"]
+__all__ = ["ServerError", "client", "each_server", "named_servers", "post", "server_result", "settle", "step"]
 
 
 class ServerError(RefitError):
@@ -55,3 +59,56 @@ def server_result(name: str, version: int, *, committed: bool, fenced: bool, err
         fence="fenced" if fenced else "ready", error=None if error is None else str(error),
     )  # fmt: skip
     return EngineResult(engine=name, committed=rank.committed, version=rank.version, ranks=(rank,))
+
+
+def named_servers(servers: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
+    """Server name -> base URL (a list of URLs names each server by its URL)."""
+    named = dict(servers) if isinstance(servers, Mapping) else {url: url for url in servers}
+    if not named:
+        raise ConfigError("a fleet needs at least one server URL")
+    return {name: url.rstrip("/") for name, url in named.items()}
+
+
+async def each_server(
+    servers: Mapping[str, str], one: Callable[[str, str], Awaitable[EngineResult]]
+) -> dict[str, EngineResult]:
+    """``one(name, url)`` on every server at once; the results by name."""
+    results: dict[str, EngineResult] = {}
+
+    async def run(name: str, url: str) -> None:
+        results[name] = await one(name, url)
+
+    async with anyio.create_task_group() as tg:
+        for name, url in servers.items():
+            tg.start_soon(run, name, url)
+    return results
+
+
+async def step(http: Any, route: str, body: dict[str, Any] | None, timeout_s: float) -> ServerError | None:
+    """POST ``route`` under ``timeout_s``, shielded from cancellation (a closing step must be sent); its
+    error, if any."""
+    try:
+        with anyio.CancelScope(shield=True), anyio.fail_after(timeout_s):
+            await post(http, route, body)
+    except ServerError as exc:
+        return exc
+    except TimeoutError:
+        return ServerError(route, None, f"no answer within {timeout_s} s")
+    return None
+
+
+async def settle(http: Any, name: str, version: int, *, committed: bool, wrote: bool, in_place: bool,
+                 error: ServerError | None, paused: set[str], resume: tuple[str, dict[str, Any] | None] | None,
+                 timeout_s: float) -> EngineResult:  # fmt: skip
+    """How a server's update ends. Fenced — left paused (in ``paused``) — when it failed after it may have
+    written (``wrote``): in place, or in doubt in either mode (some ranks may have committed, others not);
+    else resumed with ``resume`` (route, body; None: it was never paused)."""
+    fenced = not committed and wrote and (in_place or "in doubt" in str(error))
+    if fenced:
+        paused.add(name)
+    elif resume is not None:
+        failed = await step(http, *resume, timeout_s)
+        if failed is None:
+            paused.discard(name)
+        error = error or failed
+    return server_result(name, version, committed=committed, fenced=fenced, error=error)

@@ -28,7 +28,8 @@ import anyio
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
-from refitflow.integrations.http import ServerError, client, post, server_result
+from refitflow.integrations.http import ServerError, client, each_server, named_servers, post, settle
+from refitflow.integrations.http import step as post_step
 from refitflow.integrations.sglang.payload import LOADER, encode
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 
@@ -42,14 +43,11 @@ class SglangFleet:
         self, servers: Mapping[str, str] | Sequence[str], init: RefitflowInitInfo, *, tp: int = 1,
         pause_mode: str | None = "retract", request_timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
-        named = dict(servers) if isinstance(servers, Mapping) else {url: url for url in servers}
-        if not named:
-            raise ConfigError("a fleet needs at least one server URL")
+        self.servers = named_servers(servers)
         if pause_mode is not None and pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES} or None (no pause), got {pause_mode!r}")
         if tp < 1:
             raise ConfigError(f"tp must be the servers' TP size (at least 1), got {tp}")
-        self.servers = {name: url.rstrip("/") for name, url in named.items()}
         self.init, self.tp, self.pause_mode, self.request_timeout_s = init, tp, pause_mode, request_timeout_s
         self.paused: set[str] = set()  # servers left paused (fenced) by a failed update
 
@@ -60,14 +58,11 @@ class SglangFleet:
         update = RefitflowUpdateInfo(version=version, timeout_s=timeout_s, wait_s=wait_s)
         body = {"serialized_named_tensors": encode(self.init, update, tp=self.tp), "load_format": LOADER,
                 "flush_cache": True, "weight_version": str(version), "selector": "target"}  # fmt: skip
-        results: dict[str, EngineResult] = {}
-        async with anyio.create_task_group() as tg:
-            for name, url in self.servers.items():
-                tg.start_soon(self._refit_one, name, url, version, body, timeout_s, results)
-        return results
+        return await each_server(self.servers, lambda name, url: self._refit_one(name, url, version, body, timeout_s))
 
-    async def _refit_one(self, name: str, url: str, version: int, body: dict[str, Any], timeout_s: float,
-                         into: dict[str, EngineResult]) -> None:  # fmt: skip
+    async def _refit_one(
+        self, name: str, url: str, version: int, body: dict[str, Any], timeout_s: float
+    ) -> EngineResult:
         deadline = time.monotonic() + timeout_s + self.init.vote_timeout_s + 3 * self.request_timeout_s
         step, error, began = "pause_generation", None, False
         async with client(url, self.request_timeout_s) as http:
@@ -84,31 +79,10 @@ class SglangFleet:
                 error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
             committed = error is None  # the update's own outcome: a failed end after it does not undo a commit
             if began:  # close SGLang's update session in every case (the next begin refuses an open one)
-                with anyio.CancelScope(shield=True):  # bounded by the request deadline
-                    ended = await self._step(http, "end_weight_update")  # posted even after a failed update
+                ended = await post_step(http, "end_weight_update", {}, self.request_timeout_s)  # after a failure too
                 error = error or ended
-            doubt = "in doubt" in str(error)
-            # in place, an update that reached the loader may have written: keep the server paused; in doubt,
-            # some ranks may have committed and others not: keep it paused in either mode
-            wrote = step == "update_weights_from_tensor"
-            fenced = not committed and wrote and (self.init.mode == "in_place" or doubt)
-            if fenced:
-                self.paused.add(name)
-            elif self.pause_mode is not None:
-                with anyio.CancelScope(shield=True):  # bounded by the request deadline
-                    failed = await self._step(http, "continue_generation")
-                if failed is None:
-                    self.paused.discard(name)
-                error = error or failed
-        into[name] = server_result(name, version, committed=committed, fenced=fenced, error=error)
-
-    async def _step(self, http: Any, route: str) -> ServerError | None:
-        """POST ``route`` with an empty body under the request deadline; its error, if any."""
-        try:
-            with anyio.fail_after(self.request_timeout_s):
-                await post(http, route, {})
-        except ServerError as exc:
-            return exc
-        except TimeoutError:
-            return ServerError(route, None, f"no answer within {self.request_timeout_s} s")
-        return None
+            # an update that reached the loader may have written
+            return await settle(http, name, version, committed=committed, error=error, paused=self.paused,
+                                wrote=step == "update_weights_from_tensor", in_place=self.init.mode == "in_place",
+                                resume=None if self.pause_mode is None else ("continue_generation", {}),
+                                timeout_s=self.request_timeout_s)  # fmt: skip

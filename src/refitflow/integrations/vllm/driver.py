@@ -28,7 +28,7 @@ import anyio
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
-from refitflow.integrations.http import ServerError, server_result
+from refitflow.integrations.http import ServerError, each_server, named_servers, settle
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
 from refitflow.integrations.vllm.info import RefitflowInitInfo
@@ -41,12 +41,9 @@ class VllmFleet:
         self, servers: Mapping[str, str] | Sequence[str], *, mode: str = "in_place", pause_mode: str = "keep",
         request_timeout_s: float = 30.0, vote_timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
-        named = dict(servers) if isinstance(servers, Mapping) else {url: url for url in servers}
-        if not named:
-            raise ConfigError("a fleet needs at least one server URL")
+        self.servers = named_servers(servers)
         if mode not in ("in_place", "shadow"):
             raise ConfigError(f"mode must be the backend's: 'in_place' or 'shadow', got {mode!r}")
-        self.servers = {name: url.rstrip("/") for name, url in named.items()}
         self.mode, self.pause_mode, self.request_timeout_s = mode, pause_mode, request_timeout_s
         self.vote_timeout_s = vote_timeout_s  # the backend's: an update's vote may take this long after its pull
         self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
@@ -66,11 +63,7 @@ class VllmFleet:
     async def refit(self, version: int, *, timeout_s: float = 600.0, **update: Any) -> dict[str, EngineResult]:
         """Update every server to ``version`` (or newer); ``update``: more ``RefitflowUpdateInfo`` fields."""
         info = {"version": version, "timeout_s": timeout_s, **update}
-        results: dict[str, EngineResult] = {}
-        async with anyio.create_task_group() as tg:
-            for name, url in self.servers.items():
-                tg.start_soon(self._refit_one, name, url, info, timeout_s, results)
-        return results
+        return await each_server(self.servers, lambda name, url: self._refit_one(name, url, info, timeout_s))
 
     async def checksums(self, *, timeout_s: float = 120.0) -> dict[str, dict[str, str]]:
         """Every server's ``/weight_checker`` checksums."""
@@ -84,9 +77,7 @@ class VllmFleet:
 
     # -- one server --------------------------------------------------------------------------------
 
-    async def _refit_one(self, name: str, url: str, info: dict[str, Any], timeout_s: float,
-                         into: dict[str, EngineResult]) -> None:  # fmt: skip
-
+    async def _refit_one(self, name: str, url: str, info: dict[str, Any], timeout_s: float) -> EngineResult:
         deadline = time.monotonic() + timeout_s + self.vote_timeout_s + 2 * self.request_timeout_s
         version = info["version"]
         step, error = "pause", None
@@ -103,24 +94,14 @@ class VllmFleet:
                     await _post(http, step, {"weight_version": str(version)})
             except (ServerError, TimeoutError) as exc:
                 error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
-            committed = error is None
-            if not committed and step == "update_weights":
+            if error is not None and step == "update_weights":
                 await _close_update(http, self.request_timeout_s)
-            doubt = "in doubt" in str(error)  # vLLM answers with the first failing worker's error
-            # in place, an update that got as far as pulling may have written: keep the server paused; in doubt,
-            # some workers may have committed and others not yet: keep it paused in either mode
-            wrote = step in ("update_weights", "finish_weight_update")
-            fenced = not committed and wrote and (self.mode == "in_place" or doubt)
-            if not fenced:
-                try:
-                    with anyio.CancelScope(shield=True), anyio.fail_after(self.request_timeout_s):  # bounded
-                        await _post(http, "resume", None)
-                    self.paused.discard(name)
-                except (ServerError, TimeoutError) as exc:
-                    error = error or (exc if isinstance(exc, ServerError) else ServerError("resume", None, "timed out"))
-            else:
-                self.paused.add(name)
-        into[name] = server_result(name, version, committed=committed, fenced=fenced, error=error)
+            # an update that got as far as pulling may have written (vLLM answers with the first failing worker's
+            # error, "in doubt" among them)
+            return await settle(http, name, version, committed=error is None, error=error, paused=self.paused,
+                                wrote=step in ("update_weights", "finish_weight_update"),
+                                in_place=self.mode == "in_place", resume=("resume", None),
+                                timeout_s=self.request_timeout_s)  # fmt: skip
 
     async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
 
