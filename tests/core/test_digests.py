@@ -12,21 +12,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitflow.core import digests as digests_module
-from refitflow.core.digests import (
-    Tiling,
-    _hash_ranges_bounced,
-    choose_tiling,
-    frame,
-    hash_ranges,
-    mix64_box,
-    shard_digests,
-    unit_count,
-    units_array,
-    units_of,
-    xxh3_gathered,
-)
+from refitflow.core import hashing
+from refitflow.core.digests import Tiling, choose_tiling, frame, unit_count, units_array, units_of
 from refitflow.core.dtypes import _BY_NAME
+from refitflow.core.hashing import _hash_ranges_bounced, hash_ranges, mix64_box, shard_digests, xxh3_gathered
 
 M64 = (1 << 64) - 1
 # every device this machine has: the same code runs on each (CPU here; CUDA where one is visible)
@@ -145,14 +134,14 @@ def test_gathered_tiles_hash_as_each_tile_copied_out_alone(planes, rows, parts, 
                 tile = x[p, a:b, j * bc : (j + 1) * bc].contiguous().view(torch.uint8).numpy().tobytes()
                 want.append(xxhash.xxh3_64_intdigest(tile) if whole else 0)
     data = x[:, r0 : r1 + 1, j0 * bc : j1 * bc].contiguous()
-    old = digests_module.GATHER_BYTES
-    digests_module.GATHER_BYTES = gather
+    old = hashing.GATHER_BYTES
+    hashing.GATHER_BYTES = gather
     whole_rows = (j0, j1) == (0, parts) and r0 % tile_rows == 0 and ((r1 + 1) % tile_rows == 0 or r1 + 1 == rows)
     blocks: list[int] | None = [] if whole_rows else None
     try:
         got = xxh3_gathered(data, t, box, blocks)
     finally:
-        digests_module.GATHER_BYTES = old
+        hashing.GATHER_BYTES = old
     assert got.tolist() == want
     if blocks is not None:  # a reader of whole rows: one digest per row block, its bytes as they lie
         starts = range(r0, r1 + 1, tile_rows)

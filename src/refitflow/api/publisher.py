@@ -21,16 +21,10 @@ import xxhash
 from refitflow.api._dtensor import is_dtensor, local_part
 from refitflow.api._sharded import Sharded
 from refitflow.api._transport import choose_transport
-from refitflow.core.digests import (
-    ALGORITHMS,
-    Tiling,
-    choose_tiling,
-    mix64_box_on_device,
-    shard_digests,
-    to_host,
-)
+from refitflow.core.digests import ALGORITHMS, Tiling, choose_tiling
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
+from refitflow.core.hashing import mix64_box_on_device, shard_digests, to_host
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.layouts.boxes import full
 from refitflow.metrics import NULL_OBSERVER, PublishObserver

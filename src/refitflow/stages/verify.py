@@ -3,7 +3,7 @@
 The plan holds each bucket's checks (``_checks``): the digest units its pieces hold and where their
 bytes landed (staging, or the destination for direct pieces), as arrays. Verify hashes them on the
 bytes' own device, off the event loop, and compares with the version's digest vector (decoded once
-per refit), by the algorithm the publisher chose for each shard (``core/digests.py``): a whole xxh3
+per refit), by the algorithm the publisher chose for each shard (``core/hashing.py``): a whole xxh3
 unit is one C call; a mix64 piece is one batched torch pass; xxh3 tiles strided where they landed
 are gathered. A unit split over pieces (a tile larger than a bucket) is completed across pieces and
 buckets (xxh3 streams in plan order; mix64 adds sums). Bytes of units that never complete count as
@@ -34,8 +34,8 @@ import torch
 import xxhash
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from refitflow.core.digests import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.core.errors import IntegrityError
+from refitflow.core.hashing import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.stages import apply
 from refitflow.stages._checks import Checks, digest_vector
 from refitflow.stages._context import StageContext, Work, building
