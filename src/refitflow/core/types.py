@@ -86,8 +86,8 @@ class ShardSpec:
 
     ``axis is None`` means the source holds the whole tensor (replicated or unsharded).
 
-    Integrity (``core/digests.py``, ``core/hashing.py``): ``algo`` (``xxh3`` or ``mix64``) over tiles of ``tile_rows`` rows ×
-    ``tile_cols`` columns; ``blocks`` is the base64 of the digests (8 bytes each, big-endian, in
+    Integrity (``core/digests.py``, ``core/hashing.py``): ``algo`` (``xxh3`` or ``mix64``) over tiles of
+    ``tile_rows`` rows × ``tile_cols`` columns; ``blocks`` is the base64 of the digests (8 bytes each, big-endian, in
     ``Tiling`` order) and ``digest`` the xxh3_64 of those bytes. ``tile_rows == 0``: no ``blocks``, and
     ``digest`` is the one digest of the whole shard.
     ``compile_target``/``compile_metadata``: what the bytes were compiled for (receivers may filter).
