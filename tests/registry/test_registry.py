@@ -80,5 +80,12 @@ def test_publisher_rejects_noncontiguous_tensors_instead_of_copying(ident, regis
         async with rf.Publisher(registry, identity=ident) as pub:
             with pytest.raises(rf.ConfigError, match="not contiguous"):
                 await pub.publish(1, {"w": torch.ones(4, 4).t()})
+            # a model of more than 1,024 tensors is checked in a worker thread: the same error, nothing registered
+            many = {f"t{i}": torch.ones(2) for i in range(2000)} | {"w": torch.ones(4, 4).t()}
+            with pytest.raises(rf.ConfigError, match="'w' is not contiguous"):
+                await pub.publish(1, many)
+            assert pub.published == [] and not pub.transport._regions  # type: ignore[attr-defined]
+            del many["w"]
+            assert len((await pub.publish(1, many)).shards) == 2000
 
     anyio.run(go)
