@@ -80,7 +80,7 @@ def breathe() -> None:
         return
     now = time.perf_counter()
     if now - _last[0] > _BREATH_S and threading.current_thread() is not threading.main_thread():
-        time.sleep(1e-5)
+        time.sleep(0)
         _last[0] = time.perf_counter()
 
 
