@@ -20,11 +20,14 @@ from tests.integrations._tiny import canonical, config, dims
 
 class LostVerdict:
     """A vote channel whose verdict is lost on its way back once (the real ZMQ vote runs underneath): the rank
-    is in doubt. A lost message cannot be provoked on purpose over loopback; the peers, the coordinator and
-    ``resolve`` are the real ones."""
+    is in doubt. ``lost_answers``: that many of its questions to the peers (``resolve``) get no answer
+    either — the update's own one question by default, so the rank stays in doubt until the next update. A
+    lost message cannot be provoked on purpose over loopback; the peers, the coordinator and ``resolve``
+    are the real ones."""
 
-    def __init__(self, inner: VoteChannel) -> None:
+    def __init__(self, inner: VoteChannel, lost_answers: int = 1) -> None:
         self.inner, self.rank, self.size, self.lose = inner, inner.rank, inner.size, True
+        self.lost_answers = lost_answers
         self.resolved: list[Verdict] = []
 
     @property
@@ -39,6 +42,9 @@ class LostVerdict:
         return verdict
 
     async def resolve(self, attempt: int, timeout: float) -> Verdict:
+        if self.lost_answers:
+            self.lost_answers -= 1
+            return Verdict(attempt, Decision.IN_DOUBT, None, "no answer from the peers")
         self.resolved.append(await self.inner.resolve(attempt, timeout))
         return self.resolved[-1]
 

@@ -212,6 +212,33 @@ async def test_mla_weights_are_derived_after_each_commit_and_a_failed_derivation
 
 
 @pytest.mark.asyncio
+async def test_a_worker_that_lost_the_verdict_asks_its_peers_and_its_update_goes_on() -> None:
+    """The verdict is lost on its way to worker 1, but the coordinator answers its question: the update
+    succeeds on both, the version waits (prepared, not visible) for ``finish_weight_update`` as usual."""
+    with anyio.fail_after(300):
+        async with Trainer("qwen2") as trainer:
+            addresses = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+            workers = [await started(trainer, "qwen2", r, vote_addresses=addresses, vote_timeout_s=20) for r in (0, 1)]
+            doubtful, model = workers[1]
+            channel = doubtful.session.member.channel = LostVerdict(doubtful.session.member.channel, lost_answers=0)
+            await trainer.publish(1, seed=1)
+            async with anyio.create_task_group() as tg:
+                for engine, _ in workers:
+                    engine.start_weight_update()
+                    tg.start_soon(anyio.to_thread.run_sync, engine.update_weights, {"version": 1})
+            assert not channel.lose and [(v.attempt, v.decision, v.version) for v in channel.resolved] == [
+                (1, Decision.COMMIT, 1)
+            ]
+            assert doubtful.status["in_doubt"] is None and doubtful.status["committed_version"] is None
+            for engine, _ in workers:
+                engine.finish_weight_update()
+            assert all(engine.status["committed_version"] == 1 for engine, _ in workers)
+            assert doubtful.status["fence"] == "ready" and holds(model, expected("qwen2", 1, 2, 1))
+            for engine, _ in workers:
+                engine.shutdown()
+
+
+@pytest.mark.asyncio
 async def test_a_worker_in_doubt_fails_its_update_saying_so_and_learns_the_verdict_at_the_next_update() -> None:
     with anyio.fail_after(300):
         async with Trainer("qwen2") as trainer:

@@ -130,17 +130,19 @@ class EngineMember:
                 f"version {outcome.transaction.version} was committed by the engine and abandoned here: {reason}"
             )
 
-    async def resolve(self, timeout: float | None = None) -> EngineOutcome | None:
+    async def resolve(self, timeout: float | None = None, *, defer: bool = False) -> EngineOutcome | None:
         """Ask the peers for the verdict this rank is in doubt about; the outcome once learned.
 
         ``None`` when not in doubt, still in doubt, or a refit is running (it resolves first itself).
+        ``defer``: a COMMIT leaves the version prepared (``outcome.transaction``) for ``commit``, as
+        ``prepare`` does.
         """
         if self._doubt is None or self._lock.locked():
             return None
         async with self._lock:
-            return await self._resolve(self.resolve_timeout if timeout is None else timeout)
+            return await self._resolve(self.resolve_timeout if timeout is None else timeout, defer=defer)
 
-    async def _resolve(self, timeout: float) -> EngineOutcome | None:
+    async def _resolve(self, timeout: float, *, defer: bool = False) -> EngineOutcome | None:
         doubt = self._doubt
         if doubt is None:
             return None
@@ -148,7 +150,7 @@ class EngineMember:
         if verdict.decision is Decision.IN_DOUBT:
             return None
         self._doubt = None
-        return await self._apply(verdict, doubt.txn, True, doubt.result, None)
+        return await self._apply(verdict, doubt.txn, True, doubt.result, None, defer=defer)
 
     async def _leave_doubt(self) -> None:
         """Before a new attempt: learn the doubtful verdict, or abandon that version (fenced, never committed)."""

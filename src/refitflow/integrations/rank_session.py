@@ -6,8 +6,9 @@ runs them on its ``LoopThread`` under deadlines. Every writer is an ``EngineMemb
 ``GlooVote``): ``update`` prepares the version on this rank and votes at once, so every rank leaves
 ``update`` knowing the engine's verdict — COMMIT (the version waits, invisible, for ``commit``),
 ABORT (in place fenced, shadow still serving the previous version; ``update`` raises) — or, having
-voted ready and lost touch with the vote, in doubt (``update`` raises saying so; the next ``update``
-learns the verdict first). Two preparers:
+voted ready and lost touch with the vote, in doubt: ``update`` asks the peers for the verdict once
+(``EngineMember.resolve``, its ``resolve_timeout``) and goes on with what it learns; still in doubt, it
+raises saying so, and the next ``update`` learns the verdict first. Two preparers:
 
 - ``direct``: a ``Receiver`` writing the live parameters (or their shadows, copied in at commit)
   through the layout derived from the model (``fused_model.derive``): only this rank's slices are read.
@@ -119,6 +120,10 @@ class RankSession:
         member = self._member()
         prepare = functools.partial(member.prepare, version, timeout=wait_s)
         outcome = self.loop.run(prepare, timeout=timeout_s, what="the refitflow update")
+        if outcome.decision is Decision.IN_DOUBT:  # ask the peers once before failing: a lost verdict, usually
+            resolve = functools.partial(member.resolve, defer=True)
+            learned = self.loop.run(resolve, timeout=member.resolve_timeout + 5.0, what="resolving the engine vote")
+            outcome = learned if learned is not None else outcome
         if outcome.transaction is None:
             raise self._failure(outcome, version)
         self.pending = outcome
