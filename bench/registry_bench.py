@@ -17,11 +17,15 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
+import torch
 import zmq.asyncio
 
 import refitflow as rf
-from refitflow.core.wire import PROTOCOL_VERSION
+from refitflow.api.publisher import digest
+from refitflow.core.types import Manifest, ShardSpec, SourceAddress
+from refitflow.core.wire import PROTOCOL_VERSION, manifest_to_dict
 from refitflow.registry.client import RegistryClient
 
 
@@ -34,13 +38,25 @@ async def spawn_registry() -> tuple[asyncio.subprocess.Process, str]:
     return proc, line.split(" serving at ")[1].split()[0]
 
 
-def manifest_dict(model: int, rank: int, world: int, tensors: int) -> dict[str, object]:
-    """Built as a dict (the registry computes the revision): building 10^6 ShardSpecs here would time us."""
-    shards = [[f"layers.{t}.weight", "bfloat16", [4 * world, 64], 0, 4 * rank, 4 * rank + 4, f"{t:016x}", t, 0]
-              for t in range(tensors)]  # fmt: skip
-    return {"identity": {"model": f"model-{model}"}, "version": 1, "rank": rank, "world_size": world,
-            "revision": "", "metadata": {}, "source": {"transport": "nixl", "agent": f"m{model}r{rank}"},
-            "shards": shards}  # fmt: skip
+def rank_templates(world: int, tensors: int) -> list[dict[str, Any]]:
+    """Each rank's manifest as the wire carries it (real ``ShardSpec``s, the publisher's digest fields of a
+    4 × 64 bf16 slice), built once: building 10^6 specs per run would time this script, not the registry."""
+    fields = digest(torch.zeros(4, 64, dtype=torch.bfloat16))
+    out = []
+    for rank in range(world):
+        shape, rows = (4 * world, 64), (4 * rank, 4 * rank + 4)
+        shards = tuple(ShardSpec(name=f"layers.{t}.weight", dtype="bfloat16", global_shape=shape, axis=0,
+                                 start=rows[0], stop=rows[1], region=t, **fields) for t in range(tensors))  # fmt: skip
+        source = SourceAddress(transport="nixl", agent=f"r{rank}")
+        out.append(manifest_to_dict(Manifest(identity=rf.Identity(model="template"), version=1, rank=rank,
+                                             world_size=world, source=source, shards=shards)))  # fmt: skip
+    return out
+
+
+def manifest_dict(template: dict[str, Any], model: int, rank: int) -> dict[str, Any]:
+    """A rank's template as model ``model``'s manifest (its own identity and source agent)."""
+    return template | {"identity": template["identity"] | {"model": f"model-{model}"},
+                       "source": template["source"] | {"agent": f"m{model}r{rank}"}}  # fmt: skip
 
 
 def pct(values: list[float], q: float) -> float:
@@ -52,13 +68,14 @@ async def main(args: argparse.Namespace) -> None:
     registry, address = await spawn_registry()
     ctx = zmq.asyncio.Context()
     try:
+        templates = rank_templates(args.world, args.tensors)
         t0 = time.perf_counter()
         async with RegistryClient(address, context=ctx, request_timeout_s=60) as publisher:
             sem = asyncio.Semaphore(16)
 
             async def publish(model: int, rank: int) -> None:
                 async with sem:  # the publish op of RegistryClient, with the manifest already a dict
-                    await publisher._request("publish", manifest=manifest_dict(model, rank, args.world, args.tensors),
+                    await publisher._request("publish", manifest=manifest_dict(templates[rank], model, rank),
                                              owner=publisher.client_id)  # fmt: skip
 
             await asyncio.gather(*(publish(m, r) for m in range(models) for r in range(args.world)))

@@ -64,3 +64,15 @@ def test_the_kimi_plan_bench_runs_small_and_pulls_about_each_ranks_slice(receive
     for row in rows:
         pulled, ideal = float(row[row.index("pulled") - 2]), float(row[row.index("slice") - 2])
         assert 0 < ideal <= pulled <= 1.1 * ideal, out
+
+
+def test_registry_bench_runs_at_a_small_size() -> None:
+    """The registry bench publishes manifests as the wire carries them: one written against an older
+    manifest format was refused by the registry, and nothing noticed until it was run again."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "bench/registry_bench.py", "--sources", "16", "--tensors", "20", "--clients", "4",
+           "--queries", "2"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "published 16 sources × 20 tensors" in done.stdout and "protocol v2" in done.stdout, done.stdout
+    assert "cold discovery (fetch 8 manifests, 160 shards)" in done.stdout and "warm discovery" in done.stdout
