@@ -1,11 +1,15 @@
 """Refit vs raw NIXL READ of the same bytes, interleaved in one run (fair on a shared machine).
 
     python bench/nixl_ratio.py [--size-mb 512] [--tensors 174] [--rounds 6] [--agents 1] [--mode in_place]
+                               [--direct-bucket-mb 64] [--diagnose-no-hashing]
 
 A publisher process (NIXL, xxh3 digests) and this receiver process. Each round: one raw READ of every
 shard into the destination (one ``NixlTransport.read``, prepared once, replayed), then one strict-verify
 refit of a new version; both with ``--agents`` receiver agents (reads striped over them). Prints each
 pair and the ratio of the medians and of the bests. GB/s = 10^9 bytes per second.
+
+``--diagnose-no-hashing`` is a diagnostic, not a mode: it replaces verify's hashing of whole units with
+nothing in this process, so the refit checks no byte — it shows what verifying costs beside the copies.
 """
 
 from __future__ import annotations
@@ -39,12 +43,20 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--agents", type=int, default=1)
     ap.add_argument("--mode", default="in_place")
+    ap.add_argument("--direct-bucket-mb", type=float, default=64, help="ReceiverConfig.direct_bucket_bytes, MiB")
+    ap.add_argument("--diagnose-no-hashing", action="store_true", help="verify hashes nothing (unverified refits)")
     a = ap.parse_args()
+    if a.diagnose_no_hashing:
+        from refitflow.stages import verify
+
+        verify._whole_units = lambda *args, **kwargs: []  # type: ignore[assignment]
     numel = int(a.size_mb * 2**20 / 4 / a.tensors)
     spec = {"tensors": a.tensors, "numel": numel, "model": "bench"}
     dst = {f"layers.{i}.weight": torch.zeros(numel + i % 7) for i in range(a.tensors)}
     nbytes = sum(t.nbytes for t in dst.values())
-    print(f"{a.tensors} fp32 tensors, {nbytes / 1e9:.3f} GB, mode {a.mode}, receiver agents {a.agents}, strict verify")
+    checks = "NO HASHING (diagnostic)" if a.diagnose_no_hashing else "strict verify"
+    print(f"{a.tensors} fp32 tensors, {nbytes / 1e9:.3f} GB, mode {a.mode}, receiver agents {a.agents}, {checks}, "
+          f"direct buckets {a.direct_bucket_mb:g} MiB")  # fmt: skip
     registry, identity = rf.Registry(), rf.Identity(model="bench")
     raw_t, refit_t = [], []
     async with Peer(spec) as peer:
@@ -52,7 +64,9 @@ async def main() -> None:
         raw = NixlTransport(num_agents=a.agents)
         transport = NixlTransport(num_agents=a.agents)
         try:
-            async with rf.Receiver(dst, registry, identity=identity, transport=transport, mode=a.mode) as recv:
+            options = {"direct_bucket_bytes": int(a.direct_bucket_mb * 2**20)}
+            async with rf.Receiver(dst, registry, identity=identity, transport=transport, mode=a.mode,
+                                   **options) as recv:  # fmt: skip
                 for t in dst.values():
                     raw.register(t)
                 raw.connect(first.source)
