@@ -1,0 +1,70 @@
+"""The trainer's digest pass over the bench's synthetic model, in this process (no transport, no registry).
+
+    python bench/digest_bench.py [--size-mb 512] [--rounds 5] [--ranks 2]
+
+Prints, best of ``--rounds``: xxh3 of the model's bytes as one contiguous buffer (the hash alone);
+the publisher's pass (``api.publisher._digest_all``: row-block and tile digests of every tensor) in one
+thread, as ``Publisher`` runs it; and the same pass split in two threads of about equal bytes (what the
+publisher did before: xxh3 releases the GIL on every call, and two threads convoy on it). One torch
+thread. ``--ranks 2``: every matrix as two row halves, the shards ``python -m bench``'s trainer
+publishes (its two ranks). GB/s = 10^9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import torch
+import xxhash
+
+from refitflow.api.publisher import _digest_all
+from refitflow.cli.synthetic import synthetic_model
+
+
+def best(rounds: int, fn: object) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=float, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ranks", type=int, default=1, help="cut every matrix into this many row ranges")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    model = synthetic_model(int(a.size_mb * 1e6))
+    tensors = [part for t in model.values() for part in (t.chunk(a.ranks) if t.dim() >= 2 else (t,))]
+    nbytes = sum(t.nbytes for t in tensors)
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    items = [(t, "xxh3") for t in tensors]
+    halves: tuple[list, list] = ([], [])
+    load = [0, 0]
+    for t in sorted(tensors, key=lambda t: -t.nbytes):  # largest first, each to the lighter half
+        g = 0 if load[0] <= load[1] else 1
+        halves[g].append((t, "xxh3"))
+        load[g] += t.nbytes
+
+    def two() -> None:
+        threads = [threading.Thread(target=_digest_all, args=(h,)) for h in halves]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+    print(f"{len(tensors)} bf16 shards ({a.ranks} per matrix), {nbytes / 1e9:.3f} GB, best of {a.rounds}")
+    for name, fn in (("xxh3 of the bytes as one buffer", lambda: xxhash.xxh3_64_intdigest(flat.numpy().data)),
+                     ("publisher's digest pass, one thread", lambda: _digest_all(items)),
+                     ("the same pass, two threads", two)):  # fmt: skip
+        s = best(a.rounds, fn)
+        print(f"{name:<40} {s * 1e3:7.1f} ms  {nbytes / s / 1e9:6.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
