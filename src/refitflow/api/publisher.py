@@ -274,7 +274,7 @@ class Publisher:
         """Every tensor's digest fields, in one worker thread off the event loop.
 
         One thread, not two: xxh3 releases the GIL for every call (a tile of a few KiB), and two
-        threads handing the GIL back and forth ran 1.2–1.4× slower than one (issue 16, 2 cores).
+        threads handing the GIL back and forth ran 1.1–1.6× slower than one (`bench/digest_bench.py`, 2 cores).
         """
         items = [(t, digest_algorithm(t, self._digest_choice)) for t in tensors]
         return await anyio.to_thread.run_sync(_digest_all, items)
