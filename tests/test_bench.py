@@ -76,3 +76,12 @@ def test_registry_bench_runs_at_a_small_size() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "published 16 sources × 20 tensors" in done.stdout and "protocol v2" in done.stdout, done.stdout
     assert "cold discovery (fetch 8 manifests, 160 shards)" in done.stdout and "warm discovery" in done.stdout
+
+
+def test_digest_bench_runs_at_a_small_size() -> None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "bench/digest_bench.py", "--size-mb", "8", "--rounds", "1", "--ranks", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.endswith("GB/s")]
+    assert len(rows) == 3 and all(float(r.split()[-2]) > 0 for r in rows), done.stdout
