@@ -33,11 +33,24 @@ def _start(behaviours: dict[str, list[str]]) -> tuple[dict[str, list[str]], list
 
 
 async def _run(behaviours: dict[str, list[str]]) -> tuple[dict[str, rf.EngineResult], dict[str, list]]:
+    (results,), status = await _run_at_once(behaviours, 1)
+    return results, status
+
+
+async def _run_at_once(behaviours: dict[str, list[str]], refits: int) -> tuple[list[dict[str, rf.EngineResult]], dict]:
+    """``refits`` refits of version 1 by one controller, started at once; their results, then every status."""
     engines, procs = _start(behaviours)
     controller = rf.Controller(engines, slack_s=10)
+    results: list[dict[str, rf.EngineResult]] = []
+
+    async def refit() -> None:
+        results.append(await controller.refit(1, timeout=20))
+
     try:
         with anyio.fail_after(120):
-            results = await controller.refit(1, timeout=20)
+            async with anyio.create_task_group() as tg:
+                for _ in range(refits):
+                    tg.start_soon(refit)
             status = await controller.status()
             await controller.stop_agents()
     finally:
@@ -90,24 +103,6 @@ async def test_two_refits_of_one_controller_at_once_both_see_the_engine_commit()
     reach the two ranks in opposite orders: each rank would run a different attempt, neither vote would
     gather both ballots, and the version would commit nowhere. A controller runs its refits one at a
     time, so the second finds the version committed."""
-    engines, procs = _start({"a": ["clean", "clean"]})
-    controller = rf.Controller(engines, slack_s=10)
-    got: list[dict[str, rf.EngineResult]] = []
-
-    async def refit() -> None:
-        got.append(await controller.refit(1, timeout=20))
-
-    try:
-        with anyio.fail_after(120):
-            async with anyio.create_task_group() as tg:
-                for _ in range(3):
-                    tg.start_soon(refit)
-            status = await controller.status()
-            await controller.stop_agents()
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.exitcode is None:
-                p.kill()
+    got, status = await _run_at_once({"a": ["clean", "clean"]}, 3)
     assert len(got) == 3 and all(r["a"].committed and r["a"].version == 1 for r in got), got
     assert all(s["committed_version"] == 1 for s in status["a"]), status

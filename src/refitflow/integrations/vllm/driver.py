@@ -19,7 +19,6 @@ extra); vLLM itself is not imported.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from refitflow.engine.controller import EngineResult
 from refitflow.integrations.http import ServerError, each_server, named_servers, settle
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
+from refitflow.integrations.http import step as post_step
 from refitflow.integrations.vllm.info import RefitflowInitInfo
 
 __all__ = ["ServerError", "VllmFleet"]
@@ -95,7 +95,9 @@ class VllmFleet:
             except (ServerError, TimeoutError) as exc:
                 error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
             if error is not None and step == "update_weights":
-                await _close_update(http, self.request_timeout_s)
+                # finish it on the workers that voted COMMIT and keep it open (a peer was in doubt); the workers
+                # whose update failed refuse it, which is the usual answer (every worker failed): ignored
+                await post_step(http, "finish_weight_update", None, self.request_timeout_s)
             # an update that got as far as pulling may have written (vLLM answers with the first failing worker's
             # error, "in doubt" among them)
             return await settle(http, name, version, committed=error is None, error=error, paused=self.paused,
@@ -123,10 +125,3 @@ class VllmFleet:
         if errors or missing:
             raise errors[0] if errors else ServerError(route, None, f"servers {missing} did not answer in time")
         return replies
-
-
-async def _close_update(http: Any, timeout_s: float) -> None:
-    """After a failed update: finish it on the workers that voted COMMIT and keep it open (a peer was in
-    doubt); the workers whose update failed refuse it, which is the usual answer (every worker failed)."""
-    with contextlib.suppress(ServerError, TimeoutError), anyio.CancelScope(shield=True), anyio.fail_after(timeout_s):
-        await _post(http, "finish_weight_update", None)
