@@ -205,6 +205,7 @@ class Receiver:
         try:
             # off the loop: a real transport imports its library and creates its agent (seconds)
             self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
+            await anyio.to_thread.run_sync(self._plans.target, self.destination)  # the first plan's share of setup
             for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
                 self._transport.register(tensor)
             self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)

@@ -6,7 +6,7 @@ import torch
 
 from refitflow.core.errors import PlanError
 
-__all__ = ["dtype_from_name", "dtype_name", "itemsize"]
+__all__ = ["dtype_from_name", "dtype_name", "itemsize", "known_name"]
 
 _BY_NAME: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -37,6 +37,11 @@ def dtype_name(dtype: torch.dtype, *, tensor: str | None = None) -> str:
         return _BY_DTYPE[dtype]
     except KeyError:
         raise PlanError(f"unsupported dtype {dtype}", tensor=tensor) from None
+
+
+def known_name(dtype: torch.dtype) -> str | None:
+    """The wire name of ``dtype``, None when refitflow does not move it."""
+    return _BY_DTYPE.get(dtype)
 
 
 def itemsize(name: str) -> int:

@@ -197,11 +197,12 @@ def sliced(
     canonical: str, global_shape: tuple[int, ...], axis: int | None = None, start: int = 0, stop: int = 0
 ) -> LocalTensor:
     """The trivial layout: a local tensor is ``canonical[start:stop]`` along ``axis`` (None: all of it)."""
-    box = list(full(global_shape))
-    if axis is not None:
-        box[axis] = (start, stop)
-    b = tuple(box)
-    return LocalTensor(shape_of(b), (Segment(canonical, b, full(shape_of(b)), tuple(global_shape)),))
+    shape = tuple(global_shape)
+    whole = full(shape)
+    if axis is None:  # plans call this once per tensor and side: the common case without a box built
+        return LocalTensor(shape, (Segment(canonical, whole, whole, shape),))
+    b = (*whole[:axis], (start, stop), *whole[axis + 1 :])
+    return LocalTensor(shape_of(b), (Segment(canonical, b, full(shape_of(b)), shape),))
 
 
 def concat(

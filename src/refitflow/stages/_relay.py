@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from refitflow.core.dtypes import dtype_name, itemsize
+from refitflow.core.dtypes import itemsize
 from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, relay_layout
 from refitflow.layouts.boxes import contiguous_span, full, intersect, shape_of, shift, strided, volume
 from refitflow.stages._context import Landing, breathe, building
+from refitflow.stages._target import Target
 from refitflow.stages.plan import Plan, PlannedRead, runs_read
 
 __all__ = ["RELAY", "Geometry", "RelayPiece", "Upstream", "geometry", "held_boxes"]
@@ -46,15 +47,14 @@ def held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
 
 
 def _held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
-    position = {n: i for i, n in enumerate(landing.params)}
-    dtypes = {n: dtype_name(t.dtype) for n, t in landing.params.items()}
+    target = plan.target if plan.target is not None and plan.target.landing is landing else Target(landing)
+    position, dtypes = target.position, target.dtypes
     held = tuple(
         HeldBox(c.source, c.spec.name, c.sbox, position[c.param], c.dbox)
         for c in plan.copies
         if c.param not in landing.derived and dtypes[c.param] == c.spec.dtype
     )
-    params = [RelayParam(n, dtypes[n], tuple(t.shape), 0) for n, t in landing.params.items()]
-    return held, relay_layout(params, held)
+    return held, relay_layout(target.relay_params, held)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,11 @@ row-major, at an 8-byte aligned offset) and *scatters* to one or more destinatio
 Each bucket also carries what verify and commit need (``_checks``), so a replayed plan does no
 per-tensor planning work at all. Building runs in a worker thread and lets the event loop take the
 GIL every half millisecond.
+
+The per-tensor records (``Piece``, ``Scatter``, ``PlannedRead``; ``_segments.Copy`` and ``Held``,
+``_checks.Land``) are slots dataclasses that are not frozen: a first plan of 10,000 tensors makes about
+60,000 of them, and a frozen one costs 2–3× as much to construct (≈ 45 ms of that plan). Nothing
+writes to a built plan. What plans need of the landing itself is built once per landing (``_target``).
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import PlanError
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, contiguous_span, intersect, shape_of, shift, strided, volume
-from refitflow.layouts.canonical import sliced
 from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index, digest_vector
 from refitflow.stages._context import Landing, Limits, StageContext, Work, breathe, built
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
 from refitflow.stages._regions import chunks, regions
 from refitflow.stages._segments import Copy, copies
+from refitflow.stages._target import Target
 
 __all__ = [
     "Bucket",
@@ -67,7 +72,7 @@ _DIRECT_PIECE = 16 << 20  # direct pieces are cut this small so the last buckets
 _TAPER_MIN = 4 << 20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
 class Scatter:
     """``piece[sub]`` (source coordinates, inside the piece's box) → ``param[dbox]``."""
 
@@ -76,7 +81,7 @@ class Scatter:
     dbox: Box
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
 class Piece:
     """A box of one source shard, read as ``count`` runs of ``run`` elements, ``stride`` apart."""
 
@@ -101,7 +106,7 @@ class Piece:
         return shape_of(self.box)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
 class PlannedRead:
     """One read: ``count`` runs of ``nbytes`` source bytes, ``stride`` apart, landing back to back in a
     parameter (direct) or the bucket's staging."""
@@ -147,6 +152,7 @@ class Plan:
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
     copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
     digest_geometry: str = ""  # Publication.digest_geometry of the publications it plans
+    target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
     read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
     views: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see verify
     # built on first use, once per plan: relay geometries by relay layout, the delta index, this rank's
@@ -168,14 +174,8 @@ def check_cast(src: torch.dtype, dst: torch.dtype, lossy: bool, tensor: str) -> 
     raise PlanError(f"casting {src} to {dst} loses information and lossy_casts is off", tensor=tensor)
 
 
-def _copies(pub: Publication, landing: Landing) -> list[Copy]:
-    exact = landing.layout is None
-    scales = set(landing.derived.values())
-    dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items() if n not in scales}
-    return copies(pub, dest, landing.canonical, exact)
-
-
-def _pieces(cs_all: list[Copy], landing: Landing, limits: Limits) -> Iterator[Piece]:
+def _pieces(cs_all: list[Copy], target: Target, limits: Limits) -> Iterator[Piece]:
+    landing = target.landing
     groups: dict[tuple[int, str], list[Copy]] = {}
     casts: set[tuple[str, torch.dtype, bool]] = set()
     for c in cs_all:
@@ -204,7 +204,7 @@ def _pieces(cs_all: list[Copy], landing: Landing, limits: Limits) -> Iterator[Pi
             )  # fmt: skip
             cap = min(limits.direct_bucket_bytes, _DIRECT_PIECE) if direct else limits.bucket_bytes
             for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
-                yield _piece(source, spec, item, chunk, members, direct, dst, landing)
+                yield _piece(source, spec, item, chunk, members, direct, dst, target)
 
 
 def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
@@ -217,7 +217,7 @@ def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
 
 
 def _piece(
-    source: int, spec: ShardSpec, item: int, chunk: Box, members: list[Copy], direct: bool, dst: Any, landing: Landing
+    source: int, spec: ShardSpec, item: int, chunk: Box, members: list[Copy], direct: bool, dst: Any, target: Target
 ) -> Piece:
     shape = spec.shape
     scatters = []
@@ -236,19 +236,19 @@ def _piece(
         source=source, tensor=spec.name, src_dtype=spec.dtype, box=chunk, first=runs[0], run=runs[1],
         stride=runs[2], count=runs[3], src_region=spec.region, src_offset=spec.offset, nbytes=volume(chunk) * item,
         direct=direct, landing_offset=landing_offset, scatters=tuple(scatters),
-        device=str(landing.params[scatters[0].param].device if scatters else dst.device),
+        device=target.device[scatters[0].param] if scatters else str(dst.device),
     )  # fmt: skip
 
 
 class _Context:
     """What every bucket of one plan shares: the digest index, the parameters, the boxes seen."""
 
-    def __init__(self, pub: Publication, landing: Landing) -> None:
+    def __init__(self, pub: Publication, target: Target) -> None:
         self.index = digest_index(pub)
-        self.params = tuple(landing.params)
-        self.position = {n: i for i, n in enumerate(self.params)}
-        self.derived = landing.derived
-        self.device = {n: str(t.device) for n, t in landing.params.items()}
+        self.params = target.names
+        self.position = target.position
+        self.derived = target.landing.derived
+        self.device = target.device
         self.seen: set[tuple[str, Box]] = set()
 
 
@@ -319,20 +319,24 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     )  # fmt: skip
 
 
-def build_plan(pub: Publication, landing: Landing, limits: Limits, key: Hashable = None) -> Plan:
-    """Every read this rank needs, grouped into buckets of at most the limits' sizes."""
-    return built(_build, pub, landing, limits, key)
+def build_plan(
+    pub: Publication, landing: Landing, limits: Limits, key: Hashable = None, target: Target | None = None
+) -> Plan:
+    """Every read this rank needs, grouped into buckets of at most the limits' sizes (``target``: the
+    landing's, when the caller keeps it)."""
+    return built(_build, pub, target if target is not None and target.landing is landing else Target(landing),
+                 limits, key)  # fmt: skip
 
 
-def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) -> Plan:
+def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> Plan:
     t0 = time.perf_counter()
-    cx = _Context(pub, landing)
+    cx = _Context(pub, target)
     buckets: list[Bucket] = []
     current: list[Piece] = []
     staged = direct = runs = ideal = 0
     staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
-    cs = _copies(pub, landing)
-    pieces = list(_pieces(cs, landing, limits))
+    cs = copies(pub, target.layout, target.landing.canonical, target.exact)
+    pieces = list(_pieces(cs, target, limits))
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
@@ -359,7 +363,7 @@ def _build(pub: Publication, landing: Landing, limits: Limits, key: Hashable) ->
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
-                copies=tuple(cs), digest_geometry=pub.digest_geometry())  # fmt: skip
+                copies=tuple(cs), digest_geometry=pub.digest_geometry(), target=target)  # fmt: skip
 
 
 class PlanCache:
@@ -370,17 +374,16 @@ class PlanCache:
         self._size = size
         self.hits = 0
         self.misses = 0
-        self._landing: tuple[Landing, Hashable] | None = None
+        self._target: Target | None = None
+
+    def target(self, landing: Landing) -> Target:
+        """What plans need of ``landing`` (built once: a receiver calls this in a worker thread as it starts)."""
+        if self._target is None or self._target.landing is not landing:
+            self._target = built(Target, landing)
+        return self._target
 
     def key(self, pub: Publication, landing: Landing, limits: Limits) -> Hashable:
-        if self._landing is None or self._landing[0] is not landing:  # the target layout: once per landing
-            target = (
-                tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in landing.params.items()),
-                tuple(sorted(landing.canonical.items())),
-                landing.layout_key,
-            )
-            self._landing = (landing, target)
-        return (pub.layout_key(), self._landing[1], limits)
+        return (pub.layout_key(), self.target(landing).key, limits)
 
     def lookup(self, key: Hashable) -> Plan | None:
         plan = self._plans.get(key)
@@ -397,13 +400,12 @@ class PlanCache:
 
     async def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
         """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""
-        if self._landing is None or self._landing[0] is not landing:  # once per landing: off the loop
-            key = await anyio.to_thread.run_sync(built, self.key, pub, landing, limits)
-        else:
-            key = self.key(pub, landing, limits)
+        if self._target is None or self._target.landing is not landing:  # once per landing: off the loop
+            await anyio.to_thread.run_sync(self.target, landing)
+        key = self.key(pub, landing, limits)
         plan = self.lookup(key)
         if plan is None:
-            plan = await anyio.to_thread.run_sync(build_plan, pub, landing, limits, key)
+            plan = await anyio.to_thread.run_sync(build_plan, pub, landing, limits, key, self._target)
             self.store(plan)
         return plan
 
