@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from refitflow.core.errors import CoverageError, ManifestError, PlanError
 from refitflow.core.types import Publication, ShardSpec
-from refitflow.layouts.boxes import Box, intersect, shape_of, shift, volume
+from refitflow.layouts.boxes import Box, full, intersect, shape_of, shift, volume
 from refitflow.layouts.canonical import LocalTensor, Segment, sliced
 from refitflow.layouts.wire import resolve
 from refitflow.stages.sources import SourceLoad
@@ -80,7 +80,8 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
     for canon in sorted(held):
         boxes = held[canon]
         out[canon] = [_choose(reps, load) for reps in boxes.values()]
-        _check_overlap(canon, list(boxes), pub.version)
+        if len(boxes) > 1:
+            _check_overlap(canon, list(boxes), pub.version)
     return out, shapes
 
 
@@ -142,15 +143,17 @@ def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[s
     unknown = sorted(n for n in held if n not in needed)
     if unknown and exact:
         raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
-    missing = sorted(p for p, lt in dest.items() if any(s.canonical not in held for s in lt.segments))
-    if missing:
+    if not needed <= held.keys():
+        missing = sorted(p for p, lt in dest.items() if any(s.canonical not in held for s in lt.segments))
         raise CoverageError("the publication does not cover every parameter", missing=missing, version=pub.version)
     out: list[Copy] = []
     gaps: list[PlanError] = []
     for param, lt in dest.items():
         for seg in lt.segments:
             pshape = shapes[seg.canonical]
-            fits = len(pshape) == len(seg.cbox) and all(e <= d for (_, e), d in zip(seg.cbox, pshape, strict=True))
+            fits = seg.cbox == full(pshape) or (
+                len(pshape) == len(seg.cbox) and all(e <= d for (_, e), d in zip(seg.cbox, pshape, strict=True))
+            )
             model = seg.shape if seg.shape is not None else (shape_of(seg.cbox) if exact else None)
             if not fits or (model is not None and tuple(model) != tuple(pshape)):  # wider or narrower: never in part
                 raise PlanError(
@@ -159,13 +162,17 @@ def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[s
                 )  # fmt: skip
             got = []
             for h in held[seg.canonical]:
+                if h.segment.cbox == seg.cbox:  # the same box on both sides (most tensors): nothing to cut
+                    got.append(seg.cbox)
+                    out.append(Copy(h.source, h.spec, h.segment.lbox, param, seg.lbox))
+                    continue
                 common = intersect(seg.cbox, h.segment.cbox)
                 if common is None:
                     continue
                 got.append(common)
                 out.append(Copy(h.source, h.spec, shift(common, h.segment.cbox, h.segment.lbox), param,
                                 shift(common, seg.cbox, seg.lbox)))  # fmt: skip
-            if sum(volume(b) for b in got) != volume(seg.cbox):
+            if (len(got) != 1 or got[0] != seg.cbox) and sum(volume(b) for b in got) != volume(seg.cbox):
                 gaps.append(_gap(seg.canonical, seg.cbox, got, pub.version))
     if gaps:  # every gap, before anything is pulled
         more = f" (and {len(gaps) - 20} more)" if len(gaps) > 20 else ""

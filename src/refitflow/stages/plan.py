@@ -188,23 +188,61 @@ def _pieces(cs_all: list[Copy], target: Target, limits: Limits) -> Iterator[Piec
             check_cast(src, torch.float32 if key[2] else dst.dtype, limits.lossy_casts, c.spec.name)
             casts.add(key)
         groups.setdefault((c.source, c.spec.name), []).append(c)
+    shapes: dict[Hashable, list[_Shape]] = {}  # a model's shards repeat their geometry layer after layer
     for (source, _), cs in groups.items():
         breathe()
         spec: ShardSpec = cs[0].spec
-        src_dtype = dtype_from_name(spec.dtype)
-        item, shape = src_dtype.itemsize, spec.shape
-        tiling = spec.tiling
-        grid = _grid(tiling, len(shape))
-        for region, members in regions(cs, shape, item, limits, tiling):
-            c = members[0]
-            dst = landing.params[c.param]
-            direct = (
-                len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
-                and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
+        dsts = [landing.params[c.param] for c in cs]
+        like = (spec.shape, spec.dtype, spec.algo, spec.tile_rows, spec.tile_cols,
+                tuple((c.sbox, c.dbox, t.dtype, t.shape) for c, t in zip(cs, dsts, strict=True)))  # fmt: skip
+        geometry = shapes.get(like)
+        if geometry is None:
+            geometry = shapes[like] = _geometry(spec, cs, dsts, limits)
+        for box, runs, nbytes, direct, offset, scatters, lands in geometry:
+            yield Piece(
+                source=source, tensor=spec.name, src_dtype=spec.dtype, box=box, first=runs[0], run=runs[1],
+                stride=runs[2], count=runs[3], src_region=spec.region, src_offset=spec.offset, nbytes=nbytes,
+                direct=direct, landing_offset=offset, device=target.device[cs[lands].param],
+                scatters=tuple(Scatter(cs[m].param, sub, dbox) for m, sub, dbox in scatters),
             )  # fmt: skip
-            cap = min(limits.direct_bucket_bytes, _DIRECT_PIECE) if direct else limits.bucket_bytes
-            for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
-                yield _piece(source, spec, item, chunk, members, direct, dst, target)
+
+
+# a piece of a shard by member index: (box, runs, bytes, direct, landing offset, scatters as (member, sub,
+# dbox), the member whose device it lands on: its first scatter's, else its region's first member's)
+_Shape = tuple[Box, tuple[int, int, int, int], int, bool, int, list[tuple[int, Box, Box]], int]
+
+
+def _geometry(spec: ShardSpec, cs: list[Copy], dsts: list[torch.Tensor], limits: Limits) -> list[_Shape]:
+    """The pieces of one shard's copies, by member index (no names: shards of one geometry share it)."""
+    src_dtype = dtype_from_name(spec.dtype)
+    item, shape = src_dtype.itemsize, spec.shape
+    tiling = spec.tiling
+    grid = _grid(tiling, len(shape))
+    index = {id(c): i for i, c in enumerate(cs)}
+    out: list[_Shape] = []
+    for region, members in regions(cs, shape, item, limits, tiling):
+        c, dst = members[0], dsts[index[id(members[0])]]
+        direct = (
+            len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
+            and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
+        )  # fmt: skip
+        cap = min(limits.direct_bucket_bytes, _DIRECT_PIECE) if direct else limits.bucket_bytes
+        for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
+            scatters = []
+            for m in members:
+                sub = intersect(chunk, m.sbox) if shape else chunk
+                if sub is not None:
+                    scatters.append((index[id(m)], sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
+            runs = strided(chunk, shape) if shape else (0, 1, 0, 1)
+            assert runs is not None  # chunks() yields strided boxes only
+            offset = 0
+            if direct:
+                span = contiguous_span(scatters[0][2], tuple(dst.shape))
+                assert span is not None
+                offset = span[0] * dst.element_size()
+            lands = scatters[0][0] if scatters else index[id(c)]
+            out.append((chunk, runs, volume(chunk) * item, direct, offset, scatters, lands))
+    return out
 
 
 def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
@@ -214,30 +252,6 @@ def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
     if ndim == 1:
         return (tiling.tile_cols,)
     return (*([1] * (ndim - 2)), tiling.tile_rows, tiling.tile_cols)
-
-
-def _piece(
-    source: int, spec: ShardSpec, item: int, chunk: Box, members: list[Copy], direct: bool, dst: Any, target: Target
-) -> Piece:
-    shape = spec.shape
-    scatters = []
-    for m in members:
-        sub = intersect(chunk, m.sbox) if shape else chunk
-        if sub is not None:
-            scatters.append(Scatter(m.param, sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
-    runs = strided(chunk, shape) if shape else (0, 1, 0, 1)
-    assert runs is not None  # chunks() yields strided boxes only
-    landing_offset = 0
-    if direct:
-        span = contiguous_span(scatters[0].dbox, tuple(dst.shape))
-        assert span is not None
-        landing_offset = span[0] * dst.element_size()
-    return Piece(
-        source=source, tensor=spec.name, src_dtype=spec.dtype, box=chunk, first=runs[0], run=runs[1],
-        stride=runs[2], count=runs[3], src_region=spec.region, src_offset=spec.offset, nbytes=volume(chunk) * item,
-        direct=direct, landing_offset=landing_offset, scatters=tuple(scatters),
-        device=target.device[scatters[0].param] if scatters else str(dst.device),
-    )  # fmt: skip
 
 
 class _Context:
