@@ -5,13 +5,16 @@
 Plans only (no bytes move): a Megatron-sharded bf16 trainer of the real model's shapes (synthetic
 digests of the publisher's tile geometry) into fused bf16 inference ranks held as ``meta`` tensors.
 Per (m, n) it prints the worst rank's pulled/slice ratio, its planned reads and its plan seconds
-(wall, and the process's CPU seconds: robust on a shared machine).
+(wall, and the process's CPU seconds: robust on a shared machine) — the plan a refit builds, not the
+receiver's own part (``stages._target.Target``, built once as the receiver starts), and with refitflow's
+memos emptied before each rank (``cold``).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import sys
 import time
 
 import torch
@@ -22,6 +25,7 @@ from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.stages._target import Target
 from refitflow.stages.plan import Plan, build_plan
 
 MODELS = {
@@ -53,11 +57,25 @@ def publication(d: ModelDims, tp: int, algo: str = "xxh3") -> rf.Publication:
     return rf.Publication(identity=ident, version=1, manifests=tuple(manifests))
 
 
-def rank_plan(pub: rf.Publication, d: ModelDims, tp: int, rank: int, verify: str) -> Plan:
+def rank_target(d: ModelDims, tp: int, rank: int) -> Target:
+    """The receiving rank's parameters and what plans need of them (a receiver builds this as it starts)."""
     lay = fused.layout(d, Parallel(tp=tp, tp_rank=rank))
     params = {n: torch.empty(lt.shape, dtype=torch.bfloat16, device="meta") for n, lt in lay.items()}
-    dest = Destination(params, ApplyMode.IN_PLACE, lay)
-    return build_plan(pub, dest, ReceiverConfig(verify=verify).limits)
+    return Target(Destination(params, ApplyMode.IN_PLACE, lay))
+
+
+def cold() -> None:
+    """Empty every memo of refitflow's (box algebra, digest units, tilings): each receiving rank is a process
+    of its own, and its first plan meets none of the shapes another rank's plan met."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("refitflow"):
+            for value in vars(module).values():
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+
+def rank_plan(pub: rf.Publication, target: Target, verify: str) -> Plan:
+    return build_plan(pub, target.landing, ReceiverConfig(verify=verify).limits, target=target)
 
 
 def main() -> None:
@@ -75,8 +93,10 @@ def main() -> None:
         for n in a.tp:
             worst = (0.0, 0, 0.0, 0.0, 0)
             for r in range(n):
+                target = rank_target(d, n, r)
+                cold()
                 t0, c0 = time.perf_counter(), time.process_time()
-                plan = rank_plan(pub, d, n, r, a.verify)
+                plan = rank_plan(pub, target, a.verify)
                 secs, cpu = time.perf_counter() - t0, time.process_time() - c0
                 reads = sum(len(b.reads) for b in plan.buckets)
                 ratio = plan.nbytes / plan.ideal_bytes

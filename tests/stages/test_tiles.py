@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from bench.tp_matrix import publication, rank_plan
+from bench.tp_matrix import publication, rank_plan, rank_target
 from refitflow.layouts import ModelDims, Parallel, canonical_shapes, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata
@@ -29,7 +29,7 @@ QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 def test_strict_resharding_pulls_at_most_1_1x_each_slice_and_verifies_every_byte(m: int, n: int) -> None:
     pub = publication(DIMS, m)
     for rank in range(n):
-        plan = rank_plan(pub, DIMS, n, rank, "strict")
+        plan = rank_plan(pub, rank_target(DIMS, n, rank), "strict")
         assert plan.nbytes <= 1.1 * plan.ideal_bytes, (m, n, rank, plan.nbytes / plan.ideal_bytes)
         # every pulled byte lies in a digest unit the rank holds whole (nothing left to trust)
         assert sum(b.checks.whole_bytes for b in plan.buckets) == plan.nbytes
