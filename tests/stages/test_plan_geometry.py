@@ -1,4 +1,4 @@
-"""Shards of one geometry share their planned pieces (plan._geometry, memoised per build) but keep their
+"""Shards of one geometry share their planned pieces (stages._pieces, memoised per build) but keep their
 own names, devices and landing offsets."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ __all__ = ["Checks", "Credits", "Land", "Mix", "Stream", "build_checks", "build_
            "digest_vector"]  # fmt: skip
 
 
-@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see stages/_records.py
 class Land:
     """Where a piece's bytes are after pull: a parameter's target (direct) or the bucket's staging."""
 

@@ -22,7 +22,7 @@ from refitflow.stages.sources import SourceLoad
 __all__ = ["Copy", "Held", "copies"]
 
 
-@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see stages/_records.py
 class Held:
     """A canonical box one source holds, and where in which of its shards."""
 
@@ -31,7 +31,7 @@ class Held:
     segment: Segment
 
 
-@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see stages/_records.py
 class Copy:
     """``source.spec[sbox]`` → ``param[dbox]`` (same elements; ranks may differ by leading 1-dims)."""
 

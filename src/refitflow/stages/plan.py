@@ -6,48 +6,37 @@ fail (unknown name or dtype, shape mismatch, overlapping or missing shards, a ca
 fails here, as ``PlanError`` or ``CoverageError``, before any byte is written.
 
 The box copies come from ``_segments`` (receiver segments ∩ publisher segments in canonical space);
-regions and chunks from ``_regions``. (The compile filter, ``_filter``, runs in discover, before begin.)
-Per source shard, copies become *regions* (boxes of the shard read together): a copy's own box, or,
-under ``verify="strict"``, the box widened to whole digest tiles; with runs too short, the enclosing
-rows of dim 0; overlapping widened regions merge. Regions are cut into pieces of at most a bucket and
-``max_strided_runs`` runs, each one *strided read* (equally spaced runs: one planned read however many
-rows a column slice has; transports expand it). A piece lands straight in its parameter when it is
-one contiguous copy in both places with the same dtype; otherwise it is staged (its box laid out
-row-major, at an 8-byte aligned offset) and *scatters* to one or more destination boxes.
+the pieces each shard is read as from ``_pieces`` (regions and chunks: ``_regions``); the records from
+``_records``. (The compile filter, ``_filter``, runs in discover, before begin.) Pieces fill buckets in
+order; a staged piece is laid out in its bucket's staging at an 8-byte aligned offset, and reads that
+continue each other in both places merge.
 
 Each bucket also carries what verify and commit need (``_checks``), so a replayed plan does no
 per-tensor planning work at all. Building runs in a worker thread and lets the event loop take the
-GIL every half millisecond.
-
-The per-tensor records (``Piece``, ``Scatter``, ``PlannedRead``; ``_segments.Copy`` and ``Held``,
-``_checks.Land``) are slots dataclasses that are not frozen: a first plan of 10,000 tensors makes about
-60,000 of them, and a frozen one costs 2–3× as much to construct (≈ 45 ms of that plan). Nothing
-writes to a built plan. What plans need of the landing itself is built once per landing (``_target``).
+GIL every half millisecond. What plans need of the landing itself is built once per landing
+(``_target``: a receiver builds it as it starts).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import anyio.to_thread
-import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import PlanError
-from refitflow.core.types import Publication, ShardSpec
-from refitflow.layouts.boxes import Box, contiguous_span, intersect, shape_of, shift, strided, volume
-from refitflow.stages._checks import Checks, Credits, Land, build_checks, build_credits, digest_index, digest_vector
+from refitflow.core.types import Publication
+from refitflow.layouts.boxes import Box, volume
+from refitflow.stages._checks import Land, build_checks, build_credits, digest_index, digest_vector
 from refitflow.stages._context import Landing, Limits, StageContext, Work, breathe, built
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
-from refitflow.stages._regions import chunks, regions
-from refitflow.stages._segments import Copy, copies
+from refitflow.stages._pieces import check_cast, shard_pieces
+from refitflow.stages._records import Bucket, Piece, Plan, PlannedRead, Scatter
+from refitflow.stages._segments import copies
 from refitflow.stages._target import Target
 
 __all__ = [
@@ -67,191 +56,11 @@ __all__ = [
 ]
 
 
-_SERIALS = itertools.count()
-_DIRECT_PIECE = 16 << 20  # direct pieces are cut this small so the last buckets can taper
 _TAPER_MIN = 4 << 20
-
-
-@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
-class Scatter:
-    """``piece[sub]`` (source coordinates, inside the piece's box) → ``param[dbox]``."""
-
-    param: str
-    sub: Box
-    dbox: Box
-
-
-@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
-class Piece:
-    """A box of one source shard, read as ``count`` runs of ``run`` elements, ``stride`` apart."""
-
-    source: int  # index of the manifest in the publication
-    tensor: str  # the source shard's name
-    src_dtype: str
-    box: Box  # in the shard's local coordinates
-    first: int  # the shard element the first run starts at
-    run: int  # elements per run
-    stride: int  # elements from one run's start to the next (0: one run)
-    count: int  # runs
-    src_region: int
-    src_offset: int  # the shard's byte offset in its region
-    nbytes: int
-    direct: bool  # lands straight in the destination: no staging, no copy
-    landing_offset: int  # direct: byte offset in the parameter; staged: byte offset in the bucket
-    scatters: tuple[Scatter, ...]
-    device: str  # where it lands: its parameter's device (direct), the staging ring's (staged)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return shape_of(self.box)
-
-
-@dataclass(slots=True, unsafe_hash=True)  # a plan record: see plan.py
-class PlannedRead:
-    """One read: ``count`` runs of ``nbytes`` source bytes, ``stride`` apart, landing back to back in a
-    parameter (direct) or the bucket's staging."""
-
-    source: int
-    region: int
-    src_offset: int
-    nbytes: int  # per run
-    param: str | None  # None: into staging
-    landing_offset: int
-    stride: int = 0  # source bytes from one run's start to the next
-    count: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    index: int
-    pieces: tuple[Piece, ...]
-    reads: tuple[PlannedRead, ...]
-    staging_bytes: int  # the staging lease (staged pieces at 8-byte aligned offsets)
-    direct_bytes: int
-    device: str  # the device of its staging (all its staged pieces land on one device)
-    devices: tuple[str, ...]  # every device its work touches: staging and destinations
-    staged: tuple[Piece, ...] = ()  # the pieces translate and apply handle
-    checks: Checks | None = None
-    credits: Credits | None = None
-    derived: tuple[Scatter, ...] = ()  # scatters into float8 parameters (assembled, then quantised)
-    pulled_bytes: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Source bytes pulled."""
-        return self.pulled_bytes
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    key: Hashable
-    buckets: tuple[Bucket, ...]
-    nbytes: int
-    ideal_bytes: int = 0  # the source bytes of the copies alone (what a perfect plan would read)
-    seconds: float = 0.0  # time it took to build
-    serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
-    copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
-    digest_geometry: str = ""  # Publication.digest_geometry of the publications it plans
-    target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
-    read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
-    views: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see verify
-    # built on first use, once per plan: relay geometries by relay layout, the delta index, this rank's
-    # relay boxes (stages._relay, stages._delta); per-bucket variants by skip pattern
-    derived: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def box_index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(s, e) for s, e in box)
-
-
-def check_cast(src: torch.dtype, dst: torch.dtype, lossy: bool, tensor: str) -> None:
-    """Refuse (``PlanError``) a cast that loses information unless ``lossy`` casts were asked for."""
-    if src == dst or lossy:
-        return
-    if src.is_floating_point and dst.is_floating_point and torch.promote_types(src, dst) == dst:
-        if torch.finfo(dst).bits > torch.finfo(src).bits:
-            return
-    raise PlanError(f"casting {src} to {dst} loses information and lossy_casts is off", tensor=tensor)
-
-
-def _pieces(cs_all: list[Copy], target: Target, limits: Limits) -> Iterator[Piece]:
-    landing = target.landing
-    groups: dict[tuple[int, str], list[Copy]] = {}
-    casts: set[tuple[str, torch.dtype, bool]] = set()
-    for c in cs_all:
-        dst = landing.params[c.param]
-        key = (c.spec.dtype, dst.dtype, c.param in landing.derived)
-        if key not in casts:
-            dtype_name(dst.dtype, tensor=c.param)
-            src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
-            # quantised parameters are assembled in fp32 first
-            check_cast(src, torch.float32 if key[2] else dst.dtype, limits.lossy_casts, c.spec.name)
-            casts.add(key)
-        groups.setdefault((c.source, c.spec.name), []).append(c)
-    shapes: dict[Hashable, list[_Shape]] = {}  # a model's shards repeat their geometry layer after layer
-    for (source, _), cs in groups.items():
-        breathe()
-        spec: ShardSpec = cs[0].spec
-        dsts = [landing.params[c.param] for c in cs]
-        like = (spec.shape, spec.dtype, spec.algo, spec.tile_rows, spec.tile_cols,
-                tuple((c.sbox, c.dbox, t.dtype, t.shape) for c, t in zip(cs, dsts, strict=True)))  # fmt: skip
-        geometry = shapes.get(like)
-        if geometry is None:
-            geometry = shapes[like] = _geometry(spec, cs, dsts, limits)
-        for box, runs, nbytes, direct, offset, scatters, lands in geometry:
-            yield Piece(
-                source=source, tensor=spec.name, src_dtype=spec.dtype, box=box, first=runs[0], run=runs[1],
-                stride=runs[2], count=runs[3], src_region=spec.region, src_offset=spec.offset, nbytes=nbytes,
-                direct=direct, landing_offset=offset, device=target.device[cs[lands].param],
-                scatters=tuple(Scatter(cs[m].param, sub, dbox) for m, sub, dbox in scatters),
-            )  # fmt: skip
-
-
-# a piece of a shard by member index: (box, runs, bytes, direct, landing offset, scatters as (member, sub,
-# dbox), the member whose device it lands on: its first scatter's, else its region's first member's)
-_Shape = tuple[Box, tuple[int, int, int, int], int, bool, int, list[tuple[int, Box, Box]], int]
-
-
-def _geometry(spec: ShardSpec, cs: list[Copy], dsts: list[torch.Tensor], limits: Limits) -> list[_Shape]:
-    """The pieces of one shard's copies, by member index (no names: shards of one geometry share it)."""
-    src_dtype = dtype_from_name(spec.dtype)
-    item, shape = src_dtype.itemsize, spec.shape
-    tiling = spec.tiling
-    grid = _grid(tiling, len(shape))
-    index = {id(c): i for i, c in enumerate(cs)}
-    out: list[_Shape] = []
-    for region, members in regions(cs, shape, item, limits, tiling):
-        c, dst = members[0], dsts[index[id(members[0])]]
-        direct = (
-            len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
-            and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
-        )  # fmt: skip
-        cap = min(limits.direct_bucket_bytes, _DIRECT_PIECE) if direct else limits.bucket_bytes
-        for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
-            scatters = []
-            for m in members:
-                sub = intersect(chunk, m.sbox) if shape else chunk
-                if sub is not None:
-                    scatters.append((index[id(m)], sub, shift(sub, m.sbox, m.dbox) if shape else m.dbox))
-            runs = strided(chunk, shape) if shape else (0, 1, 0, 1)
-            assert runs is not None  # chunks() yields strided boxes only
-            offset = 0
-            if direct:
-                span = contiguous_span(scatters[0][2], tuple(dst.shape))
-                assert span is not None
-                offset = span[0] * dst.element_size()
-            lands = scatters[0][0] if scatters else index[id(c)]
-            out.append((chunk, runs, volume(chunk) * item, direct, offset, scatters, lands))
-    return out
-
-
-def _grid(tiling: Any, ndim: int) -> tuple[int, ...] | None:
-    """Per dimension, the multiple piece cuts fall on: the digest tiles' rows and columns."""
-    if tiling.tile_rows == 0 or ndim == 0:
-        return None
-    if ndim == 1:
-        return (tiling.tile_cols,)
-    return (*([1] * (ndim - 2)), tiling.tile_rows, tiling.tile_cols)
 
 
 class _Context:
@@ -350,7 +159,7 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
     staged = direct = runs = ideal = 0
     staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
     cs = copies(pub, target.layout, target.landing.canonical, target.exact)
-    pieces = list(_pieces(cs, target, limits))
+    pieces = list(shard_pieces(cs, target, limits))
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))

@@ -1,0 +1,111 @@
+"""The records a plan is made of: pieces of trainer shards, the reads that pull them, buckets, the plan.
+
+The per-tensor records (``Piece``, ``Scatter``, ``PlannedRead``; likewise ``_segments.Copy`` and ``Held``,
+``_checks.Land``) are slots dataclasses that are not frozen: a first plan of 10,000 tensors makes about
+60,000 of them, and a frozen one costs 2–3× as much to construct (≈ 45 ms of that plan). Nothing writes
+to a built plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from refitflow.layouts.boxes import Box, shape_of
+from refitflow.stages._checks import Checks, Credits
+from refitflow.stages._segments import Copy
+from refitflow.stages._target import Target
+
+__all__ = ["Bucket", "Piece", "Plan", "PlannedRead", "Scatter"]
+
+_SERIALS = itertools.count()
+
+
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see above
+class Scatter:
+    """``piece[sub]`` (source coordinates, inside the piece's box) → ``param[dbox]``."""
+
+    param: str
+    sub: Box
+    dbox: Box
+
+
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see above
+class Piece:
+    """A box of one source shard, read as ``count`` runs of ``run`` elements, ``stride`` apart."""
+
+    source: int  # index of the manifest in the publication
+    tensor: str  # the source shard's name
+    src_dtype: str
+    box: Box  # in the shard's local coordinates
+    first: int  # the shard element the first run starts at
+    run: int  # elements per run
+    stride: int  # elements from one run's start to the next (0: one run)
+    count: int  # runs
+    src_region: int
+    src_offset: int  # the shard's byte offset in its region
+    nbytes: int
+    direct: bool  # lands straight in the destination: no staging, no copy
+    landing_offset: int  # direct: byte offset in the parameter; staged: byte offset in the bucket
+    scatters: tuple[Scatter, ...]
+    device: str  # where it lands: its parameter's device (direct), the staging ring's (staged)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return shape_of(self.box)
+
+
+@dataclass(slots=True, unsafe_hash=True)  # a plan record: see above
+class PlannedRead:
+    """One read: ``count`` runs of ``nbytes`` source bytes, ``stride`` apart, landing back to back in a
+    parameter (direct) or the bucket's staging."""
+
+    source: int
+    region: int
+    src_offset: int
+    nbytes: int  # per run
+    param: str | None  # None: into staging
+    landing_offset: int
+    stride: int = 0  # source bytes from one run's start to the next
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    index: int
+    pieces: tuple[Piece, ...]
+    reads: tuple[PlannedRead, ...]
+    staging_bytes: int  # the staging lease (staged pieces at 8-byte aligned offsets)
+    direct_bytes: int
+    device: str  # the device of its staging (all its staged pieces land on one device)
+    devices: tuple[str, ...]  # every device its work touches: staging and destinations
+    staged: tuple[Piece, ...] = ()  # the pieces translate and apply handle
+    checks: Checks | None = None
+    credits: Credits | None = None
+    derived: tuple[Scatter, ...] = ()  # scatters into float8 parameters (assembled, then quantised)
+    pulled_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Source bytes pulled."""
+        return self.pulled_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    key: Hashable
+    buckets: tuple[Bucket, ...]
+    nbytes: int
+    ideal_bytes: int = 0  # the source bytes of the copies alone (what a perfect plan would read)
+    seconds: float = 0.0  # time it took to build
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
+    copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
+    digest_geometry: str = ""  # Publication.digest_geometry of the publications it plans
+    target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
+    read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
+    views: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see verify
+    # built on first use, once per plan: relay geometries by relay layout, the delta index, this rank's
+    # relay boxes (stages._relay, stages._delta); per-bucket variants by skip pattern
+    derived: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
