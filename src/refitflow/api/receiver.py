@@ -205,7 +205,7 @@ class Receiver:
         try:
             # off the loop: a real transport imports its library and creates its agent (seconds)
             self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
-            await anyio.to_thread.run_sync(self._plans.target, self.destination)  # the first plan's share of setup
+            await anyio.to_thread.run_sync(self._prepare_landing)
             for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
                 self._transport.register(tensor)
             self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)
@@ -217,6 +217,13 @@ class Receiver:
             await self._close()  # a failed enter leaks nothing: no transport, no registry client
             raise
         return self
+
+    def _prepare_landing(self) -> None:
+        """The first refit's share of setup, done once as the receiver starts (a worker thread): what plans
+        need of the parameters (``stages._target``) and a byte view of each (reads land there)."""
+        self._plans.target(self.destination)
+        for name in self.destination.params:
+            self.destination.target_bytes(name)
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None

@@ -20,7 +20,7 @@ from refitflow.transports.base import Transport
 
 __all__ = [
     "Attempt", "Counts", "Devices", "Discovery", "Fanout", "Landing", "Lease", "Limits", "StageContext", "Staging",
-    "Work", "breathe", "building", "built",
+    "Work", "breathe", "building", "built", "let_go",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -72,12 +72,16 @@ _last = [0.0]  # when the GIL was last let go
 
 
 def breathe() -> None:
-    """Called often from long CPU-bound loops in worker threads (plan building): about every millisecond,
-    release the GIL for a moment so the event loop's thread gets it now, not at the interpreter's
-    5 ms switch interval. A no-op on the main thread (nothing runs beside it there)."""
+    """Called often from long CPU-bound loops in worker threads (plan building): every 64th call, ``let_go``."""
     _calls[0] += 1
-    if _calls[0] & 63:
-        return
+    if not _calls[0] & 63:
+        let_go()
+
+
+def let_go() -> None:
+    """About every millisecond, release the GIL for a moment so the event loop's thread gets it now, not
+    at the interpreter's 5 ms switch interval (or never, inside one long C call that keeps it). A no-op on
+    the main thread (nothing runs beside it there)."""
     now = time.perf_counter()
     if now - _last[0] > _BREATH_S and threading.current_thread() is not threading.main_thread():
         time.sleep(0)
@@ -119,6 +123,7 @@ class Landing(Protocol):
     @property
     def generation(self) -> int: ...
     def target(self, name: str) -> torch.Tensor: ...
+    def target_bytes(self, name: str) -> torch.Tensor: ...  # target(name) as a flat uint8 view
     def live(self, name: str) -> torch.Tensor: ...
     def holding(self, which: str) -> tuple[Hashable, Any] | None: ...  # "target" | "live": (geometry, digests)
     def assembly(self, name: str) -> torch.Tensor: ...

@@ -17,7 +17,6 @@ from collections.abc import Hashable, Sequence
 import anyio
 import anyio.to_thread
 import numpy as np
-import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
@@ -58,17 +57,13 @@ def _build_reads(ctx: StageContext, work: Work, planned: Sequence[PlannedRead]) 
     peers = [m.source.agent for m in ctx.publication.manifests]
     up: Upstream | None = ctx.upstream
     out = []
-    targets: dict[str, torch.Tensor] = {}
     for r in planned:
         n = r.nbytes * r.count
         if r.param is None:
             assert work.lease is not None
             dst = work.lease.view[r.landing_offset : r.landing_offset + n]
         else:
-            whole = targets.get(r.param)
-            if whole is None:
-                whole = targets[r.param] = as_bytes(ctx.landing.target(r.param))
-            dst = whole[r.landing_offset : r.landing_offset + n]
+            dst = ctx.landing.target_bytes(r.param)[r.landing_offset : r.landing_offset + n]
         if r.source == RELAY:
             assert up is not None
             peer, region = up.offer.source.agent, up.offer.params[r.region].region

@@ -38,11 +38,10 @@ from refitflow.core.errors import IntegrityError
 from refitflow.core.hashing import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.stages import apply
 from refitflow.stages._checks import Checks, digest_vector
-from refitflow.stages._context import StageContext, Work, building
+from refitflow.stages._context import StageContext, Work, building, let_go
 from refitflow.stages._delta import PULL
 from refitflow.stages.pull import read_pieces
 from refitflow.stages.translate import piece_copies
-from refitflow.transports.base import as_bytes
 
 __all__ = ["run"]
 
@@ -67,7 +66,7 @@ def _buffers(ctx: StageContext, work: Work, ch: Checks, keep: np.ndarray | None 
             assert work.lease is not None
             out.append(work.lease.view)
         else:
-            out.append(as_bytes(ctx.landing.target(land.param)))
+            out.append(ctx.landing.target_bytes(land.param))
     return out
 
 
@@ -87,6 +86,23 @@ def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | Non
     return cached
 
 
+_HASH_GROUP = 64  # units per C call: python-xxhash keeps the GIL while it hashes an input under ~100 KB
+
+
+def _hash_views(views: list[memoryview]) -> np.ndarray:
+    """xxh3_64 of each view, a group at a time, the GIL let go between groups: one C loop over a bucket of
+    small units kept the GIL for all of it (the event loop's thread waited up to 15 ms)."""
+    h, n = xxhash.xxh3_64_intdigest, len(views)
+    if n <= _HASH_GROUP:
+        return np.fromiter(map(h, views), np.uint64, n)
+    out = np.empty(n, dtype=np.uint64)
+    for i in range(0, n, _HASH_GROUP):
+        part = views[i : i + _HASH_GROUP]
+        out[i : i + len(part)] = np.fromiter(map(h, part), np.uint64, len(part))
+        let_go()
+    return out
+
+
 def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray, keep: np.ndarray | None) -> list[int]:
     """Hash the whole contiguous xxh3 units (of the pieces ``keep`` selects); the pieces of those that differ."""
     at = None if keep is None else np.flatnonzero(keep[ch.land_of])
@@ -97,7 +113,7 @@ def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray, kee
     want = ch.want if at is None else ch.want[at]
     if slices is not None:
         chosen = slices if at is None else [slices[i] for i in at.tolist()]
-        got = np.fromiter(map(xxhash.xxh3_64_intdigest, chosen), np.uint64, n)
+        got = _hash_views(chosen)
     else:  # device bytes: through the host bounce buffer, one landing at a time
         bufs = _buffers(ctx, work, ch, keep)
         land_of, lo, hi = (ch.land_of, ch.lo, ch.hi) if at is None else (ch.land_of[at], ch.lo[at], ch.hi[at])
