@@ -5,8 +5,8 @@
 Prints, best of ``--rounds``: xxh3 of the model's bytes as one contiguous buffer (the hash alone);
 the publisher's pass (``api.publisher._digest_all``: row-block and tile digests of every tensor) in one
 thread, as ``Publisher`` runs it; and the same pass split in two threads of about equal bytes (what the
-publisher did before: xxh3 releases the GIL on every call, and two threads convoy on it). One torch
-thread. ``--ranks 2``: every matrix as two row halves, the shards ``python -m bench``'s trainer
+publisher did before: python-xxhash keeps the GIL for inputs under ~100 KiB, so two threads take turns).
+One torch thread. ``--ranks 2``: every matrix as two row halves, the shards ``python -m bench``'s trainer
 publishes (its two ranks). GB/s = 10^9 bytes per second.
 """
 

@@ -273,8 +273,9 @@ class Publisher:
     async def _digests(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
         """Every tensor's digest fields, in one worker thread off the event loop.
 
-        One thread, not two: xxh3 releases the GIL for every call (a tile of a few KiB), and two
-        threads handing the GIL back and forth ran 1.1–1.6× slower than one (`bench/digest_bench.py`, 2 cores).
+        One thread, not two: python-xxhash keeps the GIL while it hashes an input under ~100 KiB (a
+        tile), so two threads mostly took turns, and ran 1.1–1.6× slower than one (`bench/digest_bench.py`,
+        2 cores). The event loop still gets the GIL often: the tile gather's torch copies let it go.
         """
         items = [(t, digest_algorithm(t, self._digest_choice)) for t in tensors]
         return await anyio.to_thread.run_sync(_digest_all, items)
