@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from refitflow.stages._context import building, built
+from refitflow.core.gil import building, built
 
 
 def test_the_collector_and_the_switch_interval_come_back_after_nested_builders_of_two_threads() -> None:

@@ -24,6 +24,7 @@ from refitflow.api._transport import choose_transport
 from refitflow.core.digests import ALGORITHMS, Tiling, choose_tiling
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
+from refitflow.core.gil import built
 from refitflow.core.hashing import mix64_box_on_device, shard_digests, to_host
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.layouts.boxes import full
@@ -31,7 +32,6 @@ from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
-from refitflow.stages._context import built
 from refitflow.transports import Transport, make_transport
 
 __all__ = ["Publisher", "Sharded"]

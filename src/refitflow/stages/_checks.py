@@ -16,9 +16,9 @@ from functools import lru_cache
 import numpy as np
 
 from refitflow.core.digests import Tiling, unit_count, units_array, units_of
+from refitflow.core.gil import breathe
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
-from refitflow.stages._context import breathe
 
 __all__ = ["Checks", "Credits", "Land", "Mix", "Stream", "build_checks", "build_credits", "digest_index",
            "digest_vector"]  # fmt: skip

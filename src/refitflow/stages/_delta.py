@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from refitflow.core.dtypes import dtype_name
+from refitflow.core.gil import breathe
 from refitflow.layouts.boxes import volume
-from refitflow.stages._context import Landing, breathe
+from refitflow.stages._context import Landing
 
 __all__ = ["COPY", "HELD", "PULL", "DeltaIndex", "Skips", "decide"]
 

@@ -17,9 +17,10 @@ import torch
 
 from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import PlanError
+from refitflow.core.gil import breathe
 from refitflow.core.types import ShardSpec
 from refitflow.layouts.boxes import Box, contiguous_span, intersect, shift, strided, volume
-from refitflow.stages._context import Limits, breathe
+from refitflow.stages._context import Limits
 from refitflow.stages._records import Piece, Scatter
 from refitflow.stages._regions import chunks, regions
 from refitflow.stages._segments import Copy

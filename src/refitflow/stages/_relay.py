@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from refitflow.core.dtypes import itemsize
+from refitflow.core.gil import breathe, building
 from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, relay_layout
 from refitflow.layouts.boxes import contiguous_span, full, intersect, shape_of, shift, strided, volume
-from refitflow.stages._context import Landing, breathe, building
+from refitflow.stages._context import Landing
 from refitflow.stages._target import Target
 from refitflow.stages.plan import Plan, PlannedRead, runs_read
 

@@ -28,10 +28,11 @@ import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import PlanError
+from refitflow.core.gil import breathe, built
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
 from refitflow.stages._checks import Land, build_checks, build_credits, digest_index, digest_vector
-from refitflow.stages._context import Landing, Limits, StageContext, Work, breathe, built
+from refitflow.stages._context import Landing, Limits, StageContext, Work
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
 from refitflow.stages._pieces import check_cast, shard_pieces

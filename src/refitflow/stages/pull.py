@@ -20,7 +20,8 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
-from refitflow.stages._context import StageContext, Work, built
+from refitflow.core.gil import built
+from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import PULL
 from refitflow.stages._relay import RELAY, RelayPiece, Upstream
 from refitflow.stages.plan import PlannedRead, coalesce, piece_read

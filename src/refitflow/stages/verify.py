@@ -35,10 +35,11 @@ import xxhash
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import IntegrityError
+from refitflow.core.gil import building, let_go
 from refitflow.core.hashing import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.stages import apply
 from refitflow.stages._checks import Checks, digest_vector
-from refitflow.stages._context import StageContext, Work, building, let_go
+from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import PULL
 from refitflow.stages.pull import read_pieces
 from refitflow.stages.translate import piece_copies

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from refitflow.core.errors import ConfigError, TransportError
+from refitflow.core.gil import built
 from refitflow.core.types import SourceAddress
 from refitflow.transports._nixl_agent import LockedAgent
 from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
@@ -231,7 +232,7 @@ class NixlTransport(Transport):
         assert self._index is not None
         todo = [r for r in reads if r.nbytes]
         if len(todo) > 256:
-            groups = await anyio.to_thread.run_sync(describe, todo, regions, self._index)
+            groups = await anyio.to_thread.run_sync(built, describe, todo, regions, self._index)  # 1 ms switches
         else:
             groups = describe(todo, regions, self._index)
         if key is not None:
