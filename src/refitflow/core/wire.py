@@ -116,7 +116,21 @@ def manifest_from_dict(d: Any) -> Manifest:
         raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from exc
 
 
+# the JSON types of a shard row's 13 fixed fields (axis: null or an integer); exact types, so a bool is no int
+_ROW = (str, str, list, type(None), int, int, str, int, int, str, int, int, str)
+_ROW_AXIS = (*_ROW[:3], int, *_ROW[4:])
+
+
 def _shard(row: Any) -> ShardSpec:
+    """One shard row; the common row (exact JSON types, no compile target) checked in one pass, any other
+    field by field (whose errors name the field's value)."""
+    if type(row) is list and len(row) == 13:
+        types = tuple(map(type, row))
+        if (types == _ROW or types == _ROW_AXIS) and set(map(type, row[2])) <= {int}:
+            name, dtype, shape, axis, start, stop, digest, region, offset, algo, tile_rows, tile_cols, blocks = row
+            return ShardSpec(name=name, dtype=dtype, global_shape=tuple(shape), axis=axis, start=start, stop=stop,
+                             digest=digest, region=region, offset=offset, algo=algo, tile_rows=tile_rows,
+                             tile_cols=tile_cols, blocks=blocks)  # fmt: skip
     name, dtype, shape, axis, start, stop, digest, region, offset, algo, tile_rows, tile_cols, blocks, *rest = row
     return ShardSpec(
         name=_typed(name, str),

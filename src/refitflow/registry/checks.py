@@ -58,24 +58,19 @@ class VersionIndex:
     def add(self, manifest: Manifest) -> None:
         if self.world_size is None:
             self.world_size, self.first_rank = manifest.world_size, manifest.rank
+        tensors = self.tensors
         for s in manifest.shards:
-            known = self.tensors.setdefault(s.name, _Tensor(first=s, rank=manifest.rank))
+            known = tensors.get(s.name)
+            if known is None:
+                known = tensors[s.name] = _Tensor(first=s, rank=manifest.rank)
             if s.axis is not None:
                 bisect.insort(known.spans, (s.start, s.stop, manifest.rank))
 
 
 def _agree(s: ShardSpec, known: _Tensor, version: int) -> None:
     theirs, rank = known.first, known.rank
-    for name in ("global_shape", "dtype"):
-        if getattr(s, name) != getattr(theirs, name):
-            raise ManifestError(
-                f"{name} {getattr(s, name)!r} disagrees with {getattr(theirs, name)!r} of rank {rank}",
-                version=version,
-                tensor=s.name,
-            )
-    if s.axis != theirs.axis:
-        raise ManifestError(f"shard axis {s.axis} disagrees with {theirs.axis} of rank {rank}", version=version,
-                            tensor=s.name)  # fmt: skip
+    if s.global_shape != theirs.global_shape or s.dtype != theirs.dtype or s.axis != theirs.axis:
+        _disagree(s, theirs, rank, version)
     if s.axis is None:
         return
     at = bisect.bisect_left(known.spans, (s.start, s.stop, -1))
@@ -83,3 +78,16 @@ def _agree(s: ShardSpec, known: _Tensor, version: int) -> None:
         if s.start < stop and start < s.stop:
             raise ManifestError(f"shard [{s.start}, {s.stop}) overlaps [{start}, {stop}) of rank {other}",
                                 version=version, tensor=s.name)  # fmt: skip
+
+
+def _disagree(s: ShardSpec, theirs: ShardSpec, rank: int, version: int) -> None:
+    """Name the first field that differs."""
+    for name in ("global_shape", "dtype"):
+        if getattr(s, name) != getattr(theirs, name):
+            raise ManifestError(
+                f"{name} {getattr(s, name)!r} disagrees with {getattr(theirs, name)!r} of rank {rank}",
+                version=version,
+                tensor=s.name,
+            )
+    raise ManifestError(f"shard axis {s.axis} disagrees with {theirs.axis} of rank {rank}", version=version,
+                        tensor=s.name)  # fmt: skip

@@ -96,7 +96,8 @@ class RegistryStore:
         if owner is not None:
             self._leases[owner] = self._clock()
             owned = self._owned.setdefault(owner, set())
-            if len(owned) >= 64:  # forget versions since dropped, so a long-lived owner's record stays small
+            n = len(owned)  # forget versions since dropped, so a long-lived owner's record stays small: at 64,
+            if n >= 64 and not n & (n - 1):  # 128, 256, … entries (every publish once past 64 was O(owned))
                 owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._peek(k[0]).versions}
             owned.add(key)
 
