@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from refitflow.core.digests import Tiling, unit_count, units_array, units_of
+from refitflow.core.digests import Tiling, Units, unit_count, units_array, units_of
 from refitflow.core.gil import breathe
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
@@ -98,16 +98,16 @@ _FEW = 8  # pieces with a split unit: at most this many units are listed in Pyth
 
 
 @lru_cache(maxsize=1 << 14)
-def _whole_units(t: Tiling, box: Box) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """(lo, covered, slot, bytes) of a box's xxh3 units when every one is whole and contiguous where the
-    box lands (the common case), else None. Memoised: a model's pieces repeat layer after layer, and
-    the numpy calls per piece were most of a large plan (a 70B TP 1 rank: 9,375 pieces)."""
+def _units(t: Tiling, box: Box) -> tuple[Units, tuple[np.ndarray, np.ndarray, np.ndarray, int] | None]:
+    """``units_array(t, box)`` (read-only: shared by every plan that meets this geometry), and (lo, covered,
+    slot, bytes) of its units when every one is whole and contiguous where the box lands (the common
+    case for xxh3), else None. Memoised: a model's pieces repeat layer after layer, and the numpy calls
+    per piece were most of a large plan (a 70B TP 1 rank: 9,375 pieces)."""
     ua = units_array(t, box)
-    if not ((ua.covered == ua.total).all() and (ua.mode == 1).all()):
-        return None
-    for a in (ua.lo, ua.covered, ua.slot):
-        a.flags.writeable = False  # shared by every plan that meets this geometry
-    return ua.lo, ua.covered, ua.slot, int(ua.total.sum())
+    for a in ua:
+        a.flags.writeable = False
+    whole = t.algo == "xxh3" and bool((ua.covered == ua.total).all() and (ua.mode == 1).all())
+    return ua, ((ua.lo, ua.covered, ua.slot, int(ua.total.sum())) if whole else None)
 
 
 class _Fast:
@@ -159,7 +159,7 @@ def build_checks(
             fast.scalars.append((k, land.offset, land.offset + land.nbytes, base, n))
             whole_bytes += land.nbytes
             continue
-        whole_units = _whole_units(t, box) if t.algo == "xxh3" else None
+        ua, whole_units = _units(t, box)
         if whole_units is not None:  # the common case: every unit whole
             fast.runs.append((k, land.offset, base, n, *whole_units[:3]))
             whole_bytes += whole_units[3]
@@ -175,7 +175,6 @@ def build_checks(
                     elif u.mode == 1:
                         streams.append(Stream(k, a, a + u.covered, base + u.slot, u.start, u.total, n))
                 continue
-        ua = units_array(t, box)
         whole = ua.covered == ua.total
         if t.algo == "mix64" or (ua.mode == 2).any():
             check = ua.mode == (1 if t.algo == "mix64" else 2)
