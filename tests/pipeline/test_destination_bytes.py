@@ -3,6 +3,7 @@ per storage, and still right after shadow swaps (the two storages alternate)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,9 @@ def test_the_byte_view_follows_the_target_storage_across_swaps(mode: ApplyMode) 
             assert view.dtype == torch.uint8 and view.dim() == 1
             assert view.data_ptr() == d.target(name).data_ptr() and view.numel() == d.target(name).nbytes
             assert view is d.target_bytes(name)  # made once per storage
+            memory = d.target_memory(name)
+            assert memory is not None and memory is d.target_memory(name)
+            assert np.frombuffer(memory, dtype=np.uint8).ctypes.data == view.data_ptr()  # the same storage
             if mode is ApplyMode.SHADOW:
                 assert view.data_ptr() != d.live(name).data_ptr()
         if mode is ApplyMode.SHADOW:

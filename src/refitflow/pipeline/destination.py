@@ -76,6 +76,7 @@ class Destination:
                 self.derived[name] = _scale(name, t, self.params)
         self._assemblies: dict[str, torch.Tensor] = {}
         self._bytes: dict[tuple[str, int], torch.Tensor] = {}  # target_bytes
+        self._memory: dict[tuple[str, int], memoryview | None] = {}  # target_memory
         self.layout = dict(layout) if layout is not None else None
         self.layout_key = None if layout is None else tuple(sorted(layout.items()))
         if self.layout is not None:
@@ -126,6 +127,15 @@ class Destination:
         if view is None:
             view = self._bytes[key] = as_bytes(self.target(name))
         return view
+
+    def target_memory(self, name: str) -> memoryview | None:
+        """``target_bytes(name)`` as a memoryview when it is in host memory (None on a device), made once
+        per storage: verify hashes its units through it."""
+        key = (name, self.generation % 2)
+        if key not in self._memory:
+            view = self.target_bytes(name)
+            self._memory[key] = view.numpy().data if view.device.type == "cpu" else None
+        return self._memory[key]
 
     def assembly(self, name: str) -> torch.Tensor:
         """An fp32 buffer a float8 parameter is assembled in before it is quantised (made on first use).

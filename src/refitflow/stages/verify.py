@@ -79,12 +79,30 @@ def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | Non
         return ctx.plan.views[key]
     cached = None
     with building():  # once per plan and bucket: one view per unit
-        bufs = _buffers(ctx, work, ch)
-        if all(b.device.type == "cpu" for b in bufs):
-            mvs = [b.numpy().data for b in bufs]
+        mvs = _memory(ctx, work, ch)
+        if mvs is not None:
             cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
     ctx.plan.views[key] = cached
     return cached
+
+
+def _memory(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | None:
+    """Each landing's whole buffer as a memoryview, or None when one is not in host memory."""
+    out: list[memoryview] = []
+    lease: memoryview | None = None
+    for land in ch.lands:
+        if land.param is not None:
+            mv = ctx.landing.target_memory(land.param)
+        elif lease is not None:
+            mv = lease
+        else:
+            assert work.lease is not None
+            view = work.lease.view
+            mv = lease = view.numpy().data if view.device.type == "cpu" else None
+        if mv is None:
+            return None
+        out.append(mv)
+    return out
 
 
 _HASH_GROUP = 64  # units per C call: python-xxhash keeps the GIL while it hashes an input under ~100 KB
