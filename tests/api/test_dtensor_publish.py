@@ -88,7 +88,11 @@ async def test_fsdp2_ranks_publish_local_shards_and_a_receiver_gets_the_model_bi
                     expected = torch.load(tmp_path / f"v{version}.pt")
                     for name, t in expected.items():
                         assert torch.equal(dst[name], t), name
-                reports = {rank: value for rank, _, value in [await event(), await event()]}
+                reports: dict[int, Any] = {}
+                while len(reports) < 2:  # each rank's "partial", then its "done": they interleave across ranks
+                    rank, kind, value = await event()
+                    if kind == "partial":
+                        reports[rank] = value
             finally:
                 for p in procs:
                     await anyio.to_thread.run_sync(p.join, 60)
