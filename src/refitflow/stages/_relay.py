@@ -48,7 +48,7 @@ def held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
 
 
 def _held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
-    target = plan.target if plan.target is not None and plan.target.landing is landing else Target(landing)
+    target = Target.of(landing, plan.target)
     position, dtypes = target.position, target.dtypes
     held = tuple(
         HeldBox(c.source, c.spec.name, c.sbox, position[c.param], c.dbox)

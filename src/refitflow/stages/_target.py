@@ -40,3 +40,8 @@ class Target:
             tuple(sorted(landing.canonical.items())),
             landing.layout_key,
         )
+
+    @staticmethod
+    def of(landing: Landing, known: Target | None) -> Target:
+        """``known`` when it was built for ``landing``, else a new one."""
+        return known if known is not None and known.landing is landing else Target(landing)

@@ -65,14 +65,11 @@ def box_index(box: Box) -> tuple[slice, ...]:
 
 
 class _Context:
-    """What every bucket of one plan shares: the digest index, the parameters, the boxes seen."""
+    """What every bucket of one plan shares: the digest index, the landing's ``Target``, the boxes seen."""
 
     def __init__(self, pub: Publication, target: Target) -> None:
         self.index = digest_index(pub)
-        self.params = target.names
-        self.position = target.position
-        self.derived = target.landing.derived
-        self.device = target.device
+        self.target = target
         self.seen: set[tuple[str, Box]] = set()
 
 
@@ -132,14 +129,15 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
         cx.index,
     )  # fmt: skip
     scatters = [s for p in laid for s in p.scatters]
-    credits = build_credits(((s.param, s.dbox) for s in scatters), cx.position, cx.params)
+    credits = build_credits(((s.param, s.dbox) for s in scatters), cx.target.position, cx.target.names)
     device = next((p.device for p in laid if not p.direct), laid[0].device)
-    touched = {p.device for p in laid} | {cx.device[s.param] for s in scatters}
+    touched = {p.device for p in laid} | {cx.target.device[s.param] for s in scatters}
     return Bucket(
         index, tuple(laid), tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
         device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
         staged=tuple(p for p in laid if not p.direct), checks=checks, credits=credits,
-        derived=tuple(s for s in scatters if s.param in cx.derived), pulled_bytes=sum(p.nbytes for p in laid),
+        derived=tuple(s for s in scatters if s.param in cx.target.landing.derived),
+        pulled_bytes=sum(p.nbytes for p in laid),
     )  # fmt: skip
 
 
@@ -148,8 +146,7 @@ def build_plan(
 ) -> Plan:
     """Every read this rank needs, grouped into buckets of at most the limits' sizes (``target``: the
     landing's, when the caller keeps it)."""
-    return built(_build, pub, target if target is not None and target.landing is landing else Target(landing),
-                 limits, key)  # fmt: skip
+    return built(_build, pub, Target.of(landing, target), limits, key)
 
 
 def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> Plan:
