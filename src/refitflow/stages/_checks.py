@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from refitflow.core.digests import Tiling, Units, unit_count, units_array, units_of
+from refitflow.core.digests import Tiling, Units, units_array
 from refitflow.core.gil import breathe
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
@@ -94,9 +94,6 @@ def digest_vector(pub: Publication) -> np.ndarray:
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
 
 
-_FEW = 8  # pieces with a split unit: at most this many units are listed in Python, more with numpy
-
-
 @lru_cache(maxsize=1 << 14)
 def _units(t: Tiling, box: Box) -> tuple[Units, tuple[np.ndarray, np.ndarray, np.ndarray, int] | None]:
     """``units_array(t, box)`` (read-only: shared by every plan that meets this geometry), and (lo, covered,
@@ -164,17 +161,6 @@ def build_checks(
             fast.runs.append((k, land.offset, base, n, *whole_units[:3]))
             whole_bytes += whole_units[3]
             continue
-        if t.algo == "xxh3" and unit_count(t, box) <= _FEW:
-            units = units_of(t, box)
-            if not any(u.mode == 2 for u in units):
-                for u in units:
-                    a = land.offset + u.lo
-                    if u.mode == 1 and u.covered == u.total:
-                        fast.scalars.append((k, a, a + u.covered, base + u.slot, n))
-                        whole_bytes += u.total
-                    elif u.mode == 1:
-                        streams.append(Stream(k, a, a + u.covered, base + u.slot, u.start, u.total, n))
-                continue
         whole = ua.covered == ua.total
         if t.algo == "mix64" or (ua.mode == 2).any():
             check = ua.mode == (1 if t.algo == "mix64" else 2)
