@@ -122,35 +122,24 @@ _ROW_AXIS = (*_ROW[:3], int, *_ROW[4:])
 
 
 def _shard(row: Any) -> ShardSpec:
-    """One shard row; the common row (exact JSON types, no compile target) checked in one pass, any other
-    field by field (whose errors name the field's value)."""
-    if type(row) is list and len(row) == 13:
-        types = tuple(map(type, row))
-        if (types == _ROW or types == _ROW_AXIS) and set(map(type, row[2])) <= {int}:
-            name, dtype, shape, axis, start, stop, digest, region, offset, algo, tile_rows, tile_cols, blocks = row
-            return ShardSpec(name=name, dtype=dtype, global_shape=tuple(shape), axis=axis, start=start, stop=stop,
-                             digest=digest, region=region, offset=offset, algo=algo, tile_rows=tile_rows,
-                             tile_cols=tile_cols, blocks=blocks)  # fmt: skip
+    """One shard row: the common row (exact JSON types) checked in one pass, any other field by field (the
+    error names the value)."""
     name, dtype, shape, axis, start, stop, digest, region, offset, algo, tile_rows, tile_cols, blocks, *rest = row
+    types = tuple(map(type, row[:13]))
+    if not ((types == _ROW or types == _ROW_AXIS) and set(map(type, shape)) <= {int}):
+        axes = () if axis is None else ((axis, int),)
+        for value, kind in ((name, str), (dtype, str), *((x, int) for x in shape), *axes, (start, int), (stop, int),
+                            (digest, str), (region, int), (offset, int), (algo, str), (tile_rows, int),
+                            (tile_cols, int), (blocks, str)):  # fmt: skip
+            _typed(value, kind)
     return ShardSpec(
-        name=_typed(name, str),
-        dtype=_typed(dtype, str),
-        global_shape=tuple(_typed(x, int) for x in shape),
-        axis=None if axis is None else _typed(axis, int),
-        start=_typed(start, int),
-        stop=_typed(stop, int),
-        digest=_typed(digest, str),
-        region=_typed(region, int),
-        offset=_typed(offset, int),
-        algo=_typed(algo, str),
-        tile_rows=_typed(tile_rows, int),
-        tile_cols=_typed(tile_cols, int),
-        blocks=_typed(blocks, str),
+        name=name, dtype=dtype, global_shape=tuple(shape), axis=axis, start=start, stop=stop, digest=digest,
+        region=region, offset=offset, algo=algo, tile_rows=tile_rows, tile_cols=tile_cols, blocks=blocks,
         compile_target=_typed(rest[0], str) if rest else "",
         compile_metadata=tuple(sorted((_typed(k, str), _typed(v, str)) for k, v in rest[1].items()))
         if len(rest) > 1
         else (),
-    )
+    )  # fmt: skip
 
 
 def _typed(value: Any, kind: type) -> Any:
