@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -14,6 +14,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from refitflow.api._results import ReceiverStatus, RefitResult, StageStats
 from refitflow.api._transport import choose_transport
 from refitflow.core.errors import (
     RELEASED_HINT,
@@ -32,7 +33,7 @@ from refitflow.pipeline.device import DeviceLane, Marks
 from refitflow.pipeline.graph import run_pipeline
 from refitflow.pipeline.rank import RankState
 from refitflow.pipeline.relay import Relaying
-from refitflow.pipeline.transaction import Ledger, Transaction
+from refitflow.pipeline.transaction import Transaction
 from refitflow.registry.connect import connect_registry
 from refitflow.stages._context import StageContext
 from refitflow.stages.plan import PlanCache
@@ -50,58 +51,6 @@ class ReceiveRegistry(Protocol):
     async def register_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageStats:
-    items: int
-    nbytes: int
-    seconds: float  # busy time of the stage (its work, not its waits)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RefitResult:
-    version: int
-    revision: str
-    nbytes: int  # bytes pulled (from the trainer or a relay; pieces read again counted again)
-    ideal_bytes: int  # the bytes of this rank's slice alone (nbytes above it: widened or enclosing reads)
-    unverified_bytes: int  # pulled bytes no whole digest block covered (verify="pulled" only)
-    direct_bytes: int  # of which landed straight in their destination
-    seconds: float  # from finding the publication to prepared (excludes waiting for it to appear)
-    wait_seconds: float  # how long discovery waited for a complete version
-    plan_cached: bool
-    peak_staging_bytes: int
-    stages: dict[str, StageStats]
-    skipped_bytes: int = 0  # not pulled: unchanged since the version this rank holds (delta refits)
-    rechecked_bytes: int = 0  # of the skipped, re-hashed where they lie
-    repaired_bytes: int = 0  # of the re-hashed, changed behind refitflow's back and pulled again
-    relay_bytes: int = 0  # of the pulled, read from an upstream relay (pipelined fan-out)
-    rerouted_bytes: int = 0  # of the pulled, read from the trainer after a relay failed, stalled or sent bad bytes
-
-    @property
-    def gbps(self) -> float:
-        """End-to-end GB/s (10^9 bytes per second)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReceiverStatus:
-    healthy: bool  # serving a complete version (fence not fenced)
-    in_progress: bool
-    committed_version: int | None
-    fence: str
-    first_failure: str | None  # the first failure since the last commit
-
-    @classmethod
-    def of(cls, ledger: Ledger) -> ReceiverStatus:
-        """The status of the rank whose transactions ``ledger`` keeps."""
-        return cls(
-            healthy=ledger.fence.state.value != "fenced",
-            in_progress=ledger.open is not None,
-            committed_version=ledger.committed_version,
-            fence=ledger.fence.state.value,
-            first_failure=ledger.first_failure,
-        )
 
 
 class Receiver:

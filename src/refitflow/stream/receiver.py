@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import torch
 
-from refitflow.api.receiver import ReceiverStatus, RefitResult, StageStats
+from refitflow.api._results import ReceiverStatus, RefitResult, StageStats
 from refitflow.core.errors import ConfigError, FrameError, OutOfStepError, PlanError, RefitError, VersionError
 from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
