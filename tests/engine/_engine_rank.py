@@ -10,6 +10,7 @@ import anyio
 import torch
 
 import refitflow as rf
+from tests._procs import dumpable
 from tests.conftest import FailAt, mlp
 
 
@@ -32,6 +33,7 @@ async def _serve(rank: int, votes: list[str], agent: str, behaviour: str) -> Non
 
 
 def serve_rank(rank: int, votes: list[str], agent: str, behaviour: str) -> None:
+    dumpable()
     torch.set_num_threads(1)
     anyio.run(_serve, rank, votes, agent, behaviour)
 

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 import refitflow as rf
+from tests._procs import reap
 from tests.engine._engine_rank import serve_rank
 
 
@@ -37,6 +38,15 @@ async def _run(behaviours: dict[str, list[str]]) -> tuple[dict[str, rf.EngineRes
     return results, status
 
 
+async def _ready(controller: rf.Controller) -> None:
+    """Wait until every rank's agent answers (spawned ranks import torch first: seconds on a busy
+    machine), so that the refit's deadline measures the refit, never a rank still starting."""
+    while True:
+        if all(s is not None for ranks in (await controller.status(timeout=2)).values() for s in ranks):
+            return
+        await anyio.sleep(0.2)
+
+
 async def _run_at_once(behaviours: dict[str, list[str]], refits: int) -> tuple[list[dict[str, rf.EngineResult]], dict]:
     """``refits`` refits of version 1 by one controller, started at once; their results, then every status."""
     engines, procs = _start(behaviours)
@@ -48,17 +58,15 @@ async def _run_at_once(behaviours: dict[str, list[str]], refits: int) -> tuple[l
 
     try:
         with anyio.fail_after(120):
+            await _ready(controller)
             async with anyio.create_task_group() as tg:
                 for _ in range(refits):
                     tg.start_soon(refit)
             status = await controller.status()
             await controller.stop_agents()
     finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.exitcode is None:
-                p.kill()
-    assert all(p.exitcode is not None for p in procs), "a rank hung"
+        hung = reap(procs)
+    assert not hung, f"ranks {hung} hung (their stacks are in the captured stderr)"
     return results, status
 
 
