@@ -13,8 +13,10 @@ tensor's bytes); the command exits 1 if one is not. Rows:
 - memcpy: ``dst.copy_(src)`` of the model's bytes in this process, one thread and torch's default count.
 - raw NIXL READ: every shard of the trainer's two ranks read straight into the receiving process's
   parameters, no pipeline: the limit of refitflow's receiving side.
-- refitflow over NIXL, in place and shadow: a trainer process publishing as two ranks, a receiving
-  process, the registry service in this process.
+- refitflow over NIXL, in place and shadow: a trainer process publishing as two ranks (one after the
+  other), a receiving process, the registry service in this process; and in place with the trainer
+  announcing each version before its digests (``Publisher(announce_early=True)``, its two ranks at once):
+  the receiver reads while the trainer hashes, and compares once the digests arrive.
 - gloo broadcast into the parameters; gloo packed buckets with reused buffers; /dev/shm safetensors
   (``bench/baselines.py``).
 
@@ -32,6 +34,7 @@ Columns (GB/s = model bytes / seconds, 10^9 bytes per second, best of the warm v
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -56,7 +59,12 @@ from refitflow.cli.synthetic import synthetic_nbytes, synthetic_shapes
 from refitflow.registry.embedded import Registry
 
 RAW = "raw NIXL READ into the parameters (no pipeline)"
-REFIT = {"in_place": "refitflow over NIXL, in place", "shadow": "refitflow over NIXL, shadow"}
+# row name -> (receiver mode, the trainer announces each version before its digests: two-phase publication)
+REFIT = {
+    "refitflow over NIXL, in place": ("in_place", False),
+    "refitflow over NIXL, shadow": ("shadow", False),
+    "refitflow over NIXL, in place, announced early": ("in_place", True),
+}
 QUICK = {"size_mb": 40.0, "versions": 2}
 FULL = {"size_mb": 512.0, "versions": 5}
 
@@ -116,8 +124,8 @@ async def collect(cfg: RoleConfig, nbytes: int, threads: int) -> dict[str, dict[
     rows: dict[str, dict[str, Any]] = {"memcpy, 1 thread (limit)": _memcpy_row(nbytes, 1)}
     rows[f"memcpy, torch's default {threads} threads"] = _memcpy_row(nbytes, threads)
     rows[RAW] = await refitflow_row(cfg, raw_reader_role, "raw")
-    for mode, name in REFIT.items():
-        rows[name] = await refitflow_row(cfg, receiver_role, mode)
+    for name, (mode, early) in REFIT.items():
+        rows[name] = await refitflow_row(dataclasses.replace(cfg, announce_early=early), receiver_role, mode)
     rows |= await gloo_rows(size, nbytes, versions, timeout)
     if importlib.util.find_spec("safetensors") is None:
         print("skipped the /dev/shm safetensors row: it needs safetensors (pip install -e '.[bench]')")
@@ -139,7 +147,8 @@ def machine(threads: int) -> dict[str, Any]:
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for mode, name in REFIT.items():
+    for name, (mode, early) in REFIT.items():
+        mode += ", announced early" if early else ""
         out[f"{mode} receiver-only / raw NIXL READ"] = rows[name]["receiver_gbps"] / rows[RAW]["receiver_gbps"]
         for base in (*GLOO.values(), SHM):
             if base in rows:
@@ -169,7 +178,7 @@ def report(result: dict[str, Any], out: pathlib.Path) -> None:
               f"{_cell(r['peak_staging'], 1e6, 1):>8} {exact:>5}")  # fmt: skip
     for name, x in result["ratios"].items():
         print(f"{name}: {x:.2f}x")
-    for name in REFIT.values():
+    for name in REFIT:
         publish = min(rows[name]["publish_seconds"][1:] or rows[name]["publish_seconds"])
         stages = ", ".join(f"{k} {v:.1f}" for k, v in rows[name]["stages_ms"].items())
         print(f"{name}: trainer publish() of both ranks (digests + announce) {publish * 1e3:.0f} ms; "

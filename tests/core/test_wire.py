@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import refitflow as rf
@@ -92,13 +94,38 @@ def test_impossible_digest_geometry_is_refused(change: dict, match: str) -> None
         rf.ShardSpec(**{**_fields(good), **change})
 
 
-@pytest.mark.parametrize("fmt", [None, 1, True, 2.0, "2"])
+def test_a_pending_manifest_carries_the_geometry_alone_and_its_digests_complete_it() -> None:
+    """Two-phase publication: the same layout, first without digest values (revision ""), then with them."""
+    full = _manifest()
+    spec = full.shards[0]
+    pending = dataclasses.replace(full, revision="", shards=(dataclasses.replace(spec, digest=""),))
+    assert pending.pending and not full.pending and pending.revision == ""
+    assert full.completes(pending) and not pending.completes(full) and not full.completes(full)
+    back = manifest_from_dict(decode(encode(manifest_to_dict(pending))))
+    assert back == pending and back.layout_digest == full.layout_digest
+    with pytest.raises(rf.ManifestError, match="pending"):
+        pending.shards[0].digest_bytes  # noqa: B018
+    with pytest.raises(rf.ManifestError, match="a pending digest has no blocks"):
+        dataclasses.replace(spec, digest="", blocks="AAAAAAAAAAA=")
+    other = dataclasses.replace(full, shards=(dataclasses.replace(spec, region=spec.region + 1),))
+    assert not other.completes(pending)  # the digests of another layout complete nothing
+
+
+def test_a_manifest_half_pending_is_refused() -> None:
+    a = rf.ShardSpec(name="a", dtype="uint8", global_shape=(4,), axis=None, start=0, stop=4, digest="0" * 16, region=0)
+    b = dataclasses.replace(a, name="b", digest="")
+    with pytest.raises(rf.ManifestError, match="all pending or none"):
+        rf.Manifest(identity=rf.Identity(model="m"), version=1, rank=0, world_size=1,
+                    source=rf.SourceAddress(transport="loopback", agent="x"), shards=(a, b))  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", [None, 1, True, 2, 2.0, "3"])
 def test_a_manifest_of_another_format_is_refused_not_misread(fmt) -> None:
     d = manifest_to_dict(_manifest())
     if fmt is None:
         del d["format"]
         d["shards"] = [row[:9] for row in d["shards"]]  # what a format-1 publisher sent
     else:
-        d["format"] = fmt
-    with pytest.raises(rf.ManifestError, match=r"manifest format .* is not supported: this refitflow reads format 2"):
+        d["format"] = fmt  # 2: digests were never pending
+    with pytest.raises(rf.ManifestError, match=r"manifest format .* is not supported: this refitflow reads format 3"):
         manifest_from_dict(d)

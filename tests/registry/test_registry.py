@@ -89,3 +89,21 @@ def test_publisher_rejects_noncontiguous_tensors_instead_of_copying(ident, regis
             assert len((await pub.publish(1, many)).shards) == 2000
 
     anyio.run(go)
+
+
+@pytest.mark.asyncio
+async def test_a_laid_out_version_whose_publisher_expires_is_offered_to_nobody() -> None:
+    """A version announced before its digests by a publisher whose lease then runs out: early readers
+    stop seeing it (the registry drops the rank's manifest, as for a complete version)."""
+    clock = [0.0]
+    store = rf.Registry(lease_s=1.0, clock=lambda: clock[0])
+    ident = rf.Identity(model="m")
+    spec = rf.ShardSpec(name="w", dtype="uint8", global_shape=(4,), axis=None, start=0, stop=4, digest="", region=0)
+    m = rf.Manifest(identity=ident, version=1, rank=0, world_size=1, shards=(spec,),
+                    source=rf.SourceAddress(transport="loopback", agent="a"))  # fmt: skip
+    await store.publish(m, owner="trainer")
+    early = await store.latest(ident, early=True)
+    assert early is not None and early.pending and await store.latest(ident) is None
+    clock[0] = 5.0
+    assert store.expire() == ["trainer"]
+    assert await store.latest(ident, early=True) is None and await store.versions(ident) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import anyio
@@ -180,3 +181,41 @@ async def test_wait_complete_outlasts_a_registry_that_starts_late() -> None:
                 await pub.publish(manifest(1, 0))
                 await pub.publish(manifest(1, 1))
                 assert (await waiting).version == 1
+
+
+@pytest.mark.asyncio
+async def test_a_version_announced_before_its_digests_is_offered_early_only_to_who_asks() -> None:
+    """Two-phase publication over the service: laid out (every rank announced, digests pending) is seen by
+    an early reader at once; a plain reader, and the release bookkeeping, see the version once complete."""
+    pending = [dataclasses.replace(manifest(1, r), revision="", shards=(dataclasses.replace(manifest(1, r).shards[0],
+               digest=""),)) for r in (0, 1)]  # fmt: skip
+    with anyio.fail_after(30):
+        async with (
+            rf.Registry.serve("tcp://127.0.0.1:*") as server,
+            RegistryClient(server.address) as trainer,
+            RegistryClient(server.address, requery_s=5.0) as reader,
+        ):
+            for m in pending:
+                await trainer.publish(m)
+            assert await reader.latest(ID) is None
+            early = await reader.wait_complete(ID, 1, 5, early=True)
+            assert early.pending and [m.rank for m in early.manifests] == [0, 1]
+            with pytest.raises(rf.VersionError, match="another layout"):  # the digests of another layout
+                await trainer.publish(dataclasses.replace(manifest(1, 0), shards=(dataclasses.replace(
+                    manifest(1, 0).shards[0], region=9),)))  # fmt: skip
+            async with anyio.create_task_group() as tg:
+                got: list[rf.Publication] = []
+
+                async def wait() -> None:
+                    got.append(await reader.wait_complete(ID, 1, 5))  # woken by the announcement
+
+                tg.start_soon(wait)
+                await anyio.sleep(0.2)
+                assert not got
+                await trainer.publish(manifest(1, 0))
+                await trainer.publish(pending[1])  # still pending: nothing completes
+                await trainer.publish(manifest(1, 1))
+            (complete,) = got
+            assert not complete.pending and complete.revision != early.revision
+            await trainer.publish(pending[0])  # a late retry of the announcement changes nothing
+            assert (await reader.latest(ID, early=True)) == complete

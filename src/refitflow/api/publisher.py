@@ -9,6 +9,7 @@ until ``await pub.released(version)`` returns.
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Protocol
@@ -71,6 +72,11 @@ def _fields(tiling: Tiling, digests: np.ndarray) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _geometry(tiling: Tiling) -> dict[str, Any]:
+    """The digest fields of a pending shard: the geometry, no values (two-phase publication)."""
+    return dict(algo=tiling.algo, tile_rows=tiling.tile_rows, tile_cols=tiling.tile_cols, digest="", blocks="")
+
+
 def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
     """The digest fields of a ``ShardSpec`` for a contiguous tensor, computed on its own device."""
     tiling = _tiling(tensor, algo)
@@ -79,7 +85,12 @@ def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
 
 def _digest_all(items: list[tuple[torch.Tensor, str]]) -> list[dict[str, Any]]:
     """Digest fields of every tensor; mix64 sums stay on their device until one copy per device brings
-    them all to the host (no synchronisation per tensor)."""
+    them all to the host (no synchronisation per tensor). Run in one worker thread off the event loop.
+
+    One thread, not two: python-xxhash keeps the GIL while it hashes an input under ~100 KiB (a tile), so
+    two threads mostly took turns, and ran 1.1–1.6× slower than one (`bench/digest_bench.py`, 2 cores);
+    hashing the row blocks apart from the tiles' gather, in a second thread, was slower still (the gather
+    then reads the rows from memory, not from cache: 83–115 ms against 64 ms for the bench's model)."""
     out: list[dict[str, Any] | None] = [None] * len(items)
     pending: dict[torch.device, list[tuple[int, Tiling, torch.Tensor]]] = {}
     for i, (t, algo) in enumerate(items):
@@ -95,6 +106,17 @@ def _digest_all(items: list[tuple[torch.Tensor, str]]) -> list[dict[str, Any]]:
             out[i] = _fields(tiling, sums[at : at + len(s)])
             at += len(s)
     return [d for d in out if d is not None]
+
+
+_digesting = threading.Lock()
+
+
+def _digest_one_at_a_time(items: list[tuple[torch.Tensor, str]]) -> list[dict[str, Any]]:
+    """``_digest_all``, one pass at a time in this process: the passes of several publishers (the ranks
+    of one trainer process, as in ``python -m bench``) each end sooner than when they take turns on the
+    GIL tile by tile (two at once: 100 ms for both where one after the other took 82 ms)."""
+    with _digesting:
+        return _digest_all(items)
 
 
 class Publisher:
@@ -124,6 +146,10 @@ class Publisher:
       registered receiver is done with the version).
     - ``digest``: the digest algorithm — ``"auto"`` (mix64 for tensors on an accelerator, xxh3 on the
       CPU), ``"xxh3"``, or ``"mix64"`` (a CPU trainer whose receivers verify on GPUs; docs/architecture.md).
+    - ``announce_early`` (False): two-phase publication — announce each version's layout before digesting
+      it, then its digests: receivers (``read_early``, their default) start reading while the trainer
+      hashes, and compare every byte once the digests arrive. Receivers then skip nothing of that version
+      as unchanged (delta refits), so leave it off when much of the model stays frozen between versions.
 
     Errors: ``ConfigError`` for arguments that make no sense (raised here, before anything starts);
     ``VersionError`` for a version that does not increase or a republish with other content.
@@ -143,6 +169,7 @@ class Publisher:
         observer: PublishObserver = NULL_OBSERVER,
         release_policy: ReleasePolicy | None = None,
         digest: str = "auto",
+        announce_early: bool = False,
     ) -> None:
         if not isinstance(identity, Identity):
             raise ConfigError(f"identity must be an rf.Identity, got {type(identity).__name__}")
@@ -151,6 +178,7 @@ class Publisher:
         if digest not in DIGEST_CHOICES:
             raise ConfigError(f"digest must be one of {list(DIGEST_CHOICES)}, got {digest!r}")
         self._digest_choice = digest
+        self.announce_early = announce_early
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
         self.registry: PublishRegistry = connect_registry(registry)
@@ -250,10 +278,10 @@ class Publisher:
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step
-        fields = await self._digests([t for _, t, _ in prepared])
         source = self.transport.address()
+        algos = [digest_algorithm(t, self._digest_choice) for _, t, _ in prepared]
 
-        def build() -> Manifest:  # every spec checked: ≈ 15–30 µs a tensor
+        def build(fields: list[dict[str, Any]]) -> Manifest:  # every spec checked: ≈ 15–30 µs a tensor
             shards = tuple(
                 ShardSpec(name=name, region=regions[name], **spec, **digests)
                 for (name, _, spec), digests in zip(prepared, fields, strict=True)
@@ -261,24 +289,21 @@ class Publisher:
             return Manifest(identity=self.identity, version=version, rank=self.rank, world_size=self.world_size,
                             source=source, shards=shards, metadata=self.metadata)  # fmt: skip
 
-        manifest = await anyio.to_thread.run_sync(built, build) if many else build()
-        await self.registry.publish(manifest)
+        async def announce(fields: list[dict[str, Any]]) -> Manifest:
+            manifest = await anyio.to_thread.run_sync(built, build, fields) if many else build(fields)
+            await self.registry.publish(manifest)
+            return manifest
+
+        if self.announce_early:  # the layout first: receivers read while the digests are computed
+            await announce([_geometry(_tiling(t, algo)) for (_, t, _), algo in zip(prepared, algos, strict=True)])
+        items = [(t, algo) for (_, t, _), algo in zip(prepared, algos, strict=True)]
+        manifest = await announce(await anyio.to_thread.run_sync(_digest_one_at_a_time, items))
         self.observer.version_published(version, sum(s.nbytes for s in manifest.shards))
         self.published.append(version)
         self._regions_by_version[version] = set(regions.values())
         self._known_regions |= set(regions.values())
         await self._forget_released()
         return manifest
-
-    async def _digests(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-        """Every tensor's digest fields, in one worker thread off the event loop.
-
-        One thread, not two: python-xxhash keeps the GIL while it hashes an input under ~100 KiB (a
-        tile), so two threads mostly took turns, and ran 1.1–1.6× slower than one (`bench/digest_bench.py`,
-        2 cores). The event loop still gets the GIL often: the tile gather's torch copies let it go.
-        """
-        items = [(t, digest_algorithm(t, self._digest_choice)) for t in tensors]
-        return await anyio.to_thread.run_sync(_digest_all, items)
 
     async def released(self, version: int, timeout: float | None = None) -> None:
         """Return when ``version`` is released per the release policy (its tensors may change then)."""

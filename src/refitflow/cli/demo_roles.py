@@ -25,7 +25,7 @@ import xxhash
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.api.receiver import Receiver, RefitResult
 from refitflow.cli.synthetic import synthetic_model, synthetic_shapes
-from refitflow.core.types import Identity, Publication
+from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.engine.member import Preparer
 from refitflow.metrics.prometheus import PrometheusMetrics
 
@@ -57,6 +57,7 @@ class RoleConfig:
     device: str = "cpu"  # where the trainer's and the receivers' tensors live ("cuda:0": VRAM on both sides)
     receiver_device: str | None = None  # the receivers' device, when not ``device``
     shadow_commit: str = "swap"  # the shadow receiver's commit ("copy": CUDA-graph safe)
+    announce_early: bool = False  # two-phase publication: both ranks announce, then digest, at once
 
 
 def _shards(model: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor | Sharded]:
@@ -77,9 +78,11 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
     model = synthetic_model(cfg.size_bytes, device=cfg.device)
     nbytes = sum(t.nbytes for t in model.values())
     async with (
-        Publisher(registry, identity=IDENTITY, rank=0, world_size=2, transport=cfg.transport) as p0,
-        Publisher(registry, identity=IDENTITY, rank=1, world_size=2, transport=cfg.transport) as p1,
-    ):
+        Publisher(registry, identity=IDENTITY, rank=0, world_size=2, transport=cfg.transport,
+                  announce_early=cfg.announce_early) as p0,
+        Publisher(registry, identity=IDENTITY, rank=1, world_size=2, transport=cfg.transport,
+                  announce_early=cfg.announce_early) as p1,
+    ):  # fmt: skip
         await wait_for_receivers(p0, receivers, cfg.timeout_s)
         report({"kind": "publisher_ready", "tensors": len(model), "nbytes": nbytes})
         for version in range(1, cfg.versions + 1):
@@ -88,13 +91,29 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
                 for t in model.values():  # a training step changes the weights in place
                     t.add_(0.25)
             t_go = time.monotonic()  # the trainer's go: its digests count
-            m0 = await p0.publish(version, _shards(model, 0))
-            m1 = await p1.publish(version, _shards(model, 1))
+            m0, m1 = await _publish_both(p0, p1, version, model, at_once=cfg.announce_early)
             revision = Publication(identity=IDENTITY, version=version, manifests=(m0, m1)).revision
             report({"kind": "published", "version": version, "revision": revision, "t_go": t_go,
                     "seconds": time.monotonic() - t_go})  # fmt: skip
         await p0.released(cfg.versions, timeout=cfg.timeout_s)
         report({"kind": "trainer_done", "rss": peak_rss_bytes(), "digest": weights_digest(model)})
+
+
+async def _publish_both(p0: Publisher, p1: Publisher, version: int, model: dict[str, torch.Tensor], *,
+                        at_once: bool) -> tuple[Manifest, Manifest]:  # fmt: skip
+    """Both ranks' manifests of ``version``: one rank after the other, or both at once (as two trainer
+    processes would: each announces its layout, then digests)."""
+    if not at_once:
+        return await p0.publish(version, _shards(model, 0)), await p1.publish(version, _shards(model, 1))
+    out: dict[int, Manifest] = {}
+
+    async def one(rank: int, pub: Publisher) -> None:
+        out[rank] = await pub.publish(version, _shards(model, rank))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, 0, p0)
+        tg.start_soon(one, 1, p1)
+    return out[0], out[1]
 
 
 async def wait_for_receivers(pub: Publisher, receivers: int, timeout_s: float) -> None:

@@ -129,8 +129,8 @@ class ShardSpec:
                     f"shard range [{self.start}, {self.stop}) outside axis {self.axis} of {self.global_shape}",
                     tensor=self.name,
                 )
-        if not isinstance(self.digest, str) or len(self.digest) != 16:
-            raise ManifestError("digest missing or not a 16-hex-digit xxh3_64", tensor=self.name)
+        if not isinstance(self.digest, str) or len(self.digest) not in (0, 16):
+            raise ManifestError("digest not a 16-hex-digit xxh3_64 (or empty: pending)", tensor=self.name)
         if self.region < 0 or self.offset < 0:
             raise ManifestError("negative region or offset", tensor=self.name)
         self._check_digests()
@@ -139,15 +139,24 @@ class ShardSpec:
         """The digest geometry fits the shard and ``blocks`` holds one digest per unit."""
         if self.algo not in ALGORITHMS:
             raise ManifestError(f"unknown digest algorithm {self.algo!r}; known: {list(ALGORITHMS)}", tensor=self.name)
-        if bool(self.tile_rows) != bool(self.blocks):
-            raise ManifestError("tile_rows and blocks go together", tensor=self.name)
         try:
             tiling = self.tiling
         except ValueError as exc:
             raise ManifestError(str(exc), tensor=self.name) from None
+        if self.pending:  # the geometry alone: the values follow (``Manifest.pending``)
+            if self.blocks:
+                raise ManifestError("a pending digest has no blocks", tensor=self.name)
+            return
+        if bool(self.tile_rows) != bool(self.blocks):
+            raise ManifestError("tile_rows and blocks go together", tensor=self.name)
         if len(self.digest_bytes) != 8 * tiling.count:
             raise ManifestError(f"{len(self.digest_bytes) // 8} block digests for {tiling.count} blocks",
                                 tensor=self.name)  # fmt: skip
+
+    @property
+    def pending(self) -> bool:
+        """Announced before its digests: the geometry is here, the values come with the complete manifest."""
+        return not self.digest
 
     @property
     def tiling(self) -> Tiling:
@@ -157,6 +166,8 @@ class ShardSpec:
     @property
     def digest_bytes(self) -> bytes:
         """Every digest, 8 bytes each, big-endian (decoded on each call: verify asks once per refit)."""
+        if self.pending:
+            raise ManifestError("its digests are pending (announced before them)", tensor=self.name)
         try:
             return _digest_bytes(self.blocks, self.digest)
         except (binascii.Error, ValueError):
@@ -208,6 +219,9 @@ class Manifest:
     shards: tuple[ShardSpec, ...]
     revision: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    # Two-phase publication: a manifest may be announced *pending* — every shard's digest geometry (algorithm,
+    # tiles) but no digest values, revision "" — and then again complete, with the same layout; receivers pull
+    # as soon as the pending one is complete across ranks and compare once the values are in (docs/protocol.md).
     # a digest of everything that shapes a plan (names, shapes, dtypes, ranges, regions, layout), computed
     # by the publisher; receivers key their cached plans on it. A wrong one cannot corrupt a refit: every
     # pulled byte is still checked against this version's content digests.
@@ -221,7 +235,10 @@ class Manifest:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ManifestError(f"tensor names repeated in one manifest: {dup[:20]}", version=self.version)
-        expected = revision_of(self.shards)
+        pending = {s.pending for s in self.shards}
+        if len(pending) > 1:
+            raise ManifestError("a manifest's digests are all pending or none", version=self.version)
+        expected = "" if True in pending else revision_of(self.shards)
         if not self.revision:
             object.__setattr__(self, "revision", expected)
         elif self.revision != expected:
@@ -230,6 +247,19 @@ class Manifest:
             h = xxhash.xxh3_128(repr(self.metadata.get("layout")).encode())
             h.update(orjson.dumps([s.layout_key() for s in self.shards]))
             object.__setattr__(self, "layout_digest", h.hexdigest())
+
+    @property
+    def pending(self) -> bool:
+        """Announced before its digests (see above)."""
+        return self.shards[0].pending
+
+    def completes(self, pending: Manifest) -> bool:
+        """Whether this manifest is ``pending`` with its digests: the same rank, version, source and layout."""
+        head = lambda m: (m.identity, m.version, m.rank, m.world_size, m.source, m.metadata)  # noqa: E731
+        return (
+            pending.pending and not self.pending and head(self) == head(pending)
+            and [s.layout_key() for s in self.shards] == [s.layout_key() for s in pending.shards]
+        )  # fmt: skip
 
 
 def _check_manifest_limits(m: Manifest) -> None:
@@ -279,6 +309,11 @@ class Publication:
 
     def layout_key(self) -> tuple[Any, ...]:
         return tuple((m.rank, m.source.agent, m.layout_digest) for m in self.manifests)
+
+    @property
+    def pending(self) -> bool:
+        """Some rank announced it before its digests: the plan and the reads may start, not the checks."""
+        return any(m.pending for m in self.manifests)
 
     def digest_geometry(self) -> str:
         """A digest of what fixes the digest vector's layout — every shard's name, dtype, shape, range, digest

@@ -22,7 +22,7 @@ __all__ = [
     "offer_to_dict",
 ]  # fmt: skip
 
-PROTOCOL_VERSION = 2  # 2: per-shard digest algorithm (xxh3 | mix64) and 2-D tiles
+PROTOCOL_VERSION = 3  # 2: per-shard digest algorithm (xxh3 | mix64) and 2-D tiles; 3: pending digests
 
 
 def encode(obj: Any) -> bytes:

@@ -50,6 +50,11 @@ class ReceiverConfig:
       version this rank holds are not pulled (docs/fanout.md).
     - ``recheck_fraction`` (0.125): of the pieces skipped, the share re-hashed where they lie each refit,
       rotating (each at least once every 1 / fraction refits; 1.0: all, every refit; 0: never).
+    - ``read_early`` (True): a version announced before its digests (``Publisher(announce_early=True)``)
+      is read at once; verify hashes as the bytes land and compares once the digests arrive (within
+      ``read_timeout_s``), and nothing of that version is skipped as unchanged. False: wait for the
+      digests (delta refits keep skipping). A rank that serves replicas always waits (relays serve
+      verified bytes).
     """
 
     budget_bytes: int = 256 * MiB
@@ -71,6 +76,7 @@ class ReceiverConfig:
     relay_bucket_bytes: int = 4 * MiB
     skip_unchanged: bool = True
     recheck_fraction: float = 0.125
+    read_early: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode))
@@ -115,6 +121,7 @@ class ReceiverConfig:
             relay_wait_s=self.relay_wait_s,
             skip_unchanged=self.skip_unchanged,
             recheck_fraction=self.recheck_fraction,
+            read_early=self.read_early,
             verify=self.verify,
             max_strided_runs=self.max_strided_runs,
             min_run_bytes=self.min_run_bytes,

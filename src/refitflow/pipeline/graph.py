@@ -45,6 +45,10 @@ class Attempt:
     def hold(self, geometry: Hashable, digests: Any) -> None:
         self.txn.holding = (geometry, digests)
 
+    def complete(self, revision: str) -> None:
+        """The version was announced before its digests; now they are in: its content revision."""
+        self.txn.revision = revision
+
     def prepare(self) -> None:
         self.ledger.prepare(self.txn)
 

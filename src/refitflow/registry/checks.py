@@ -48,12 +48,18 @@ class VersionIndex:
                 f"world size {manifest.world_size} disagrees with {self.world_size} of rank {self.first_rank}",
                 version=version,
             )
+        self.check_digests(manifest)
         for s in manifest.shards:
-            if not _HEX.issuperset(s.digest):
-                raise ManifestError("digest is not hexadecimal", version=version, tensor=s.name)
             known = self.tensors.get(s.name)
             if known is not None:
                 _agree(s, known, version)
+
+    @staticmethod
+    def check_digests(manifest: Manifest) -> None:
+        """Every digest is hex (a pending one is empty)."""
+        for s in manifest.shards:
+            if not _HEX.issuperset(s.digest):
+                raise ManifestError("digest is not hexadecimal", version=manifest.version, tensor=s.name)
 
     def add(self, manifest: Manifest) -> None:
         if self.world_size is None:

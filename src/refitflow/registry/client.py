@@ -227,11 +227,12 @@ class RegistryClient:
         *,
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        early: bool = False,
     ) -> Publication | None:
         found = await self._request(
             "latest", identity=identity_to_dict(identity), min_version=min_version,
             compile_targets=None if compile_targets is None else list(compile_targets),
-            metadata=None if metadata is None else dict(metadata),
+            metadata=None if metadata is None else dict(metadata), early=early,
         )  # fmt: skip
         if found is None:
             return None
@@ -240,7 +241,9 @@ class RegistryClient:
         if pub is None:
             fetching = self._fetching.get(key)
             if fetching is None:  # one fetch per version, however many ask at once
-                fetching = self._fetching[key] = asyncio.ensure_future(self._fetch(found["identity"], found["version"]))
+                fetching = self._fetching[key] = asyncio.ensure_future(
+                    self._fetch(found["identity"], found["version"], early=not all(found["revisions"]))
+                )
                 fetching.add_done_callback(lambda _: self._fetching.pop(key, None))
             pub = await asyncio.shield(fetching)
             self._cache[key] = pub
@@ -265,8 +268,8 @@ class RegistryClient:
     async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
         await self._request("relay_leave", identity=identity_to_dict(identity), receiver_id=receiver_id)
 
-    async def _fetch(self, identity: dict[str, str], version: int) -> Publication:
-        dicts = await self._request("manifests", identity=identity, version=version)
+    async def _fetch(self, identity: dict[str, str], version: int, *, early: bool) -> Publication:
+        dicts = await self._request("manifests", identity=identity, version=version, early=early)
         self.fetches += 1
         # validating thousands of shard specs is CPU work: off the event loop, which keeps serving
         manifests = await asyncio.to_thread(lambda: tuple(manifest_from_dict(d) for d in dicts))
@@ -282,6 +285,7 @@ class RegistryClient:
         *,
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        early: bool = False,
     ) -> Publication:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -295,7 +299,7 @@ class RegistryClient:
                     try:  # subscribe (once) inside the loop: a registry down at first is asked again
                         await self._subscribe(topics)
                         pub = await self.latest(identity, min_version, compile_targets=compile_targets,
-                                                metadata=metadata)  # fmt: skip
+                                                metadata=metadata, early=early)  # fmt: skip
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer
                         pub, last = None, exc
                     if pub is not None:

@@ -39,7 +39,7 @@ def _filters(msg: dict[str, Any]) -> dict[str, Any]:
         raise ManifestError("compile_targets must be a list of strings")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise ManifestError("metadata filter values must be strings")
-    return {"compile_targets": targets, "metadata": metadata}
+    return {"compile_targets": targets, "metadata": metadata, "early": _arg(msg, "early", bool, False)}
 
 
 class Handler:
@@ -84,7 +84,7 @@ class Handler:
     async def op_publish(self, msg: dict[str, Any]) -> Any:
         manifest = await self._manifest(msg)
         await self.registry.publish(manifest, owner=_arg(msg, "owner", str, None))
-        if self.registry.newest_complete(manifest.identity) == manifest.version:
+        if self.registry.is_newest(manifest.identity, manifest.version):  # complete, or laid out (early readers)
             await self._announce(identity_to_dict(manifest.identity), manifest.version)
         return None
 
@@ -114,7 +114,7 @@ class Handler:
     async def op_manifests(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))
         version = _arg(msg, "version", int)
-        pub = await self.registry.latest(identity, version)
+        pub = await self.registry.latest(identity, version, early=_arg(msg, "early", bool, False))
         if pub is None or pub.version != version:
             raise VersionError("no longer offered (superseded, released or its publisher's lease expired)",
                                version=version)  # fmt: skip

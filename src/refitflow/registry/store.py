@@ -45,7 +45,8 @@ _DEFAULT_POLICY = ReleasePolicy()
 class _Model:
     versions: dict[int, dict[int, Manifest]] = field(default_factory=dict)  # version -> rank -> manifest
     order: list[int] = field(default_factory=list)  # the versions held, ascending
-    complete: list[int] = field(default_factory=list)  # the complete ones, ascending
+    complete: list[int] = field(default_factory=list)  # the complete ones (every rank, every digest), ascending
+    laid_out: list[int] = field(default_factory=list)  # every rank announced, some still pending, ascending
     index: dict[int, VersionIndex] = field(default_factory=dict)  # version -> its tensors so far
     owner: dict[tuple[int, int], str] = field(default_factory=dict)  # (version, rank) -> owner, if any
     first_seen: dict[int, float] = field(default_factory=dict)  # version -> clock at its first manifest
@@ -102,12 +103,23 @@ class RegistryStore:
             owned.add(key)
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
-        """Record one rank's manifest; republishing a version with other content is refused."""
+        """Record one rank's manifest; republishing a version with other content is refused.
+
+        Two-phase: a pending manifest (no digest values yet) is completed by the same manifest with its
+        digests; the version is *laid out* once every rank announced it, *complete* once every rank's
+        digests are in. A pending manifest after the complete one changes nothing (a late retry)."""
         model = self._model(manifest.identity)
         version, rank = manifest.version, manifest.rank
         known = model.versions.get(version, {})
         old = known.get(rank)
-        if old is not None and old.revision != manifest.revision:
+        if old is not None and (manifest.pending or old.pending):
+            if manifest.pending and not old.pending and old.completes(manifest):
+                return  # the pending announcement again, after its digests: a late retry
+            again = manifest.pending and old.pending and old.shards == manifest.shards  # a retry (or a new address)
+            if not (again or manifest.completes(old)):
+                raise VersionError(f"rank {rank} already announced this version with another layout", version=version)
+            VersionIndex.check_digests(manifest)
+        elif old is not None and old.revision != manifest.revision:
             raise VersionError(f"rank {rank} already published this version with other content", version=version)
         if old is None:
             ahead, newest = self.limits.max_version_ahead, model.newest
@@ -125,9 +137,11 @@ class RegistryStore:
         ranks[rank] = manifest  # the same content again: its newest source address wins
         if owner is not None:
             model.owner[(version, rank)] = owner
-        if len(ranks) == manifest.world_size and version not in model.completed_at:
-            model.completed_at[version] = self._clock()
-            bisect.insort(model.complete, version)
+        if len(ranks) == manifest.world_size:
+            _mark(model.laid_out, version)
+            if version not in model.completed_at and not any(m.pending for m in ranks.values()):
+                model.completed_at[version] = self._clock()
+                bisect.insort(model.complete, version)
         self._own(owner, (manifest.identity, version, rank))
         self._collect(model)
         self._notify()
@@ -136,16 +150,22 @@ class RegistryStore:
         """The newest complete version held for exactly ``identity`` (no filters), or None."""
         return self._peek(identity).newest
 
+    def is_newest(self, identity: Identity, version: int) -> bool:
+        """``version`` is the newest complete or the newest laid-out version of exactly ``identity``."""
+        model = self._peek(identity)
+        return version in (model.newest, model.laid_out[-1] if model.laid_out else None)
+
     def _complete(
-        self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None
-    ) -> Publication | None:
+        self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None,
+        early: bool = False,
+    ) -> Publication | None:  # fmt: skip
         best: Publication | None = None
         names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
         for target in names:
             model = self._models.get(dataclasses.replace(identity, compile_target=target))
             if model is None:
                 continue
-            for version in reversed(model.complete):
+            for version in reversed(model.laid_out if early else model.complete):
                 if version < min_version or (best is not None and version <= best.version):
                     break
                 ranks = model.versions[version]
@@ -163,13 +183,15 @@ class RegistryStore:
         *,
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        early: bool = False,
     ) -> Publication | None:
         """The newest complete version ≥ ``min_version``, or None.
 
         ``compile_targets``: accept any of these compile targets instead of ``identity.compile_target``;
-        ``metadata``: only versions whose every manifest's metadata contains these items.
+        ``metadata``: only versions whose every manifest's metadata contains these items; ``early``: also
+        versions laid out but not complete (some rank's digests pending: ``Publication.pending``).
         """
-        return self._complete(identity, min_version, compile_targets, metadata)
+        return self._complete(identity, min_version, compile_targets, metadata, early)
 
     async def wait_complete(
         self,
@@ -179,12 +201,14 @@ class RegistryStore:
         *,
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        early: bool = False,
     ) -> Publication:
-        """The newest complete version ≥ ``min_version``, waiting up to ``timeout`` seconds for one."""
+        """The newest complete version ≥ ``min_version``, waiting up to ``timeout`` seconds for one
+        (``early``: or laid out, as ``latest``)."""
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                pub = self._complete(identity, min_version, compile_targets, metadata)
+                pub = self._complete(identity, min_version, compile_targets, metadata, early)
                 if pub is not None:
                     return pub
                 await changed.wait()
@@ -291,10 +315,8 @@ class RegistryStore:
         model.first_seen.pop(version, None)
         model.completed_at.pop(version, None)
         model.relays.pop(version, None)
-        for ordered in (model.order, model.complete):
-            at = bisect.bisect_left(ordered, version)
-            if at < len(ordered) and ordered[at] == version:
-                del ordered[at]
+        for ordered in (model.order, model.complete, model.laid_out):
+            _unmark(ordered, version)
 
     def _drop_rank(self, model: _Model, version: int, rank: int) -> None:
         """A rank's manifest goes (its owner's lease ran out): the version is incomplete again, or gone."""
@@ -307,9 +329,8 @@ class RegistryStore:
         model.index[version] = VersionIndex(list(ranks.values()))
         model.completed_at.pop(version, None)
         model.relays.pop(version, None)
-        at = bisect.bisect_left(model.complete, version)
-        if at < len(model.complete) and model.complete[at] == version:
-            del model.complete[at]
+        _unmark(model.complete, version)
+        _unmark(model.laid_out, version)
 
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
@@ -350,3 +371,15 @@ class RegistryStore:
         if stale or dropped:
             self._notify()
         return stale
+
+
+def _mark(ordered: list[int], version: int) -> None:
+    at = bisect.bisect_left(ordered, version)
+    if at == len(ordered) or ordered[at] != version:
+        ordered.insert(at, version)
+
+
+def _unmark(ordered: list[int], version: int) -> None:
+    at = bisect.bisect_left(ordered, version)
+    if at < len(ordered) and ordered[at] == version:
+        del ordered[at]

@@ -82,11 +82,14 @@ class Attempt(Protocol):
     def record(self, param: str, region: Hashable, numel: int) -> None: ...
     def credit(self, key: Hashable, params: tuple[str, ...], idx: Any, counts: Any) -> None: ...
     def hold(self, geometry: Hashable, digests: Any) -> None: ...  # the version's digests (delta refits)
+    def complete(self, revision: str) -> None: ...  # announced before its digests: now they are in
     def prepare(self) -> None: ...
 
 
 class Fanout(Protocol):
     """Pipelined fan-out as the stages see it (``pipeline.relay.Relaying``)."""
+
+    serve: bool  # this rank offers itself as a relay
 
     def begin(self, version: int) -> None:
         """``version`` is about to land (before any byte does): a relay's status says so."""
@@ -100,8 +103,9 @@ class Fanout(Protocol):
 
 class Discovery(Protocol):
     async def wait_complete(
-        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None
-    ) -> Publication: ...
+        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None,
+        early: bool = False,
+    ) -> Publication: ...  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +118,7 @@ class Limits:
     relay_wait_s: float = 5.0  # how long a reader waits for an upstream relay that makes no progress
     skip_unchanged: bool = True  # delta refits: leave pieces whose digests did not change (stages/_delta.py)
     recheck_fraction: float = 0.125  # of skipped pieces, re-hashed each refit (rotating)
+    read_early: bool = True  # read a version announced before its digests; compare when they arrive
     verify: str = "strict"  # strict: widen partial pulls to whole digest blocks; pulled: verify what is whole
     max_strided_runs: int = 1024  # contiguous runs per piece of a strided (column) read
     min_run_bytes: int = 32  # strided runs shorter than this read the enclosing rows instead
@@ -149,6 +154,7 @@ class StageContext:
     fanout: Fanout | None = None  # pipelined fan-out (None: this rank neither relays nor reads relays)
     upstream: Any = None  # stages._relay.Upstream: the relay this attempt reads from, if any
     digests: Any = None  # the version's digest vector (stages._checks.digest_vector), decoded once per refit
+    complete: Any = None  # a pending publication: an async callable → the same version with its digests
     skips: Any = None  # stages._delta.Skips: this refit's delta decision, if any piece is skipped
     verified_through: int = -1  # every unit of buckets up to this index is verified (relay progress)
     counts: Counts = field(default_factory=Counts)

@@ -9,7 +9,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import ObjectSendStream
 
-from refitflow.core.errors import RefitError, RefitTimeoutError
+from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.types import Identity, Publication
 from refitflow.stages._context import Discovery, StageContext
 from refitflow.stages._filter import check_compile
@@ -38,11 +38,10 @@ async def run(
         ctx.enter("discover")
         t_wait = time.perf_counter()
         targets = ctx.limits.compile_targets
+        # a version announced before its digests is read at once, except by a relay (it serves verified bytes)
+        early = ctx.limits.read_early and not (ctx.fanout is not None and ctx.fanout.serve)
         try:
-            if targets is None:
-                pub = await registry.wait_complete(identity, min_version, timeout)
-            else:
-                pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=targets)
+            pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=targets, early=early)
         except RefitTimeoutError as exc:
             raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
         t0 = ctx.discovered_at = time.perf_counter()
@@ -52,12 +51,34 @@ async def run(
             await anyio.to_thread.run_sync(ctx.connect_sources, pub)
         else:
             ctx.connect_sources(pub)
+        if pub.pending:  # announced before its digests: verify asks for them when it needs them
+            ctx.complete = lambda: _complete(registry, pub, ctx.limits.read_timeout_s)
         begin(pub)
         # before the first byte is written: kernels the server queued earlier (on any stream) finish
         await ctx.devices.quiesce()
         ctx.publication = pub
         ctx.note("discover", 1, 0, time.perf_counter() - t0)
         await send.send(pub)
+
+
+async def _complete(registry: Discovery, pending: Publication, timeout: float) -> Publication:
+    """``pending``'s version with every rank's digests, within ``timeout``; typed errors for a publisher
+    that never sends them, or sends another layout (nothing is compared then: the refit aborts)."""
+    version = pending.version
+    try:
+        pub = await registry.wait_complete(pending.identity, version, timeout)
+    except RefitTimeoutError as exc:
+        raise RefitTimeoutError(f"the digests of version {version} did not follow its announcement within "
+                                f"{timeout} s: {exc.reason}", version=version) from exc  # fmt: skip
+    if pub.version != version:
+        raise VersionError(f"version {pub.version} completed before the digests of version {version} were seen",
+                           version=version)  # fmt: skip
+    same = len(pub.manifests) == len(pending.manifests) and all(
+        full.completes(m) for full, m in zip(pub.manifests, pending.manifests, strict=True)
+    )
+    if not same:
+        raise ManifestError("the digests came with another layout than the version announced", version=version)
+    return pub
 
 
 async def _explain(registry: Discovery, identity: Identity, min_version: int, exc: RefitTimeoutError) -> str:

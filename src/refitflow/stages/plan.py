@@ -245,13 +245,14 @@ async def run(
             t0 = time.perf_counter()
             plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
-            ctx.digests = await anyio.to_thread.run_sync(built, digest_vector, pub)
-            assert ctx.attempt is not None
-            ctx.attempt.hold(plan.digest_geometry, ctx.digests)
-            if ctx.limits.skip_unchanged:
-                ctx.skips = await _skips(ctx, plan)
-            if ctx.fanout is not None:
-                await ctx.fanout.join(ctx)
+            if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
+                ctx.digests = await anyio.to_thread.run_sync(built, digest_vector, pub)
+                assert ctx.attempt is not None
+                ctx.attempt.hold(plan.digest_geometry, ctx.digests)
+                if ctx.limits.skip_unchanged:
+                    ctx.skips = await _skips(ctx, plan)
+                if ctx.fanout is not None:
+                    await ctx.fanout.join(ctx)
             ctx.note("plan", len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
             for bucket in plan.buckets:
                 actions, recheck = ctx.skips.of(bucket.index) if ctx.skips is not None else (None, None)

@@ -50,6 +50,28 @@ _MASK = (1 << 64) - 1
 log = logging.getLogger(__name__)
 
 
+class _Compare:
+    """Hashes against the digests: compared at once (``vec``), or recorded until the digests of a version
+    announced before them arrive (``vec is None``; ``settle``). ``bad``: the piece of each differing unit."""
+
+    def __init__(self, vec: np.ndarray | None) -> None:
+        self.vec = vec
+        self.bad: list[int] = []
+        self.recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def __call__(self, want: np.ndarray, got: np.ndarray, names: np.ndarray) -> None:
+        if self.vec is None:
+            self.recorded.append((want, got, names))
+        else:
+            self.bad += names[got != self.vec[want]].tolist()
+
+    def settle(self, vec: np.ndarray) -> list[int]:
+        for want, got, names in self.recorded:
+            self.bad += names[got != vec[want]].tolist()
+        self.recorded = []
+        return self.bad
+
+
 @dataclass
 class _State:
     open: dict[int, list[Any]] = field(default_factory=dict)  # digest index -> [hasher | sum, bytes so far]
@@ -122,12 +144,12 @@ def _hash_views(views: list[memoryview]) -> np.ndarray:
     return out
 
 
-def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray, keep: np.ndarray | None) -> list[int]:
-    """Hash the whole contiguous xxh3 units (of the pieces ``keep`` selects); the pieces of those that differ."""
+def _whole_units(ctx: StageContext, work: Work, ch: Checks, out: _Compare, keep: np.ndarray | None) -> None:
+    """Hash the whole contiguous xxh3 units (of the pieces ``keep`` selects)."""
     at = None if keep is None else np.flatnonzero(keep[ch.land_of])
     n = len(ch.want) if at is None else len(at)
     if not n:
-        return []
+        return
     slices = _slices(ctx, work, ch)
     want = ch.want if at is None else ch.want[at]
     if slices is not None:
@@ -140,18 +162,15 @@ def _whole_units(ctx: StageContext, work: Work, ch: Checks, vec: np.ndarray, kee
         for k in np.unique(land_of).tolist():
             sel = land_of == k
             got[sel] = hash_ranges(bufs[k], lo[sel], hi[sel])
-    names = ch.name_of if at is None else ch.name_of[at]
-    return names[got != vec[want]].tolist()
+    out(want, got, ch.name_of if at is None else ch.name_of[at])
 
 
-def _complete(st: _State, want: int, value: int, vec: np.ndarray, name: int, bad: list[int], total: int) -> None:
-    if value != int(vec[want]):
-        bad.append(name)
+def _complete(st: _State, want: int, value: int, out: _Compare, name: int, total: int) -> None:
+    out(np.array([want]), np.array([value], dtype=np.uint64), np.array([name]))
     st.verified += total
 
 
-def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int],
-             keep: np.ndarray | None) -> None:  # fmt: skip
+def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, out: _Compare, keep: np.ndarray | None) -> None:
     """xxh3 units split over pieces: fed in order; one entered in the middle is never completed."""
     for s in ch.streams:
         if keep is not None and not keep[s.land]:
@@ -166,13 +185,12 @@ def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, 
         state[0].update(mv)
         state[1] = s.start + (s.hi - s.lo)
         if state[1] == s.total:
-            _complete(st, s.want, state[0].intdigest(), vec, s.name, bad, s.total)
+            _complete(st, s.want, state[0].intdigest(), out, s.name, s.total)
         else:
             st.open[s.want] = state
 
 
-def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, bad: list[int],
-            keep: np.ndarray | None) -> None:  # fmt: skip
+def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, out: _Compare, keep: np.ndarray | None) -> None:
     """Pieces computed from their whole box: mix64 sums (parts of split tiles add up), gathered xxh3 tiles."""
     for m in ch.mixes:
         if keep is not None and not keep[m.land]:
@@ -182,8 +200,7 @@ def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, ba
         mix = m.tiling.algo == "mix64"
         got = mix64_box(data, m.tiling, m.box) if mix else xxh3_gathered(data, m.tiling, m.box)
         whole = m.check & (m.covered == m.total)
-        differ = got[whole] != vec[m.want[whole]]
-        bad += [m.name] * int(differ.sum())
+        out(m.want[whole], got[whole], np.full(int(whole.sum()), m.name))
         if not mix:
             continue
         for u in np.flatnonzero(m.check & (m.covered < m.total)).tolist():  # part of a tile: add it up
@@ -193,14 +210,14 @@ def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, vec: np.ndarray, ba
             state[1] += int(m.covered[u])
             if state[1] == int(m.total[u]):
                 del st.open[want]
-                _complete(st, want, state[0], vec, m.name, bad, int(m.total[u]))
+                _complete(st, want, state[0], out, m.name, int(m.total[u]))
 
 
 def _check_bucket(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None,
-                  gather: list[int]) -> list[int]:  # fmt: skip
+                  gather: list[int]) -> _Compare:  # fmt: skip
     """Hash the units of the pieces ``keep`` selects (None: all) on the bucket's refit streams (in the worker
-    thread), first gathering the staged ``gather`` pieces back from where they lie; the piece of every unit
-    that differs (one entry per unit)."""
+    thread), first gathering the staged ``gather`` pieces back from where they lie; compared with the
+    digests if known (``_Compare``)."""
     with ctx.devices.use(work.bucket.devices):
         if gather:
             per = piece_copies(ctx, work)
@@ -210,15 +227,15 @@ def _check_bucket(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | 
         return _check_units(ctx, work, st, keep)
 
 
-def _check_units(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None) -> list[int]:
+def _check_units(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None) -> _Compare:
     ch: Checks = work.bucket.checks
-    vec = ctx.digests
-    bad = _whole_units(ctx, work, ch, vec, keep)
+    out = _Compare(ctx.digests)
+    _whole_units(ctx, work, ch, out, keep)
     if ch.streams or ch.mixes:
         bufs = _buffers(ctx, work, ch, keep)
-        _streams(ch, bufs, st, vec, bad, keep)
-        _mixes(ch, bufs, st, vec, bad, keep)
-    return bad
+        _streams(ch, bufs, st, out, keep)
+        _mixes(ch, bufs, st, out, keep)
+    return out
 
 
 def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
@@ -257,7 +274,7 @@ async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[in
     await ctx.devices.wait(work.marks)
     keep = np.zeros(len(work.bucket.pieces), dtype=bool)
     keep[pieces] = True
-    still = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, [])
+    still = (await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, [])).bad
     if still:
         names = work.bucket.checks.names
         raise _integrity_error([names[k] for k in still], version)
@@ -265,6 +282,20 @@ async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[in
     ctx.counts.pulled += int(size[pieces].sum())
     ctx.counts.rerouted += int(size[[k for k in pieces if k in relayed]].sum())
     ctx.counts.repaired += int(size[again].sum())
+
+
+async def _take_digests(ctx: StageContext) -> None:
+    """The version's digest vector; for a version announced before its digests, first the same version
+    with them (``stages.discover``: within ``read_timeout_s``) — the reads went on meanwhile."""
+    pub = ctx.publication
+    assert pub is not None
+    if pub.pending:
+        pub = ctx.publication = await ctx.complete()
+        assert ctx.attempt is not None and ctx.plan is not None
+        ctx.attempt.complete(pub.revision)
+    ctx.digests = await anyio.to_thread.run_sync(digest_vector, pub)
+    if ctx.attempt is not None and ctx.plan is not None:
+        ctx.attempt.hold(ctx.plan.digest_geometry, ctx.digests)
 
 
 def _plan_checks(work: Work) -> tuple[np.ndarray | None, list[int], int]:
@@ -277,35 +308,83 @@ def _plan_checks(work: Work) -> tuple[np.ndarray | None, list[int], int]:
     return pulled | work.recheck, gather, int(b.checks.piece_bytes[pulled].sum())
 
 
+async def _free(ctx: StageContext, work: Work) -> None:
+    await ctx.devices.wait(work.marks)  # apply's copies out of staging are done: it may be reused
+    if work.lease is not None:
+        ctx.staging.free(work.lease)
+        work.lease = None
+    work.copies = []
+
+
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work]) -> None:
+    """Check every bucket, then send it on. For a version announced before its digests, each bucket is
+    hashed as it lands and held here (its staging freed); the digests are asked for beside
+    (``_take_digests``), and the held buckets are compared and sent on, in order, once they are in."""
     st = _State()
     pulled = 0
-    async with receive, send:
-        async for work in receive:
-            ctx.enter("verify")
-            t0 = time.perf_counter()
-            if ctx.digests is None:  # a plan that did not decode them (the push stream never gets here)
-                assert ctx.publication is not None
-                ctx.digests = await anyio.to_thread.run_sync(digest_vector, ctx.publication)
-            keep, gather, nbytes = _plan_checks(work)
-            bad = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, gather)
-            if bad:
+    held: list[tuple[Work, _Compare, np.ndarray | None, int]] = []
+    early: bool | None = None  # the version was announced before its digests
+    arrived = anyio.Event()
+
+    async def take() -> None:
+        await _take_digests(ctx)
+        arrived.set()
+
+    async def settled(work: Work, out: _Compare, keep: np.ndarray | None, nbytes: int) -> None:
+        nonlocal pulled
+        ch = work.bucket.checks
+        st.verified += ch.whole_bytes if keep is None else int(ch.piece_checked[work.actions == PULL].sum())
+        pulled += nbytes
+        ctx.unverified_bytes = pulled - st.verified
+        if not st.open:
+            ctx.verified_through = work.bucket.index
+        await send.send(work)
+
+    async def settle_held() -> None:
+        assert ctx.digests is not None
+        while held:
+            work, out, keep, nbytes = held.pop(0)
+            bad = out.settle(ctx.digests)
+            if bad:  # nothing came from a relay or was skipped: the trainer's bytes differ (IntegrityError)
                 await _second_chance(ctx, work, st, bad)
-            await ctx.devices.wait(work.marks)  # apply's copies out of staging are done: it may be reused
-            if work.lease is not None:
-                ctx.staging.free(work.lease)
-                work.lease = None
-            work.copies = []
-            ch = work.bucket.checks
-            st.verified += ch.whole_bytes if keep is None else int(ch.piece_checked[work.actions == PULL].sum())
-            pulled += nbytes
-            ctx.unverified_bytes = pulled - st.verified
-            if not st.open:
-                ctx.verified_through = work.bucket.index
-            ctx.note("verify", 1, nbytes, time.perf_counter() - t0)
-            await send.send(work)
-        if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole units only
-            raise IntegrityError(  # before commit sees the end of input
-                f"{ctx.unverified_bytes} pulled bytes were not covered by whole digest blocks under verify='strict'",
-                version=ctx.attempt.version if ctx.attempt is not None else None,
-            )
+            await settled(work, out, keep, nbytes)
+
+    try:
+        async with receive, send, anyio.create_task_group() as tg:
+            async for work in receive:
+                ctx.enter("verify")
+                t0 = time.perf_counter()
+                if ctx.digests is None and early is None:
+                    assert ctx.publication is not None
+                    early = ctx.publication.pending
+                    if early:
+                        tg.start_soon(take)
+                    else:  # a plan that did not decode them
+                        await _take_digests(ctx)
+                keep, gather, nbytes = _plan_checks(work)
+                out = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, gather)
+                if ctx.digests is not None and not held:  # compared at once (a second chance reads into staging)
+                    bad = out.settle(ctx.digests)
+                    if bad:
+                        await _second_chance(ctx, work, st, bad)
+                    await _free(ctx, work)
+                    ctx.note("verify", 1, nbytes, time.perf_counter() - t0)
+                    await settled(work, out, keep, nbytes)
+                    continue
+                await _free(ctx, work)
+                ctx.note("verify", 1, nbytes, time.perf_counter() - t0)
+                held.append((work, out, keep, nbytes))
+                if ctx.digests is not None:
+                    await settle_held()
+            if held:
+                await arrived.wait()
+                await settle_held()
+            if ctx.limits.verify == "strict" and ctx.unverified_bytes:  # the plan promised whole units only
+                raise IntegrityError(  # before commit sees the end of input
+                    f"{ctx.unverified_bytes} pulled bytes were not covered by whole digest blocks under "
+                    "verify='strict'",
+                    version=ctx.attempt.version if ctx.attempt is not None else None,
+                )
+    except BaseExceptionGroup as group:  # the digests' task failed (or the loop did): its own error
+        errors = [e for e in group.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        raise (errors or list(group.exceptions))[0] from None
