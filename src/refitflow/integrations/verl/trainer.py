@@ -119,7 +119,8 @@ class TrainerSide:
         async def start() -> Publisher:
             pub = Publisher(
                 registry, identity=self.config.full_identity, rank=rank, world_size=world_size, transport="nixl",
-                digest=self.config.digest, release_policy=ReleasePolicy(receivers=receivers),
+                digest=self.config.digest, announce_early=self.config.announce_early,
+                release_policy=ReleasePolicy(receivers=receivers),
             )  # fmt: skip
             return await self._stack.enter_async_context(pub)
 
