@@ -10,18 +10,21 @@ import sys
 
 import pytest
 
+from refitflow.core.wire import PROTOCOL_VERSION
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRANSFERS = {  # every row that moves the trainer's bytes into a receiving process
     "raw NIXL READ into the parameters (no pipeline)",
     "refitflow over NIXL, in place",
     "refitflow over NIXL, shadow",
+    "refitflow over NIXL, in place, announced early",
     "gloo broadcast into the parameters (per tensor)",
     "gloo packed 64 MiB buckets, reused (NCCL shape)",
     "/dev/shm safetensors: save, open, copy in",
 }
 END_TO_END = TRANSFERS - {"raw NIXL READ into the parameters (no pipeline)"}
 RECEIVER_ONLY = {"raw NIXL READ into the parameters (no pipeline)", "refitflow over NIXL, in place",
-                 "refitflow over NIXL, shadow"}  # fmt: skip
+                 "refitflow over NIXL, shadow", "refitflow over NIXL, in place, announced early"}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -44,7 +47,7 @@ def test_bench_quick_reports_every_row_bit_exact(tmp_path: pathlib.Path) -> None
     assert all(rows[name]["receiver_gbps"] > 0 for name in RECEIVER_ONLY)
     assert rows["memcpy, 1 thread (limit)"]["receiver_gbps"] > 0
     assert rows["gloo packed 64 MiB buckets, reused (NCCL shape)"]["peak_staging"] > 0  # its receiver's bucket
-    for name in ("refitflow over NIXL, in place", "refitflow over NIXL, shadow"):
+    for name in RECEIVER_ONLY - {"raw NIXL READ into the parameters (no pipeline)"}:
         assert len(rows[name]["e2e_seconds"]) == 2 and all(s > 0 for s in rows[name]["e2e_seconds"])
         pairs = zip(rows[name]["e2e_seconds"], rows[name]["receiver_seconds"], strict=True)
         assert all(e2e > recv for e2e, recv in pairs), f"{name}: publish→commit must contain the receiver's part"
@@ -74,7 +77,8 @@ def test_registry_bench_runs_at_a_small_size() -> None:
            "--queries", "2"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "published 16 sources × 20 tensors" in done.stdout and "protocol v2" in done.stdout, done.stdout
+    assert "published 16 sources × 20 tensors" in done.stdout, done.stdout
+    assert f"protocol v{PROTOCOL_VERSION}" in done.stdout, done.stdout
     assert "cold discovery (fetch 8 manifests, 160 shards)" in done.stdout and "warm discovery" in done.stdout
 
 
