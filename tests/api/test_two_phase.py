@@ -215,3 +215,33 @@ async def test_a_relay_waits_for_the_digests_it_serves_verified_bytes(ident) -> 
                 assert seen.pulled == 0  # it saw nothing: the version is not complete yet
                 registry.release()
             assert (await recv.refit(1)).version == 1 and exact(dst, layers(1))
+
+
+@pytest.mark.asyncio
+async def test_digests_of_another_layout_or_version_are_refused_before_anything_is_compared(ident) -> None:
+    """Defence in depth beside the registry's own check: the receiver compares the complete version's layout
+    with the one it read. (A stand-in registry answers here: the real one refuses such a manifest.)"""
+    from refitflow.stages.discover import _complete
+
+    registry = rf.Registry()
+    async with rf.Publisher(registry, identity=ident, announce_early=True) as pub:
+        await pub.publish(1, layers(1))
+        full = await registry.latest(ident)
+    assert full is not None
+    m = full.manifests[0]
+    pending = rf.Publication(identity=ident, version=1, manifests=(dataclasses.replace(
+        m, revision="", shards=tuple(dataclasses.replace(s, digest="", blocks="") for s in m.shards)),))  # fmt: skip
+    moved = dataclasses.replace(m, revision="", shards=(dataclasses.replace(m.shards[0], offset=8), *m.shards[1:]))
+
+    class Answers:
+        def __init__(self, answer: rf.Publication) -> None:
+            self.answer = answer
+
+        async def wait_complete(self, identity, min_version, timeout, **kwargs) -> rf.Publication:
+            return self.answer
+
+    assert await _complete(Answers(full), pending, 1.0) is full
+    with pytest.raises(rf.ManifestError, match="another layout"):
+        await _complete(Answers(dataclasses.replace(full, manifests=(moved,))), pending, 1.0)
+    with pytest.raises(rf.VersionError, match="version 2 completed before the digests of version 1"):
+        await _complete(Answers(dataclasses.replace(full, version=2)), pending, 1.0)

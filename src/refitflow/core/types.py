@@ -221,7 +221,7 @@ class Manifest:
     metadata: dict[str, str] = field(default_factory=dict)
     # Two-phase publication: a manifest may be announced *pending* — every shard's digest geometry (algorithm,
     # tiles) but no digest values, revision "" — and then again complete, with the same layout; receivers pull
-    # as soon as the pending one is complete across ranks and compare once the values are in (docs/protocol.md).
+    # as soon as every rank announced it and compare once the values are in (docs/architecture.md).
     # a digest of everything that shapes a plan (names, shapes, dtypes, ranges, regions, layout), computed
     # by the publisher; receivers key their cached plans on it. A wrong one cannot corrupt a refit: every
     # pulled byte is still checked against this version's content digests.
