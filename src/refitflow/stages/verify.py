@@ -2,12 +2,16 @@
 
 The plan holds each bucket's checks (``_checks``): the digest units its pieces hold and where their
 bytes landed (staging, or the destination for direct pieces), as arrays. Verify hashes them on the
-bytes' own device, off the event loop, and compares with the version's digest vector (decoded once
-per refit), by the algorithm the publisher chose for each shard (``core/hashing.py``): a whole xxh3
-unit is one C call; a mix64 piece is one batched torch pass; xxh3 tiles strided where they landed
-are gathered. A unit split over pieces (a tile larger than a bucket) is completed across pieces and
-buckets (xxh3 streams in plan order; mix64 adds sums). Bytes of units that never complete count as
+bytes' own device, off the event loop (``_unit_hashes``), and compares with the version's digest vector
+(decoded once per refit), by the algorithm the publisher chose for each shard (``core/hashing.py``): a
+whole xxh3 unit is one C call; a mix64 piece is one batched torch pass; xxh3 tiles strided where they
+landed are gathered. A unit split over pieces (a tile larger than a bucket) is completed across pieces
+and buckets (xxh3 streams in plan order; mix64 adds sums). Bytes of units that never complete count as
 unverified (possible only under ``verify="pulled"``; under ``"strict"`` the refit then fails).
+
+A version announced before its digests (two-phase publication) is hashed as it lands and each bucket
+held here; the digests are asked for beside, and the held buckets compared and sent on, in order, once
+they are in: commit sees no bucket whose bytes did not match.
 
 Device work: the hashing runs on the bucket's refit streams (``Devices.use``, in the worker thread),
 and the staging lease is freed only after the bucket's marks (apply's copies out of it) are waited for.
@@ -17,225 +21,30 @@ upstream relay that do not match are read again from the trainer (the relay is n
 piece a delta refit skipped and re-hashes (``Work.recheck``; staged ones are first gathered back into
 staging from where they lie) is read again if it differs (it was changed behind refitflow's back).
 Only bytes the trainer itself sent that do not match are an ``IntegrityError``. With every unit of the
-buckets so far complete, ``ctx.verified_through`` moves on (relay progress, in commit).
-"""
+buckets so far complete, ``ctx.verified_through`` moves on (relay progress, in commit)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 import anyio.to_thread
 import numpy as np
-import torch
-import xxhash
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import IntegrityError
-from refitflow.core.gil import building, let_go
-from refitflow.core.hashing import hash_ranges, mix64_box, xxh3_gathered
 from refitflow.stages import apply
-from refitflow.stages._checks import Checks, digest_vector
+from refitflow.stages._checks import digest_vector
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import PULL
+from refitflow.stages._unit_hashes import Compare, HashState, check_bucket
 from refitflow.stages.pull import read_pieces
 from refitflow.stages.translate import piece_copies
 
 __all__ = ["run"]
 
-_MASK = (1 << 64) - 1
 log = logging.getLogger(__name__)
-
-
-class _Compare:
-    """Hashes against the digests: compared at once (``vec``), or recorded until the digests of a version
-    announced before them arrive (``vec is None``; ``settle``). ``bad``: the piece of each differing unit."""
-
-    def __init__(self, vec: np.ndarray | None) -> None:
-        self.vec = vec
-        self.bad: list[int] = []
-        self.recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def __call__(self, want: np.ndarray, got: np.ndarray, names: np.ndarray) -> None:
-        if self.vec is None:
-            self.recorded.append((want, got, names))
-        else:
-            self.bad += names[got != self.vec[want]].tolist()
-
-    def settle(self, vec: np.ndarray) -> list[int]:
-        for want, got, names in self.recorded:
-            self.bad += names[got != vec[want]].tolist()
-        self.recorded = []
-        return self.bad
-
-
-@dataclass
-class _State:
-    open: dict[int, list[Any]] = field(default_factory=dict)  # digest index -> [hasher | sum, bytes so far]
-    verified: int = 0
-
-
-def _buffers(ctx: StageContext, work: Work, ch: Checks, keep: np.ndarray | None = None) -> list[torch.Tensor]:
-    """Each landing's whole buffer (uint8): the staging lease, or a parameter's target (``keep``: only the
-    pieces it selects; the others' entries are empty)."""
-    out = []
-    for k, land in enumerate(ch.lands):
-        if keep is not None and not keep[k]:
-            out.append(torch.empty(0, dtype=torch.uint8))
-        elif land.param is None:
-            assert work.lease is not None
-            out.append(work.lease.view)
-        else:
-            out.append(ctx.landing.target_bytes(land.param))
-    return out
-
-
-def _slices(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | None:
-    """The whole units' bytes as memoryviews when they all landed on the CPU, else None; cached for the
-    plan's replays like its reads (staging placement is deterministic, shadow targets alternate)."""
-    key = (work.bucket.index, -1 if work.lease is None else work.lease.offset, ctx.landing.generation % 2)
-    if key in ctx.plan.views:
-        return ctx.plan.views[key]
-    cached = None
-    with building():  # once per plan and bucket: one view per unit
-        mvs = _memory(ctx, work, ch)
-        if mvs is not None:
-            cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
-    ctx.plan.views[key] = cached
-    return cached
-
-
-def _memory(ctx: StageContext, work: Work, ch: Checks) -> list[memoryview] | None:
-    """Each landing's whole buffer as a memoryview, or None when one is not in host memory."""
-    out: list[memoryview] = []
-    lease: memoryview | None = None
-    for land in ch.lands:
-        if land.param is not None:
-            mv = ctx.landing.target_memory(land.param)
-        elif lease is not None:
-            mv = lease
-        else:
-            assert work.lease is not None
-            view = work.lease.view
-            mv = lease = view.numpy().data if view.device.type == "cpu" else None
-        if mv is None:
-            return None
-        out.append(mv)
-    return out
-
-
-_HASH_GROUP = 64  # units per C call: python-xxhash keeps the GIL while it hashes an input under ~100 KB
-
-
-def _hash_views(views: list[memoryview]) -> np.ndarray:
-    """xxh3_64 of each view, a group at a time, the GIL let go between groups: one C loop over a bucket of
-    small units kept the GIL for all of it (the event loop's thread waited up to 15 ms)."""
-    h, n = xxhash.xxh3_64_intdigest, len(views)
-    if n <= _HASH_GROUP:
-        return np.fromiter(map(h, views), np.uint64, n)
-    out = np.empty(n, dtype=np.uint64)
-    for i in range(0, n, _HASH_GROUP):
-        part = views[i : i + _HASH_GROUP]
-        out[i : i + len(part)] = np.fromiter(map(h, part), np.uint64, len(part))
-        let_go()
-    return out
-
-
-def _whole_units(ctx: StageContext, work: Work, ch: Checks, out: _Compare, keep: np.ndarray | None) -> None:
-    """Hash the whole contiguous xxh3 units (of the pieces ``keep`` selects)."""
-    at = None if keep is None else np.flatnonzero(keep[ch.land_of])
-    n = len(ch.want) if at is None else len(at)
-    if not n:
-        return
-    slices = _slices(ctx, work, ch)
-    want = ch.want if at is None else ch.want[at]
-    if slices is not None:
-        chosen = slices if at is None else [slices[i] for i in at.tolist()]
-        got = _hash_views(chosen)
-    else:  # device bytes: through the host bounce buffer, one landing at a time
-        bufs = _buffers(ctx, work, ch, keep)
-        land_of, lo, hi = (ch.land_of, ch.lo, ch.hi) if at is None else (ch.land_of[at], ch.lo[at], ch.hi[at])
-        got = np.empty(n, dtype=np.uint64)
-        for k in np.unique(land_of).tolist():
-            sel = land_of == k
-            got[sel] = hash_ranges(bufs[k], lo[sel], hi[sel])
-    out(want, got, ch.name_of if at is None else ch.name_of[at])
-
-
-def _complete(st: _State, want: int, value: int, out: _Compare, name: int, total: int) -> None:
-    out(np.array([want]), np.array([value], dtype=np.uint64), np.array([name]))
-    st.verified += total
-
-
-def _streams(ch: Checks, bufs: list[torch.Tensor], st: _State, out: _Compare, keep: np.ndarray | None) -> None:
-    """xxh3 units split over pieces: fed in order; one entered in the middle is never completed."""
-    for s in ch.streams:
-        if keep is not None and not keep[s.land]:
-            continue
-        data = bufs[s.land][s.lo : s.hi]
-        mv = (data if data.device.type == "cpu" else data.cpu()).numpy().data
-        state = st.open.pop(s.want, None)
-        if s.start == 0:
-            state = [xxhash.xxh3_64(), 0]
-        elif state is None or state[1] != s.start:
-            continue
-        state[0].update(mv)
-        state[1] = s.start + (s.hi - s.lo)
-        if state[1] == s.total:
-            _complete(st, s.want, state[0].intdigest(), out, s.name, s.total)
-        else:
-            st.open[s.want] = state
-
-
-def _mixes(ch: Checks, bufs: list[torch.Tensor], st: _State, out: _Compare, keep: np.ndarray | None) -> None:
-    """Pieces computed from their whole box: mix64 sums (parts of split tiles add up), gathered xxh3 tiles."""
-    for m in ch.mixes:
-        if keep is not None and not keep[m.land]:
-            continue
-        land = ch.lands[m.land]
-        data = bufs[m.land][land.offset : land.offset + land.nbytes]
-        mix = m.tiling.algo == "mix64"
-        got = mix64_box(data, m.tiling, m.box) if mix else xxh3_gathered(data, m.tiling, m.box)
-        whole = m.check & (m.covered == m.total)
-        out(m.want[whole], got[whole], np.full(int(whole.sum()), m.name))
-        if not mix:
-            continue
-        for u in np.flatnonzero(m.check & (m.covered < m.total)).tolist():  # part of a tile: add it up
-            want = int(m.want[u])
-            state = st.open.setdefault(want, [0, 0])
-            state[0] = (state[0] + int(got[u])) & _MASK
-            state[1] += int(m.covered[u])
-            if state[1] == int(m.total[u]):
-                del st.open[want]
-                _complete(st, want, state[0], out, m.name, int(m.total[u]))
-
-
-def _check_bucket(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None,
-                  gather: list[int]) -> _Compare:  # fmt: skip
-    """Hash the units of the pieces ``keep`` selects (None: all) on the bucket's refit streams (in the worker
-    thread), first gathering the staged ``gather`` pieces back from where they lie; compared with the
-    digests if known (``_Compare``)."""
-    with ctx.devices.use(work.bucket.devices):
-        if gather:
-            per = piece_copies(ctx, work)
-            for k in gather:
-                for dst, src in per[k]:
-                    src.copy_(dst if dst.shape == src.shape else dst.reshape(src.shape))
-        return _check_units(ctx, work, st, keep)
-
-
-def _check_units(ctx: StageContext, work: Work, st: _State, keep: np.ndarray | None) -> _Compare:
-    ch: Checks = work.bucket.checks
-    out = _Compare(ctx.digests)
-    _whole_units(ctx, work, ch, out, keep)
-    if ch.streams or ch.mixes:
-        bufs = _buffers(ctx, work, ch, keep)
-        _streams(ch, bufs, st, out, keep)
-        _mixes(ch, bufs, st, out, keep)
-    return out
 
 
 def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
@@ -250,7 +59,7 @@ def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
     )
 
 
-async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[int]) -> None:
+async def _second_chance(ctx: StageContext, work: Work, st: HashState, bad: list[int]) -> None:
     """Read again from the trainer the pieces whose bytes came from a relay or were skipped and re-hashed;
     ``IntegrityError`` if bytes the trainer sent differ (now, or before)."""
     version = ctx.attempt.version if ctx.attempt is not None else None
@@ -274,7 +83,7 @@ async def _second_chance(ctx: StageContext, work: Work, st: _State, bad: list[in
     await ctx.devices.wait(work.marks)
     keep = np.zeros(len(work.bucket.pieces), dtype=bool)
     keep[pieces] = True
-    still = (await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, [])).bad
+    still = (await anyio.to_thread.run_sync(check_bucket, ctx, work, st, keep, [])).bad
     if still:
         names = work.bucket.checks.names
         raise _integrity_error([names[k] for k in still], version)
@@ -320,9 +129,9 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
     """Check every bucket, then send it on. For a version announced before its digests, each bucket is
     hashed as it lands and held here (its staging freed); the digests are asked for beside
     (``_take_digests``), and the held buckets are compared and sent on, in order, once they are in."""
-    st = _State()
+    st = HashState()
     pulled = 0
-    held: list[tuple[Work, _Compare, np.ndarray | None, int]] = []
+    held: list[tuple[Work, Compare, np.ndarray | None, int]] = []
     early: bool | None = None  # the version was announced before its digests
     arrived = anyio.Event()
 
@@ -330,7 +139,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         await _take_digests(ctx)
         arrived.set()
 
-    async def settled(work: Work, out: _Compare, keep: np.ndarray | None, nbytes: int) -> None:
+    async def settled(work: Work, out: Compare, keep: np.ndarray | None, nbytes: int) -> None:
         nonlocal pulled
         ch = work.bucket.checks
         st.verified += ch.whole_bytes if keep is None else int(ch.piece_checked[work.actions == PULL].sum())
@@ -362,7 +171,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
                     else:  # a plan that did not decode them
                         await _take_digests(ctx)
                 keep, gather, nbytes = _plan_checks(work)
-                out = await anyio.to_thread.run_sync(_check_bucket, ctx, work, st, keep, gather)
+                out = await anyio.to_thread.run_sync(check_bucket, ctx, work, st, keep, gather)
                 if ctx.digests is not None and not held:  # compared at once (a second chance reads into staging)
                     bad = out.settle(ctx.digests)
                     if bad:
