@@ -1,7 +1,8 @@
 """The embedded, in-memory registry: manifests by identity and version, receivers and their acks.
 
-A version is discoverable once every rank of its publisher's world has published it. Receivers
-register, and report each version they are done with (committed, aborted or skipped); a version is
+A version is discoverable once every rank of its publisher's world has published it (``model``: what is
+held of one identity; two-phase publication: *laid out* before its digests are in, *complete* after).
+Receivers register, and report each version they are done with (committed, aborted or skipped); a version is
 *released* per a :class:`ReleasePolicy` (default: every registered receiver is done with it), and
 dropped once released and superseded by a newer complete version.
 
@@ -19,11 +20,9 @@ oldest first, each once.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
 
 import anyio
 
@@ -32,6 +31,7 @@ from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.checks import VersionIndex
 from refitflow.registry.limits import RegistryLimits
+from refitflow.registry.model import Model, mark
 from refitflow.registry.near_misses import near_misses
 from refitflow.registry.relays import Relays, check_offer
 from refitflow.registry.release import ReleasePolicy
@@ -41,25 +41,7 @@ __all__ = ["RegistryStore"]
 _DEFAULT_POLICY = ReleasePolicy()
 
 
-@dataclass
-class _Model:
-    versions: dict[int, dict[int, Manifest]] = field(default_factory=dict)  # version -> rank -> manifest
-    order: list[int] = field(default_factory=list)  # the versions held, ascending
-    complete: list[int] = field(default_factory=list)  # the complete ones (every rank, every digest), ascending
-    laid_out: list[int] = field(default_factory=list)  # every rank announced, some still pending, ascending
-    index: dict[int, VersionIndex] = field(default_factory=dict)  # version -> its tensors so far
-    owner: dict[tuple[int, int], str] = field(default_factory=dict)  # (version, rank) -> owner, if any
-    first_seen: dict[int, float] = field(default_factory=dict)  # version -> clock at its first manifest
-    receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
-    completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
-    relays: dict[int, Relays] = field(default_factory=dict)  # version -> its relays (pipelined fan-out)
-
-    @property
-    def newest(self) -> int | None:
-        return self.complete[-1] if self.complete else None
-
-
-_EMPTY = _Model()  # what a query about an unknown identity sees (queries never create models)
+_EMPTY = Model()  # what a query about an unknown identity sees (queries never create models)
 
 
 class RegistryStore:
@@ -77,7 +59,7 @@ class RegistryStore:
         self.lease_s = lease_s
         self.limits = limits or RegistryLimits()
         self._clock = clock
-        self._models: dict[Identity, _Model] = {}
+        self._models: dict[Identity, Model] = {}
         self._changed = anyio.Event()
         self._leases: dict[str, float] = {}  # owner -> last heartbeat
         self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
@@ -87,10 +69,10 @@ class RegistryStore:
         self._changed.set()
         self._changed = anyio.Event()
 
-    def _model(self, identity: Identity) -> _Model:
-        return self._models.setdefault(identity, _Model())
+    def _model(self, identity: Identity) -> Model:
+        return self._models.setdefault(identity, Model())
 
-    def _peek(self, identity: Identity) -> _Model:
+    def _peek(self, identity: Identity) -> Model:
         return self._models.get(identity, _EMPTY)
 
     def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
@@ -132,16 +114,16 @@ class RegistryStore:
             if not known:
                 model.versions[version], model.index[version] = known, index
                 model.first_seen[version] = self._clock()
-                bisect.insort(model.order, version)
+                mark(model.order, version)
         ranks = known
         ranks[rank] = manifest  # the same content again: its newest source address wins
         if owner is not None:
             model.owner[(version, rank)] = owner
         if len(ranks) == manifest.world_size:
-            _mark(model.laid_out, version)
+            mark(model.laid_out, version)
             if version not in model.completed_at and not any(m.pending for m in ranks.values()):
                 model.completed_at[version] = self._clock()
-                bisect.insort(model.complete, version)
+                mark(model.complete, version)
         self._own(owner, (manifest.identity, version, rank))
         self._collect(model)
         self._notify()
@@ -241,7 +223,7 @@ class RegistryStore:
         """``receiver_id`` serves no version any more (it is about to change its bytes, or leaving)."""
         self._drop_relays(self._peek(identity), receiver_id)
 
-    def _drop_relays(self, model: _Model, receiver_id: str) -> None:
+    def _drop_relays(self, model: Model, receiver_id: str) -> None:
         for relays in model.relays.values():
             relays.leave(receiver_id)
 
@@ -266,7 +248,7 @@ class RegistryStore:
         self._hold_until = max(self._hold_until, self._clock() + seconds)
         self._notify()
 
-    def _released(self, model: _Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
+    def _released(self, model: Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
         done_at = model.completed_at.get(version)
         age = None if done_at is None else self._clock() - done_at
         return policy.released(model.receivers.values(), version, age, all_known=self._clock() >= self._hold_until)
@@ -299,38 +281,14 @@ class RegistryStore:
                     await changed.wait()
         raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
 
-    def _collect(self, model: _Model) -> int:
+    def _collect(self, model: Model) -> int:
         """Drop versions that are released and superseded by a newer complete version, oldest first
         (under the default policy a version is released only if every older one is); how many."""
         newest, dropped = model.newest, 0
         while newest is not None and model.order and model.order[0] < newest and self._released(model, model.order[0]):
-            self._drop(model, model.order[0])
+            model.drop(model.order[0])
             dropped += 1
         return dropped
-
-    def _drop(self, model: _Model, version: int) -> None:
-        for rank in model.versions.pop(version, {}):
-            model.owner.pop((version, rank), None)
-        model.index.pop(version, None)
-        model.first_seen.pop(version, None)
-        model.completed_at.pop(version, None)
-        model.relays.pop(version, None)
-        for ordered in (model.order, model.complete, model.laid_out):
-            _unmark(ordered, version)
-
-    def _drop_rank(self, model: _Model, version: int, rank: int) -> None:
-        """A rank's manifest goes (its owner's lease ran out): the version is incomplete again, or gone."""
-        ranks = model.versions[version]
-        del ranks[rank]
-        model.owner.pop((version, rank), None)
-        if not ranks:
-            self._drop(model, version)
-            return
-        model.index[version] = VersionIndex(list(ranks.values()))
-        model.completed_at.pop(version, None)
-        model.relays.pop(version, None)
-        _unmark(model.complete, version)
-        _unmark(model.laid_out, version)
 
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
@@ -359,27 +317,15 @@ class RegistryStore:
                     model.receivers.pop(key, None)
                     self._drop_relays(model, key)
                 elif model.owner.get((key, rank)) == owner:
-                    self._drop_rank(model, key, rank)
+                    model.drop_rank(key, rank)
         dropped = 0
         for model in self._models.values():
             for version in [v for v, t in model.first_seen.items() if now - t > self.limits.incomplete_ttl_s]:
                 ranks = model.versions[version]
                 if version not in model.completed_at and not any((version, r) in model.owner for r in ranks):
-                    self._drop(model, version)
+                    model.drop(version)
                     dropped += 1
             dropped += self._collect(model)  # also what a hold on releases kept
         if stale or dropped:
             self._notify()
         return stale
-
-
-def _mark(ordered: list[int], version: int) -> None:
-    at = bisect.bisect_left(ordered, version)
-    if at == len(ordered) or ordered[at] != version:
-        ordered.insert(at, version)
-
-
-def _unmark(ordered: list[int], version: int) -> None:
-    at = bisect.bisect_left(ordered, version)
-    if at < len(ordered) and ordered[at] == version:
-        del ordered[at]
