@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from types import TracebackType
 from typing import Any
@@ -30,9 +29,10 @@ import zmq.asyncio
 from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
 from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
+from refitflow.core.wire import manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.address import check_address
 from refitflow.registry.channel import Channel
+from refitflow.registry.fetched import Fetched
 from refitflow.registry.messages import identity_to_dict, topic
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
@@ -80,14 +80,16 @@ class RegistryClient:
         self._stale = False  # the registry may have forgotten what this client holds
         self._announced = asyncio.Event()
         self._hello: dict[str, Any] | None = None
-        self._cache: OrderedDict[tuple[Any, ...], Publication] = OrderedDict()
-        self._cache_size = cache_size
-        self._fetching: dict[tuple[Any, ...], asyncio.Future[Publication]] = {}
+        self._fetched = Fetched(self._request, cache_size)
         self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
-        self.fetches = 0  # manifest fetches (for tests and benches: one per new version)
         self.announcements = 0  # announcements received on the SUB socket
+
+    @property
+    def fetches(self) -> int:
+        """Manifest fetches so far (for tests and benches: one per new version)."""
+        return self._fetched.fetches
 
     async def __aenter__(self) -> RegistryClient:
         return self
@@ -140,8 +142,7 @@ class RegistryClient:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
             self._heartbeat = None
-        for fetching in self._fetching.values():
-            fetching.cancel()
+        self._fetched.cancel()
         await self._channel.aclose()
 
     # -- leases, re-announcement, reports ----------------------------------------------------------
@@ -234,23 +235,7 @@ class RegistryClient:
             compile_targets=None if compile_targets is None else list(compile_targets),
             metadata=None if metadata is None else dict(metadata), early=early,
         )  # fmt: skip
-        if found is None:
-            return None
-        key = (tuple(sorted(found["identity"].items())), found["version"], tuple(found["revisions"]))
-        pub = self._cache.get(key)
-        if pub is None:
-            fetching = self._fetching.get(key)
-            if fetching is None:  # one fetch per version, however many ask at once
-                fetching = self._fetching[key] = asyncio.ensure_future(
-                    self._fetch(found["identity"], found["version"], early=not all(found["revisions"]))
-                )
-                fetching.add_done_callback(lambda _: self._fetching.pop(key, None))
-            pub = await asyncio.shield(fetching)
-            self._cache[key] = pub
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        return pub
+        return None if found is None else await self._fetched.get(found)
 
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
@@ -267,15 +252,6 @@ class RegistryClient:
 
     async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
         await self._request("relay_leave", identity=identity_to_dict(identity), receiver_id=receiver_id)
-
-    async def _fetch(self, identity: dict[str, str], version: int, *, early: bool) -> Publication:
-        dicts = await self._request("manifests", identity=identity, version=version, early=early)
-        self.fetches += 1
-        # validating thousands of shard specs is CPU work: off the event loop, which keeps serving
-        manifests = await asyncio.to_thread(lambda: tuple(manifest_from_dict(d) for d in dicts))
-        if not manifests:
-            raise VersionError("the registry returned no manifests", version=version)
-        return Publication(identity=manifests[0].identity, version=version, manifests=manifests)
 
     async def wait_complete(
         self,
