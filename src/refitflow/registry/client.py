@@ -2,8 +2,8 @@
 
 Requests go over one ``Channel`` (a DEALER socket with request ids: concurrent requests share it;
 every request has a deadline, and a registry that doesn't answer raises ``RefitTimeoutError``).
-``wait_complete`` wakes on the registry's PUB announcement (SUB socket) and re-asks every
-``requery_s`` in case one was missed. Manifests are fetched once per version and cached.
+``wait_complete`` wakes on the registry's PUB announcement (SUB socket, ``announcements``) and re-asks
+every ``requery_s`` in case one was missed. Manifests are fetched once per version and cached (``fetched``).
 
 While the client holds publications, receivers or undelivered reports, a background task heartbeats
 its lease. When the registry restarted (its incarnation changed in any answer) or did not know the
@@ -31,9 +31,10 @@ from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.address import check_address
+from refitflow.registry.announcements import Announcements
 from refitflow.registry.channel import Channel
 from refitflow.registry.fetched import Fetched
-from refitflow.registry.messages import identity_to_dict, topic
+from refitflow.registry.messages import identity_to_dict
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
 
@@ -72,19 +73,20 @@ class RegistryClient:
         self._channel = Channel(address, request_timeout_s=request_timeout_s, security=security, context=context,
                                 on_restart=self._restarted)  # fmt: skip
         self._request = self._channel.request
-        self._sub: zmq.asyncio.Socket | None = None
-        self._sub_at = ""
-        self._subscribed: set[bytes] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # the heartbeat task has work now (a restart, a report to deliver)
         self._stale = False  # the registry may have forgotten what this client holds
-        self._announced = asyncio.Event()
+        self._announcements = Announcements(self._channel, self.address)
         self._hello: dict[str, Any] | None = None
         self._fetched = Fetched(self._request, cache_size)
         self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
-        self.announcements = 0  # announcements received on the SUB socket
+
+    @property
+    def announcements(self) -> int:
+        """Announcements received on the SUB socket."""
+        return self._announcements.count
 
     @property
     def fetches(self) -> int:
@@ -111,30 +113,6 @@ class RegistryClient:
         self._stale = True
         self._hello = None
         self._wake.set()
-
-    async def _subscribe(self, identities: list[Identity]) -> None:
-        pub = str((await self.hello())["pub"])
-        if self.address.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
-            pub = f"{self.address.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
-        if self._sub is None:
-            self._sub = self._channel.socket(zmq.SUB)
-            self._sub.connect(pub)
-            self._channel.spawn(self._read_announcements(self._sub))
-        elif pub != self._sub_at:  # a restarted registry announcing elsewhere (subscriptions carry over)
-            self._sub.disconnect(self._sub_at)
-            self._sub.connect(pub)
-        self._sub_at = pub
-        for identity in identities:
-            if topic(identity) not in self._subscribed:
-                self._sub.setsockopt(zmq.SUBSCRIBE, topic(identity))
-                self._subscribed.add(topic(identity))
-
-    async def _read_announcements(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            await sock.recv_multipart()
-            self.announcements += 1
-            self._announced.set()
-            self._announced = asyncio.Event()
 
     async def aclose(self) -> None:
         """Stop heartbeating, close the sockets; what this client held expires with its lease."""
@@ -271,9 +249,9 @@ class RegistryClient:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    announced = self._announced
+                    announced = self._announcements.event
                     try:  # subscribe (once) inside the loop: a registry down at first is asked again
-                        await self._subscribe(topics)
+                        self._announcements.subscribe(str((await self.hello())["pub"]), topics)
                         pub = await self.latest(identity, min_version, compile_targets=compile_targets,
                                                 metadata=metadata, early=early)  # fmt: skip
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer

@@ -1,0 +1,55 @@
+"""A registry client's subscription to the registry's announcements (its PUB socket).
+
+The registry announces a version on the identity's topic when it becomes the newest complete (or laid
+out) one; waiters wake on ``event`` and ask again. The SUB socket is connected on first use, to the
+address the registry's ``hello`` names (reached the way the client reaches the registry), moved when a
+restarted registry announces elsewhere (subscriptions carry over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from refitflow.core.types import Identity
+from refitflow.registry.channel import Channel
+from refitflow.registry.messages import topic
+
+__all__ = ["Announcements"]
+
+
+class Announcements:
+    def __init__(self, channel: Channel, address: str) -> None:
+        self._channel = channel
+        self._address = address
+        self._sub: zmq.asyncio.Socket | None = None
+        self._sub_at = ""
+        self._subscribed: set[bytes] = set()
+        self.event = asyncio.Event()  # set at the next announcement (a fresh one after each)
+        self.count = 0  # announcements received
+
+    def subscribe(self, pub: str, identities: list[Identity]) -> None:
+        """Listen on ``pub`` (the registry's ``hello``) for ``identities``' announcements."""
+        if self._address.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
+            pub = f"{self._address.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
+        if self._sub is None:
+            self._sub = self._channel.socket(zmq.SUB)
+            self._sub.connect(pub)
+            self._channel.spawn(self._read(self._sub))
+        elif pub != self._sub_at:  # a restarted registry announcing elsewhere (subscriptions carry over)
+            self._sub.disconnect(self._sub_at)
+            self._sub.connect(pub)
+        self._sub_at = pub
+        for identity in identities:
+            if topic(identity) not in self._subscribed:
+                self._sub.setsockopt(zmq.SUBSCRIBE, topic(identity))
+                self._subscribed.add(topic(identity))
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            await sock.recv_multipart()
+            self.count += 1
+            self.event.set()
+            self.event = asyncio.Event()
