@@ -161,24 +161,6 @@ async def test_an_early_version_skips_nothing_and_the_next_one_skips_again(ident
             assert third.skipped_bytes == NBYTES // 2 and exact(dst, v3)
 
 
-@pytest.mark.asyncio
-async def test_a_receiver_that_waits_for_digests_never_sees_the_early_announcement(ident) -> None:
-    registry, dst = GatedRegistry(), zeros()
-    seen = Seen()
-    with anyio.fail_after(30):
-        async with (
-            rf.Publisher(registry, identity=ident, announce_early=True) as pub,
-            rf.Receiver(dst, registry, identity=ident, read_early=False, observer=seen) as recv,
-        ):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(pub.publish, 1, layers(1))
-                with pytest.raises(rf.RefitTimeoutError):
-                    await recv.refit(1, timeout=0.3)
-                assert seen.pulled == 0
-                registry.release()
-            assert (await recv.refit(1)).version == 1 and exact(dst, layers(1))
-
-
 def test_the_publisher_announces_the_layout_first_then_the_same_layout_with_digests(ident) -> None:
     async def main() -> list[rf.Manifest]:
         registry = rf.Registry()
@@ -201,12 +183,14 @@ def test_the_publisher_announces_the_layout_first_then_the_same_layout_with_dige
 
 
 @pytest.mark.asyncio
-async def test_a_relay_waits_for_the_digests_it_serves_verified_bytes(ident) -> None:
+@pytest.mark.parametrize("option", [{"read_early": False}, {"serve_replicas": True}])
+async def test_a_receiver_that_waits_for_digests_never_sees_the_early_announcement(ident, option: dict) -> None:
+    """``read_early=False``, and a relay (it serves verified bytes), see the version once it is complete."""
     registry, dst, seen = GatedRegistry(), zeros(), Seen()
     with anyio.fail_after(30):
         async with (
             rf.Publisher(registry, identity=ident, announce_early=True) as pub,
-            rf.Receiver(dst, registry, identity=ident, serve_replicas=True, observer=seen) as recv,
+            rf.Receiver(dst, registry, identity=ident, observer=seen, **option) as recv,
         ):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(pub.publish, 1, layers(1))
