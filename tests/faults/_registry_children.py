@@ -1,7 +1,7 @@
 """A publisher or a receiver in its own process (NIXL), speaking to a registry service; driven over stdin.
 
-``python _registry_children.py publisher|receiver ADDRESS [HEARTBEAT_S]`` — commands are JSON lines, each answered
-by one line ``RF <json>`` (``LineChild``):
+``python _registry_children.py publisher ADDRESS [MODE]`` / ``receiver ADDRESS [HEARTBEAT_S]`` — commands are
+JSON lines, each answered by one line ``RF <json>`` (``LineChild``):
 
 - publisher: ``{"publish": v, "seed": s}`` writes ``model(s)`` into its tensors in place and publishes
   it as version ``v``; ``{"release": v}`` starts ``await pub.released(v)`` in the background;
@@ -47,7 +47,18 @@ async def _lines() -> AsyncIterator[str]:
         yield line
 
 
-async def publisher(address: str) -> None:
+async def publisher(address: str, mode: str = "plain") -> None:
+    """``mode``: ``plain``; ``early`` (two-phase publication); ``dies-after-announcing``: early, and the
+    process exits (status 7) once its first layout is announced, before any digest — it answers
+    ``{"announced": v}`` first."""
+    if mode == "dies-after-announcing":
+        import refitflow.api.publisher as publishing
+
+        def die(items: object) -> None:
+            say({"announced": True})
+            os._exit(7)
+
+        publishing._digest_one_at_a_time = die  # type: ignore[assignment]
     client = RegistryClient(address, request_timeout_s=1.0, heartbeat_s=0.25)
     tensors = model(0)
     released: list[int] = []
@@ -57,7 +68,7 @@ async def publisher(address: str) -> None:
         await pub.released(version, timeout=300)
         released.append(version)
 
-    async with client, rf.Publisher(client, identity=IDENTITY, transport="nixl") as pub:
+    async with client, rf.Publisher(client, identity=IDENTITY, transport="nixl", announce_early=mode != "plain") as pub:
         say({"ready": True})
         async for line in _lines():
             cmd = json.loads(line)
@@ -82,7 +93,8 @@ async def receiver(address: str, heartbeat_s: str = "0.25") -> None:
         async for line in _lines():
             cmd = json.loads(line)
             if "refit" not in cmd:
-                say({"answering": client._channel.answering, "announcements": client.announcements})
+                say({"answering": client._channel.answering, "announcements": client.announcements,
+                     "committed": recv.ledger.committed_version, "fence": recv.status.fence})  # fmt: skip
                 continue
             try:
                 result = await recv.refit(cmd["refit"], timeout=60)
