@@ -2,7 +2,8 @@
 
 ``latest`` answers with a version and its manifests' revisions only; the manifests themselves are fetched
 once (concurrent askers share the fetch), validated off the event loop, and kept for ``size`` versions.
-A version announced before its digests has revisions "": fetched as laid out, and again once complete.
+A version announced before its digests has revisions "": fetched each time it is asked for while laid out
+(never kept), then once complete.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Fetched:
                 )
                 fetching.add_done_callback(lambda _: self._fetching.pop(key, None))
             pub = await asyncio.shield(fetching)
+            if pub.pending:  # not kept: revisions "" do not tell a re-announcement (a new address) apart
+                return pub
             self._cache[key] = pub
             while len(self._cache) > self._size:
                 self._cache.popitem(last=False)
