@@ -280,9 +280,11 @@ class Publisher:
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step
         source = self.transport.address()
-        algos = [digest_algorithm(t, self._digest_choice) for _, t, _ in prepared]
+        items = [(t, digest_algorithm(t, self._digest_choice)) for _, t, _ in prepared]
 
-        def build(fields: list[dict[str, Any]]) -> Manifest:  # every spec checked: ≈ 15–30 µs a tensor
+        def build(fields: list[dict[str, Any]] | None) -> Manifest:  # every spec checked: ≈ 15–30 µs a tensor
+            if fields is None:  # pending: the digest geometry alone
+                fields = [_geometry(_tiling(t, algo)) for t, algo in items]
             shards = tuple(
                 ShardSpec(name=name, region=regions[name], **spec, **digests)
                 for (name, _, spec), digests in zip(prepared, fields, strict=True)
@@ -290,14 +292,13 @@ class Publisher:
             return Manifest(identity=self.identity, version=version, rank=self.rank, world_size=self.world_size,
                             source=source, shards=shards, metadata=self.metadata)  # fmt: skip
 
-        async def announce(fields: list[dict[str, Any]]) -> Manifest:
+        async def announce(fields: list[dict[str, Any]] | None) -> Manifest:
             manifest = await anyio.to_thread.run_sync(built, build, fields) if many else build(fields)
             await self.registry.publish(manifest)
             return manifest
 
         if self.announce_early:  # the layout first: receivers read while the digests are computed
-            await announce([_geometry(_tiling(t, algo)) for (_, t, _), algo in zip(prepared, algos, strict=True)])
-        items = [(t, algo) for (_, t, _), algo in zip(prepared, algos, strict=True)]
+            await announce(None)
         manifest = await announce(await anyio.to_thread.run_sync(_digest_one_at_a_time, items))
         self.observer.version_published(version, sum(s.nbytes for s in manifest.shards))
         self.published.append(version)
