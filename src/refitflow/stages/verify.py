@@ -139,7 +139,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
         await _take_digests(ctx)
         arrived.set()
 
-    async def settled(work: Work, out: Compare, keep: np.ndarray | None, nbytes: int) -> None:
+    async def settled(work: Work, keep: np.ndarray | None, nbytes: int) -> None:
         nonlocal pulled
         ch = work.bucket.checks
         st.verified += ch.whole_bytes if keep is None else int(ch.piece_checked[work.actions == PULL].sum())
@@ -156,7 +156,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             bad = out.settle(ctx.digests)
             if bad:  # nothing came from a relay or was skipped: the trainer's bytes differ (IntegrityError)
                 await _second_chance(ctx, work, st, bad)
-            await settled(work, out, keep, nbytes)
+            await settled(work, keep, nbytes)
 
     try:
         async with receive, send, anyio.create_task_group() as tg:
@@ -172,16 +172,16 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
                         await _take_digests(ctx)
                 keep, gather, nbytes = _plan_checks(work)
                 out = await anyio.to_thread.run_sync(check_bucket, ctx, work, st, keep, gather)
-                if ctx.digests is not None and not held:  # compared at once (a second chance reads into staging)
+                now = ctx.digests is not None and not held  # compared before staging is freed: a second chance
+                if now:  # reads into it
                     bad = out.settle(ctx.digests)
                     if bad:
                         await _second_chance(ctx, work, st, bad)
-                    await _free(ctx, work)
-                    ctx.note("verify", 1, nbytes, time.perf_counter() - t0)
-                    await settled(work, out, keep, nbytes)
-                    continue
                 await _free(ctx, work)
                 ctx.note("verify", 1, nbytes, time.perf_counter() - t0)
+                if now:
+                    await settled(work, keep, nbytes)
+                    continue
                 held.append((work, out, keep, nbytes))
                 if ctx.digests is not None:
                     await settle_held()
