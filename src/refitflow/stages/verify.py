@@ -132,7 +132,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
     st = HashState()
     pulled = 0
     held: list[tuple[Work, Compare, np.ndarray | None, int]] = []
-    early: bool | None = None  # the version was announced before its digests
+    asked = False  # for the digests (``take``)
     arrived = anyio.Event()
 
     async def take() -> None:
@@ -163,13 +163,9 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             async for work in receive:
                 ctx.enter("verify")
                 t0 = time.perf_counter()
-                if ctx.digests is None and early is None:
-                    assert ctx.publication is not None
-                    early = ctx.publication.pending
-                    if early:
-                        tg.start_soon(take)
-                    else:  # a plan that did not decode them
-                        await _take_digests(ctx)
+                if ctx.digests is None and not asked:  # the version was announced before its digests
+                    asked = True
+                    tg.start_soon(take)
                 keep, gather, nbytes = _plan_checks(work)
                 out = await anyio.to_thread.run_sync(check_bucket, ctx, work, st, keep, gather)
                 now = ctx.digests is not None and not held  # compared before staging is freed: a second chance
