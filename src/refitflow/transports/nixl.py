@@ -289,13 +289,13 @@ class NixlTransport(Transport):
         return None
 
     async def _transfer(self, prepared: _Prepared, peer: str, count: bool = True) -> None:
-        """Post the READ off the event loop (with its served-bytes notification when ``count``); poll a pending
-        one with growing sleeps (no spinning)."""
+        """Post the READ off the event loop (with its served-bytes notification when ``count``), where it is
+        checked briefly (``LockedAgent.post``); poll one still pending with growing sleeps (no spinning)."""
         nx, handle = prepared.nx, prepared.handles[2]
         notif = prepared.notif if count else b""
         try:
-            state = str(await anyio.to_thread.run_sync(nx.call, "transfer", nx.agent.transfer, handle, notif))
-            delay = 50e-6
+            state = await anyio.to_thread.run_sync(nx.post, handle, notif)
+            delay = 1e-3
             while state == "PROC":
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 0.002)
