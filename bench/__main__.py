@@ -29,6 +29,9 @@ Columns (GB/s = model bytes / seconds, 10^9 bytes per second, best of the warm v
 - receiver only: refitflow from finding the publication to commit; raw NIXL the reads alone.
 - peak RSS of the trainer's and the receiver's process, each measured in itself (``VmHWM``).
 - staging: refitflow's peak staging bytes; the packed baseline's bucket; the safetensors file.
+
+After the table, each refitflow row's last version as a timeline from the trainer's go: when the receiver
+found it, each read (start–end, bytes, GB/s), when the trainer's ``publish()`` returned, the commit.
 """
 
 from __future__ import annotations
@@ -110,7 +113,24 @@ async def refitflow_row(cfg: RoleConfig, role: Any, mode: str) -> dict[str, Any]
         "peak_staging": max(e["peak_staging"] for e in refits),
         "stages_ms": {k: v * 1e3 for k, v in warm[-1]["stages"].items()},
         "finish_ms": min(e["finish_seconds"] for e in warm) * 1e3,  # the commit, after prepare
+        "timeline": timeline(published[-1], refits[-1]),
         "exact": refits[-1]["digest"] == trainer["digest"],
+    }  # fmt: skip
+
+
+def timeline(published: dict[str, Any], refit: dict[str, Any]) -> dict[str, Any]:
+    """One version in ms from the trainer's go (one ``CLOCK_MONOTONIC`` in every process): when the
+    trainer's ``publish()`` returned, the receiver found the publication (its plan stage began), each
+    transport read began and ended (and its bytes), and the commit."""
+    go = published["t_go"]
+
+    def ms(t: float) -> float:
+        return round((t - go) * 1e3, 2)
+
+    return {
+        "published_ms": ms(go + published["seconds"]), "found_ms": ms(refit["entered"]["plan"]),
+        "reads": [(ms(end - seconds), ms(end), nbytes) for end, nbytes, seconds in refit["reads"]],
+        "committed_ms": ms(refit["t_commit"]),
     }  # fmt: skip
 
 
@@ -183,6 +203,11 @@ def report(result: dict[str, Any], out: pathlib.Path) -> None:
         stages = ", ".join(f"{k} {v:.1f}" for k, v in rows[name]["stages_ms"].items())
         print(f"{name}: trainer publish() of both ranks (digests + announce) {publish * 1e3:.0f} ms; "
               f"last refit, per-stage busy ms: {stages}")  # fmt: skip
+        t = rows[name]["timeline"]
+        reads = ", ".join(f"{a:.0f}–{b:.0f} ({n / 2**20:.0f} MiB, {n / max(b - a, 1e-3) / 1e6:.1f} GB/s)"
+                          for a, b, n in t["reads"])  # fmt: skip
+        print(f"  its last version, ms from the go: found {t['found_ms']:.1f}; reads {reads}; trainer's "
+              f"publish() returned {t['published_ms']:.1f}; committed {t['committed_ms']:.1f}")  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -51,6 +51,10 @@ def test_bench_quick_reports_every_row_bit_exact(tmp_path: pathlib.Path) -> None
         assert len(rows[name]["e2e_seconds"]) == 2 and all(s > 0 for s in rows[name]["e2e_seconds"])
         pairs = zip(rows[name]["e2e_seconds"], rows[name]["receiver_seconds"], strict=True)
         assert all(e2e > recv for e2e, recv in pairs), f"{name}: publish→commit must contain the receiver's part"
+        t = rows[name]["timeline"]  # the last version, ms from the trainer's go: every byte read, in order
+        assert sum(n for _, _, n in t["reads"]) == result["nbytes"], (name, t)
+        found, committed = t["found_ms"], t["committed_ms"]  # two clocks' roundings: 0.1 ms of slack
+        assert 0 < found < committed and all(found - 0.1 <= a <= b <= committed + 0.1 for a, b, _ in t["reads"]), t
     assert set(result["ratios"]) and all(x > 0 for x in result["ratios"].values())
     assert "publish→commit" in done.stdout and "load average" in done.stdout
 

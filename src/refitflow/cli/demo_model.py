@@ -172,7 +172,7 @@ async def engine_role(name: str, tp: int, mode: str, registry: Any, cfg: RoleCon
                 outcomes: list[Any] = [None] * tp
 
                 async def one(r: int, version: int = version, outcomes: list[Any] = outcomes) -> None:
-                    metrics[r].done = 0
+                    metrics[r].new_refit()
                     outcomes[r] = await members[r].refit(version, timeout=cfg.timeout_s)
 
                 async with anyio.create_task_group() as tg:

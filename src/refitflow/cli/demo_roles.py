@@ -160,16 +160,29 @@ def weights_digest(model: dict[str, torch.Tensor]) -> str:
 
 
 class ProgressMetrics(PrometheusMetrics):
-    """Prometheus metrics that also report progress to the demo's display (throttled)."""
+    """Prometheus metrics that also report progress to the demo's display (throttled), and keep the
+    current refit's timeline for the bench: when each stage was first entered and every transport
+    read as (end, bytes, seconds), in ``time.monotonic()``, one clock for every process of the host."""
 
     def __init__(self, name: str, report: Report) -> None:
         super().__init__()
         self.name, self.report = name, report
-        self.done, self.stage, self.last = 0, "discover", 0.0
+        self.stage, self.last = "discover", 0.0
+        self.new_refit()
+
+    def new_refit(self) -> None:
+        self.done = 0
+        self.entered: dict[str, float] = {}
+        self.reads: list[tuple[float, int, float]] = []
 
     def stage_enter(self, stage: str) -> None:
         super().stage_enter(stage)
         self.stage = stage
+        self.entered.setdefault(stage, time.monotonic())
+
+    def transport_read(self, transport: str, nbytes: int, seconds: float) -> None:
+        super().transport_read(transport, nbytes, seconds)
+        self.reads.append((time.monotonic(), nbytes, seconds))
 
     def stage_item(self, stage: str, nbytes: int, seconds: float) -> None:
         super().stage_item(stage, nbytes, seconds)
@@ -197,13 +210,14 @@ async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, re
             report({"kind": "receiver_ready", "name": name, "metrics_port": port,
                     "total": sum(t.nbytes for t in model.values())})  # fmt: skip
             for version in range(1, cfg.versions + 1):
-                metrics.done = 0
+                metrics.new_refit()
                 txn, result = await recv.prepare(version, timeout=cfg.timeout_s)  # refit = prepare + finish
                 t0 = time.monotonic()
                 await recv.finish(txn)  # the commit: a swap, or the device copy of shadow_commit="copy"
                 t_commit = time.monotonic()
                 event = refit_event(name, result, recv, committed=True)
-                event |= {"finish_seconds": t_commit - t0, "t_commit": t_commit}
+                event |= {"finish_seconds": t_commit - t0, "t_commit": t_commit,
+                          "entered": metrics.entered, "reads": metrics.reads}  # fmt: skip
                 if version == cfg.versions:  # after the timings: the bench checks these bytes against the trainer's
                     event["digest"] = weights_digest(model)
                 report(event)
