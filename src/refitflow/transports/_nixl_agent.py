@@ -87,21 +87,32 @@ class LockedAgent:
                 bind_cuda(self.cuda)
             return fn(*args)
 
-    def post(self, handle: Any, notif: bytes) -> str:
-        """Post a prepared transfer; while it is in progress, check it every few tens of µs for up to
-        ``SETTLE_S`` in this (worker) thread before returning its state.
+    def post(self, posts: list[tuple[Any, bytes]]) -> list[str | TransportError]:
+        """Post each prepared transfer ``(handle, notification)``, one after the other, then check those in
+        progress every 10–200 µs for up to ``SETTLE_S`` in this (worker) thread; each one's state, or
+        the error its post raised (the others are still posted).
 
         A READ posted with a notification, or a small one, often comes back ``PROC`` and is done
         within a millisecond; an event loop's sleep lasts at least 1 ms (epoll's timeout is in
         whole milliseconds), which cost a 1 MiB read ≈ 1.2 ms on top of its copy."""
-        state = str(self.call("transfer", self.agent.transfer, handle, notif))
+        states: list[str | TransportError] = []
+        for handle, notif in posts:
+            try:
+                states.append(str(self.call("transfer", self.agent.transfer, handle, notif)))
+            except TransportError as exc:
+                states.append(exc)
         deadline = time.monotonic() + SETTLE_S
         delay = 1e-5
-        while state == "PROC" and time.monotonic() < deadline:
+        while "PROC" in states and time.monotonic() < deadline:
             time.sleep(delay)
             delay = min(delay * 2, 2e-4)
-            state = self.try_state(handle) or "PROC"
-        return state
+            for i, (handle, _) in enumerate(posts):
+                if states[i] == "PROC":
+                    try:
+                        states[i] = self.try_state(handle) or "PROC"
+                    except TransportError as exc:
+                        states[i] = exc
+        return states
 
     def try_state(self, handle: Any) -> str | None:
         """``check_xfer_state`` if the agent is free now, else None (never blocks the caller)."""

@@ -184,40 +184,32 @@ class NixlTransport(Transport):
         t0 = time.perf_counter()
         if self._index is None:
             self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
-        for (peer, lmem, rmem), (larr, rarr) in (await self._describe(reads, key)).items():
-            if not self._peers[peer].loaded:
-                self.prep_seconds += time.perf_counter() - t0
-                await self._load(peer)  # connection set-up, not counted as descriptor preparation
-                t0 = time.perf_counter()
-            parts = stripe(larr, rarr, len(self._agents), _MIN_STRIPE)
-            ckeys = [None if key is None else (key, peer, lmem, rmem, i) for i in range(len(parts))]
-            prepared = []
-            for i, (ck, (la, ra)) in enumerate(zip(ckeys, parts, strict=True)):
-                hit = self._lookup(ck, peer, la, ra)
-                if hit is None and len(la) > 256:  # thousands of descriptors take milliseconds: off the loop
-                    hit = await anyio.to_thread.run_sync(self._prepare, ck, self._agents[i], peer, lmem, rmem, la, ra)
-                prepared.append(hit or self._prepare(ck, self._agents[i], peer, lmem, rmem, la, ra))
+        batch: list[tuple[_Prepared, str]] = []  # every peer's transfer (and stripe), posted together
+        ckeys: list[CacheKey | None] = []
+        try:
+            for (peer, lmem, rmem), (larr, rarr) in (await self._describe(reads, key)).items():
+                if not self._peers[peer].loaded:
+                    self.prep_seconds += time.perf_counter() - t0
+                    await self._load(peer)  # connection set-up, not counted as descriptor preparation
+                    t0 = time.perf_counter()
+                for i, (la, ra) in enumerate(stripe(larr, rarr, len(self._agents), _MIN_STRIPE)):
+                    ck = None if key is None else (key, peer, lmem, rmem, i)
+                    ckeys.append(ck)
+                    args = (ck, self._agents[i], peer, lmem, rmem, la, ra)
+                    hit = self._lookup(ck, peer, la, ra)
+                    if hit is None and len(la) > 256:  # thousands of descriptors take milliseconds: off the loop
+                        hit = await anyio.to_thread.run_sync(self._prepare, *args)
+                    batch.append((hit or self._prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
-            try:
-                if len(prepared) == 1:
-                    await self._transfer(prepared[0], peer, count)
-                else:
-                    async with anyio.create_task_group() as tg:
-                        for p in prepared:
-                            tg.start_soon(self._transfer, p, peer, count)
-            except BaseException as exc:
-                self._forget(lambda k, cks=ckeys: k in cks)
-                for p in prepared:
-                    self._release(p)  # idempotent; also covers uncached ones
-                if isinstance(exc, BaseExceptionGroup):
-                    err = next((e for e in exc.exceptions if isinstance(e, TransportError)), None)
-                    if err is not None:
-                        raise err from err.__cause__
-                raise
-            if key is None:
-                for p in prepared:
-                    self._release(p)
-            t0 = time.perf_counter()
+            await self._transfer(batch, count)
+        except BaseException:
+            self._forget(lambda k: k in ckeys)
+            for p, _ in batch:
+                self._release(p)  # idempotent; also covers uncached ones
+            raise
+        if key is None:
+            for p, _ in batch:
+                self._release(p)
 
     async def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Any:
         """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object.
@@ -288,24 +280,46 @@ class NixlTransport(Transport):
                 return p
         return None
 
-    async def _transfer(self, prepared: _Prepared, peer: str, count: bool = True) -> None:
-        """Post the READ off the event loop (with its served-bytes notification when ``count``), where it is
-        checked briefly (``LockedAgent.post``); poll one still pending with growing sleeps (no spinning)."""
-        nx, handle = prepared.nx, prepared.handles[2]
-        notif = prepared.notif if count else b""
-        try:
-            state = await anyio.to_thread.run_sync(nx.post, handle, notif)
-            delay = 1e-3
-            while state == "PROC":
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 0.002)
-                state = nx.try_state(handle) or "PROC"
-        except TransportError as exc:
-            if isinstance(exc.__cause__, nx.disconnected):
-                self._drop_peer(peer)
-            raise
-        if state != "DONE":
-            raise TransportError(f"nixl READ from {peer!r} ended in state {state}")
+    async def _transfer(self, batch: list[tuple[_Prepared, str]], count: bool) -> None:
+        """Post every READ of ``batch`` off the event loop, with its served-bytes notification when ``count``:
+        one worker thread per agent posts that agent's READs one after the other (one thread hop for all
+        of a bucket's peers) and checks those in progress briefly (``LockedAgent.post``); any still
+        pending is polled with growing sleeps (no spinning). Raises the first failure, once every READ
+        posted has ended."""
+        per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
+        for p, peer in batch:
+            per_agent.setdefault(id(p.nx), []).append((p, peer))
+        failures: list[TransportError] = []
+
+        async def agent_reads(group: list[tuple[_Prepared, str]]) -> None:
+            nx = group[0][0].nx
+            posts = [(p.handles[2], p.notif if count else b"") for p, _ in group]
+            states = await anyio.to_thread.run_sync(nx.post, posts)
+            for (p, peer), state in zip(group, states, strict=True):
+                try:
+                    delay = 1e-3
+                    while state == "PROC":
+                        await anyio.sleep(delay)
+                        delay = min(delay * 2, 0.002)
+                        state = nx.try_state(p.handles[2]) or "PROC"
+                    if isinstance(state, TransportError):
+                        raise state
+                    if state != "DONE":
+                        raise TransportError(f"nixl READ from {peer!r} ended in state {state}")
+                except TransportError as exc:
+                    if isinstance(exc.__cause__, nx.disconnected):
+                        self._drop_peer(peer)
+                    failures.append(exc)
+
+        groups = list(per_agent.values())
+        if len(groups) == 1:
+            await agent_reads(groups[0])
+        else:
+            async with anyio.create_task_group() as tg:
+                for group in groups:
+                    tg.start_soon(agent_reads, group)
+        if failures:
+            raise failures[0]
 
     @property
     def served_bytes(self) -> int:
