@@ -103,3 +103,40 @@ async def test_publisher_killed_mid_pull_fails_fast_then_a_live_publisher_commit
                 result = await recv.refit(3)
             assert result.version == 3 and same(dst, 23)
             assert recv.status.fence == "ready" and recv.status.committed_version == 3
+
+
+def reads_into(transport: NixlTransport, manifest: rf.Manifest, dst: dict[str, torch.Tensor]) -> list[Read]:
+    """One read per shard of ``manifest`` (whole tensors) straight into ``dst``."""
+    transport.connect(manifest.source)
+    return [Read(manifest.source.agent, s.region, s.offset, s.nbytes, dst[s.name].view(torch.uint8))
+            for s in manifest.shards]  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_one_read_from_two_peers_lands_the_live_ones_bytes_when_the_other_died() -> None:
+    spec = {"tensors": 8, "numel": 50_000}
+    a_dst, b_dst = (model(spec, 0) for _ in range(2))
+    for t in (*a_dst.values(), *b_dst.values()):
+        t.zero_()
+    transport = NixlTransport()
+    with anyio.fail_after(60):
+        try:
+            for t in (*a_dst.values(), *b_dst.values()):
+                transport.register(t)
+            async with Peer(spec) as a, Peer(spec) as b:
+                ma, mb = await a.publish(1, 31), await b.publish(1, 32)
+                reads = reads_into(transport, ma, a_dst) + reads_into(transport, mb, b_dst)  # a's reads first
+                await transport.read(reads, key="both")  # both peers in one read(): posted together
+                assert all(torch.equal(a_dst[n], t) for n, t in model(spec, 31).items())
+                assert all(torch.equal(b_dst[n], t) for n, t in model(spec, 32).items())
+                mb = await b.publish(2, 33)  # new bytes in b's same memory
+                await a.kill()
+                with pytest.raises(rf.TransportError, match="disconnected"):
+                    await transport.read(reads, key="both")
+                # a's failed post did not keep b's READ from being posted and waited for
+                assert all(torch.equal(b_dst[n], t) for n, t in model(spec, 33).items())
+                await b.publish(3, 34)
+                await transport.read(reads_into(transport, mb, b_dst), key="b")  # the live peer reads on
+                assert all(torch.equal(b_dst[n], t) for n, t in model(spec, 34).items())
+        finally:
+            await transport.aclose()
