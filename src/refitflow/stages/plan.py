@@ -57,7 +57,10 @@ __all__ = [
 ]
 
 
-_TAPER_MIN = 4 << 20
+# the taper's floor: each bucket costs a read's fixed cost (a worker-thread hop, NIXL's post and completion,
+# ≈ 0.5–1 ms) and verify's hop; below 16 MiB that cost more than the shorter last verification saved
+# (docs/benchmarks.md, "The taper's floor")
+_TAPER_MIN = 16 << 20
 
 
 def box_index(box: Box) -> tuple[slice, ...]:
@@ -161,7 +164,7 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
-        # the last direct buckets taper (half of what is left, at least 4 MiB): the last bucket's
+        # the last direct buckets taper (half of what is left, at least 16 MiB): the last bucket's
         # verification, which nothing overlaps, stays short
         cap = min(limits.direct_bucket_bytes, max(_TAPER_MIN, left // 2))
         full_ = (
