@@ -25,6 +25,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from refitflow.core.errors import ConfigError
 from refitflow.core.wire import encode
 from refitflow.engine.member import EngineMember
 from refitflow.engine.vote import decode_object
@@ -71,27 +72,28 @@ class EngineAgent:
         """Answer commands until a ``stop`` command (cancel the caller to stop otherwise)."""
         context = zmq.asyncio.Context()
         auth = None
+        router = context.socket(zmq.ROUTER)
         try:
             if self.security is not None:
                 auth = self.security.authenticator(context)
             else:
                 warn_if_exposed(self.address, "engine agent")
-            router = context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 1000)  # the last reply gets a moment to leave
             router.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND)
             if self.security is not None:
                 self.security.apply(router)
-            router.bind(self.address)
-            stop = anyio.Event()
             try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._read, router, tg, stop)
-                    tg.start_soon(self._resolve_doubts)
-                    await stop.wait()
-                    tg.cancel_scope.cancel()
-            finally:
-                router.close()
+                router.bind(self.address)
+            except zmq.ZMQError as exc:
+                raise ConfigError(f"cannot bind the engine agent at {self.address}: {exc}") from exc
+            stop = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read, router, tg, stop)
+                tg.start_soon(self._resolve_doubts)
+                await stop.wait()
+                tg.cancel_scope.cancel()
         finally:
+            router.close()  # every socket closed before term(), which waits for them (forever, else)
             if auth is not None:
                 auth.stop()
             context.term()
