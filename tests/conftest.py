@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
+import random
 import socket
 from collections.abc import Callable
 
@@ -102,13 +104,36 @@ class FailAt(NullObserver):
         self.outcomes.append((outcome, version))
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (local ports of outgoing connections)."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 just now (held open together, so never the same one twice)."""
+    """``n`` distinct TCP ports free on 127.0.0.1 just now (held open together, so never the same one twice),
+    drawn below the kernel's ephemeral range: a port handed to a process that binds it seconds later cannot
+    meanwhile become some outgoing connection's local port (it did once, in CI: an agent could not bind)."""
+    low, draw = _ephemeral_low(), random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
+        ports: list[int] = []
+        for _ in range(100 * n):
+            port = draw.randrange(max(1024, low - 12_000), low)
+            if len(ports) == n:
+                break
+            if port in ports:
+                continue
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken (or in TIME_WAIT): draw another
+            ports.append(port)
+        if len(ports) < n:
+            raise RuntimeError(f"found only {len(ports)} of {n} free ports below {low}")
+        return ports
 
 
 def mlp(seed: int, width: int = 64, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
+import tempfile
 from typing import Any
 
 import anyio
@@ -14,17 +14,15 @@ from tests._procs import reap
 from tests.engine._engine_rank import serve_rank
 
 
-def _address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def _start(behaviours: dict[str, list[str]]) -> tuple[dict[str, list[str]], list[Any]]:
+def _start(behaviours: dict[str, list[str]], where: str) -> tuple[dict[str, list[str]], list[Any]]:
+    """Every rank in its own process; its vote and agent on ipc:// endpoints in ``where`` (a TCP port
+    picked free here could be taken before a spawned rank binds it — an outgoing connection's ephemeral
+    port, once: the agent failed to bind)."""
     ctx = mp.get_context("spawn")
     engines, procs = {}, []
     for name, ranks in behaviours.items():
-        votes, agents = [_address() for _ in ranks], [_address() for _ in ranks]
+        votes = [f"ipc://{where}/{name}-vote{r}" for r in range(len(ranks))]
+        agents = [f"ipc://{where}/{name}-agent{r}" for r in range(len(ranks))]
         engines[name] = agents
         for rank, behaviour in enumerate(ranks):
             procs.append(ctx.Process(target=serve_rank, args=(rank, votes, agents[rank], behaviour)))
@@ -49,23 +47,24 @@ async def _ready(controller: rf.Controller) -> None:
 
 async def _run_at_once(behaviours: dict[str, list[str]], refits: int) -> tuple[list[dict[str, rf.EngineResult]], dict]:
     """``refits`` refits of version 1 by one controller, started at once; their results, then every status."""
-    engines, procs = _start(behaviours)
-    controller = rf.Controller(engines, slack_s=10)
     results: list[dict[str, rf.EngineResult]] = []
+    with tempfile.TemporaryDirectory(prefix="rf-ctl-") as where:
+        engines, procs = _start(behaviours, where)
+        controller = rf.Controller(engines, slack_s=10)
 
-    async def refit() -> None:
-        results.append(await controller.refit(1, timeout=20))
+        async def refit() -> None:
+            results.append(await controller.refit(1, timeout=20))
 
-    try:
-        with anyio.fail_after(120):
-            await _ready(controller)
-            async with anyio.create_task_group() as tg:
-                for _ in range(refits):
-                    tg.start_soon(refit)
-            status = await controller.status()
-            await controller.stop_agents()
-    finally:
-        hung = reap(procs)
+        try:
+            with anyio.fail_after(120):
+                await _ready(controller)
+                async with anyio.create_task_group() as tg:
+                    for _ in range(refits):
+                        tg.start_soon(refit)
+                status = await controller.status()
+                await controller.stop_agents()
+        finally:
+            hung = reap(procs)
     assert not hung, f"ranks {hung} hung (their stacks are in the captured stderr)"
     return results, status
 
