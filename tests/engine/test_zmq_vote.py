@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
+import zmq
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.vote import Ballot, Decision, Verdict
@@ -74,3 +77,31 @@ def test_each_rank_needs_its_own_address_and_curve_needs_both_sides() -> None:
         ZmqVote(2, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"])
     with pytest.raises(ConfigError, match="both"):
         ZmqVote(0, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], server_security=object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["own", "peer", "taken"])
+def test_an_address_zmq_refuses_is_a_config_error_and_leaves_nothing_open(bad: str) -> None:
+    """A socket left open would make the context's term() wait forever: the constructor runs in a thread
+    of its own, so a hang fails the test instead of hanging it."""
+    own, peer = free_addresses(2)
+    squatter_ctx = zmq.Context()
+    squatter = squatter_ctx.socket(zmq.PULL)
+    squatter.bind(own)  # only "taken" builds the vote on this address
+    addresses = {"own": ["tcp://no port", peer], "peer": [peer, "tcp://not a host:x"], "taken": [own, peer]}[bad]
+    caught: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            ZmqVote(0, addresses).close()
+        except BaseException as exc:
+            caught.append(exc)
+
+    try:
+        runner = threading.Thread(target=build, daemon=True)
+        runner.start()
+        runner.join(10)
+        assert not runner.is_alive(), "the vote's constructor hung after ZMQ refused an address"
+        assert len(caught) == 1 and isinstance(caught[0], ConfigError), caught
+        assert "engine vote: cannot" in str(caught[0])
+    finally:
+        squatter_ctx.destroy(linger=0)

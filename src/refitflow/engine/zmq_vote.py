@@ -90,6 +90,14 @@ def decode_vote(data: bytes, *, group: str, rank: int, size: int) -> Message:
     return Message(kind, attempt, sender, rank, ballot=ballot, verdict=verdict)
 
 
+def _endpoint(attach: Any, address: str, what: str) -> None:
+    """``attach(address)`` (a socket's bind or connect); a ZMQ refusal (malformed, taken) is a ``ConfigError``."""
+    try:
+        attach(address)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"engine vote: cannot {what} at {address!r}: {exc}") from exc
+
+
 class ZmqVote(AttemptIds):
     """``VoteChannel`` over ZMQ: ``addresses[i]`` is rank ``i``'s ``tcp://host:port`` (or ``ipc://``)."""
 
@@ -129,16 +137,16 @@ class ZmqVote(AttemptIds):
             self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
             if server_security is not None:
                 server_security.apply(self._pull)
-            self._pull.bind(addresses[rank])
+            _endpoint(self._pull.bind, addresses[rank], "bind this rank's vote")
             self._push: dict[int, zmq.Socket] = {}
             for peer, address in enumerate(addresses):
                 if peer != rank:
                     sock = self._context.socket(zmq.PUSH, socket_class=zmq.Socket)  # type: ignore[arg-type]  # plain: sends never wait
+                    self._push[peer] = sock  # before anything can fail: _teardown closes it, or term() waits forever
                     sock.setsockopt(zmq.LINGER, 0)
                     if client_security is not None:
                         client_security.apply(sock)
-                    sock.connect(address)  # queued until the peer binds; never blocks the vote
-                    self._push[peer] = sock
+                    _endpoint(sock.connect, address, f"reach rank {peer}'s vote")  # queued until the peer binds
         except BaseException:
             self._teardown(0)
             raise
