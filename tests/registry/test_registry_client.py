@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 
 import anyio
@@ -219,3 +220,34 @@ async def test_a_version_announced_before_its_digests_is_offered_early_only_to_w
             assert not complete.pending and complete.revision != early.revision
             await trainer.publish(pending[0])  # a late retry of the announcement changes nothing
             assert (await reader.latest(ID, early=True)) == complete
+
+
+@pytest.mark.parametrize("address", ["tcp://not a host:x", "tcp://127.0.0.1:notaport", "tcp://127.0.0.1"])
+def test_an_address_zmq_refuses_is_a_config_error_and_the_client_closes(address: str) -> None:
+    """The scheme is right, so the client is made; the first request says what is wrong and aclose()
+    returns (a socket left open made the context's term() wait forever). In a thread of its own, with
+    its own loop, so a hang fails the test instead of hanging it."""
+    outcome: list[BaseException | str] = []
+
+    async def use() -> None:
+        client = RegistryClient(address, request_timeout_s=1)
+        try:
+            with pytest.raises(rf.ConfigError, match="cannot connect to the registry") as caught:
+                await client.hello()
+            outcome.append(caught.value)
+        finally:
+            await client.aclose()
+        outcome.append("closed")
+
+    def run() -> None:
+        try:
+            asyncio.run(use())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive(), "the client hung after ZMQ refused its address"
+    assert len(outcome) == 2 and isinstance(outcome[0], rf.ConfigError) and outcome[1] == "closed", outcome
+    assert address in str(outcome[0])

@@ -103,7 +103,14 @@ class Channel:
             dealer = self.socket(zmq.DEALER)
             dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection (see the module docstring)
             monitor = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)  # before connecting: see the first handshake
-            dealer.connect(self.address)
+            try:
+                dealer.connect(self.address)
+            except zmq.ZMQError as exc:  # an endpoint ZMQ refuses: close both, or term() waits for them forever
+                dealer.disable_monitor()
+                monitor.close(linger=0)
+                dealer.close(linger=0)
+                self._sockets.remove(dealer)
+                raise ConfigError(f"cannot connect to the registry at {self.address!r}: {exc}") from exc
             self._dealer, self._monitor = dealer, monitor
             self._dealer_tasks = [self.spawn(self._read_replies(dealer)), self.spawn(self._watch_handshakes(monitor))]
         return self._dealer
