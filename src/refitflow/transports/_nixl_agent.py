@@ -92,7 +92,7 @@ class LockedAgent:
         progress every 10–200 µs for up to ``SETTLE_S`` in this (worker) thread; each one's state, or
         the error its post raised (the others are still posted).
 
-        A READ posted with a notification, or a small one, often comes back ``PROC`` and is done
+        A small READ (with or without a notification) often comes back ``PROC`` and is done
         within a millisecond; an event loop's sleep lasts at least 1 ms (epoll's timeout is in
         whole milliseconds), which cost a 1 MiB read ≈ 1.2 ms on top of its copy."""
         states: list[str | TransportError] = []
