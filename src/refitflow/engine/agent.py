@@ -25,10 +25,10 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ConfigError
 from refitflow.core.wire import encode
 from refitflow.engine.member import EngineMember
 from refitflow.engine.vote import decode_object
+from refitflow.registry.address import attach
 from refitflow.registry.security import ServerSecurity, warn_if_exposed
 
 __all__ = ["EngineAgent", "parse_command"]
@@ -82,10 +82,7 @@ class EngineAgent:
             router.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND)
             if self.security is not None:
                 self.security.apply(router)
-            try:
-                router.bind(self.address)
-            except zmq.ZMQError as exc:
-                raise ConfigError(f"cannot bind the engine agent at {self.address}: {exc}") from exc
+            attach(router.bind, self.address, "cannot bind the engine agent")
             stop = anyio.Event()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._read, router, tg, stop)

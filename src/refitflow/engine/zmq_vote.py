@@ -35,6 +35,7 @@ from refitflow.core.errors import ConfigError
 from refitflow.core.wire import encode
 from refitflow.engine.commitment import Kind, Message, Node
 from refitflow.engine.vote import AttemptIds, Ballot, Decision, Verdict, decode_object
+from refitflow.registry.address import attach
 from refitflow.registry.security import ClientSecurity, ServerSecurity, warn_if_exposed
 
 __all__ = ["ZmqVote", "decode_vote", "encode_vote"]
@@ -90,14 +91,6 @@ def decode_vote(data: bytes, *, group: str, rank: int, size: int) -> Message:
     return Message(kind, attempt, sender, rank, ballot=ballot, verdict=verdict)
 
 
-def _endpoint(attach: Any, address: str, what: str) -> None:
-    """``attach(address)`` (a socket's bind or connect); a ZMQ refusal (malformed, taken) is a ``ConfigError``."""
-    try:
-        attach(address)
-    except zmq.ZMQError as exc:
-        raise ConfigError(f"engine vote: cannot {what} at {address!r}: {exc}") from exc
-
-
 class ZmqVote(AttemptIds):
     """``VoteChannel`` over ZMQ: ``addresses[i]`` is rank ``i``'s ``tcp://host:port`` (or ``ipc://``)."""
 
@@ -137,7 +130,7 @@ class ZmqVote(AttemptIds):
             self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
             if server_security is not None:
                 server_security.apply(self._pull)
-            _endpoint(self._pull.bind, addresses[rank], "bind this rank's vote")
+            attach(self._pull.bind, addresses[rank], "engine vote: cannot bind this rank's vote")
             self._push: dict[int, zmq.Socket] = {}
             for peer, address in enumerate(addresses):
                 if peer != rank:
@@ -146,7 +139,8 @@ class ZmqVote(AttemptIds):
                     sock.setsockopt(zmq.LINGER, 0)
                     if client_security is not None:
                         client_security.apply(sock)
-                    _endpoint(sock.connect, address, f"reach rank {peer}'s vote")  # queued until the peer binds
+                    # queued until the peer binds; never blocks the vote
+                    attach(sock.connect, address, f"engine vote: cannot reach rank {peer}'s vote")
         except BaseException:
             self._teardown(0)
             raise

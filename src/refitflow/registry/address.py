@@ -1,12 +1,17 @@
-"""Registry addresses: checked where they come in, and named in the hint when a registry does not answer."""
+"""ZMQ addresses: a registry's checked where it comes in and named in the hint when a registry does not
+answer; any socket's bind or connect refused by ZMQ reported as a ``ConfigError`` (``attach``)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
+
+import zmq
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["SCHEMES", "check_address", "no_answer_hint"]
+__all__ = ["SCHEMES", "attach", "check_address", "no_answer_hint"]
 
 SCHEMES = ("tcp", "ipc", "inproc")
 _ADDRESS = re.compile(r"^(?P<scheme>[a-z]+)://(?P<rest>.+)$")
@@ -34,3 +39,13 @@ def no_answer_hint(address: str, *, curve: bool) -> str:
         else "if the registry runs with --curve-secret, this client needs security=rf.ClientSecurity(...)"
     )
     return f"is a registry serving there (refitflow registry --bind {address}) and reachable from here? {keys}"
+
+
+def attach(bind_or_connect: Callable[[str], Any], address: str, what: str) -> None:
+    """``bind_or_connect(address)`` (a socket's method); an address ZMQ refuses (malformed, taken) is a
+    ``ConfigError`` that reads "{what} at {address}: {why}". The caller still owns the socket: it must
+    close it, or its context's ``term()`` waits for it forever."""
+    try:
+        bind_or_connect(address)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"{what} at {address!r}: {exc}") from exc

@@ -34,7 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from refitflow.core.errors import AuthenticationError, ConfigError, ManifestError, RefitTimeoutError, TransportError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
-from refitflow.registry.address import no_answer_hint
+from refitflow.registry.address import attach, no_answer_hint
 from refitflow.registry.messages import decode_message, error_from_reply
 from refitflow.registry.security import ClientSecurity
 
@@ -104,13 +104,13 @@ class Channel:
             dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection (see the module docstring)
             monitor = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)  # before connecting: see the first handshake
             try:
-                dealer.connect(self.address)
-            except zmq.ZMQError as exc:  # an endpoint ZMQ refuses: close both, or term() waits for them forever
+                attach(dealer.connect, self.address, "cannot connect to the registry")
+            except ConfigError:  # an endpoint ZMQ refuses: close both, or term() waits for them forever
                 dealer.disable_monitor()
                 monitor.close(linger=0)
                 dealer.close(linger=0)
                 self._sockets.remove(dealer)
-                raise ConfigError(f"cannot connect to the registry at {self.address!r}: {exc}") from exc
+                raise
             self._dealer, self._monitor = dealer, monitor
             self._dealer_tasks = [self.spawn(self._read_replies(dealer)), self.spawn(self._watch_handshakes(monitor))]
         return self._dealer
