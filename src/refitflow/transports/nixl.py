@@ -38,6 +38,7 @@ from refitflow.core.types import SourceAddress
 from refitflow.transports._nixl_agent import LockedAgent
 from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
 from refitflow.transports._nixl_state import CacheKey, _Local, _Peer, _Prepared
+from refitflow.transports._nixl_transfer import transfer
 from refitflow.transports.base import Read, Transport
 
 __all__ = ["NixlTransport"]
@@ -201,7 +202,7 @@ class NixlTransport(Transport):
                         hit = await anyio.to_thread.run_sync(self._prepare, *args)
                     batch.append((hit or self._prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
-            await self._transfer(batch, count)
+            await transfer(batch, count, self._drop_peer)
         except BaseException:
             self._forget(lambda k: k in ckeys)
             for p, _ in batch:
@@ -279,47 +280,6 @@ class NixlTransport(Transport):
                 self._cache.move_to_end(ckey)
                 return p
         return None
-
-    async def _transfer(self, batch: list[tuple[_Prepared, str]], count: bool) -> None:
-        """Post every READ of ``batch`` off the event loop, with its served-bytes notification when ``count``:
-        one worker thread per agent posts that agent's READs one after the other (one thread hop for all
-        of a bucket's peers) and checks those in progress briefly (``LockedAgent.post``); any still
-        pending is polled with growing sleeps (no spinning). Raises the first failure, once every READ
-        posted has ended."""
-        per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
-        for p, peer in batch:
-            per_agent.setdefault(id(p.nx), []).append((p, peer))
-        failures: list[TransportError] = []
-
-        async def agent_reads(group: list[tuple[_Prepared, str]]) -> None:
-            nx = group[0][0].nx
-            posts = [(p.handles[2], p.notif if count else b"") for p, _ in group]
-            states = await anyio.to_thread.run_sync(nx.post, posts)
-            for (p, peer), state in zip(group, states, strict=True):
-                try:
-                    delay = 1e-3
-                    while state == "PROC":
-                        await anyio.sleep(delay)
-                        delay = min(delay * 2, 0.002)
-                        state = nx.try_state(p.handles[2]) or "PROC"
-                    if isinstance(state, TransportError):
-                        raise state
-                    if state != "DONE":
-                        raise TransportError(f"nixl READ from {peer!r} ended in state {state}")
-                except TransportError as exc:
-                    if isinstance(exc.__cause__, nx.disconnected):
-                        self._drop_peer(peer)
-                    failures.append(exc)
-
-        groups = list(per_agent.values())
-        if len(groups) == 1:
-            await agent_reads(groups[0])
-        else:
-            async with anyio.create_task_group() as tg:
-                for group in groups:
-                    tg.start_soon(agent_reads, group)
-        if failures:
-            raise failures[0]
 
     @property
     def served_bytes(self) -> int:
