@@ -2,7 +2,8 @@
 
 A child calls ``dumpable()`` first thing; ``reap(procs)`` joins every child, and for one still alive
 after ``timeout`` seconds it first asks for every thread's stack (faulthandler, on SIGUSR1: printed
-to the child's stderr, which pytest shows with the failure), then kills it.
+to the child's stderr, which pytest shows with the failure), then kills it. ``ends_within`` runs a
+call that might block its thread for good (a ZMQ ``term()``) where a hang fails the test instead.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -34,3 +36,21 @@ def reap(procs: Iterable[Any], timeout: float = 20.0) -> list[int]:
             p.kill()
             p.join(timeout=5)
     return hung
+
+
+def ends_within(fn: Callable[[], object], seconds: float) -> BaseException | None:
+    """Run ``fn()`` in a daemon thread of its own; assert it ended within ``seconds``; what it raised, if
+    anything."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(seconds)
+    assert not runner.is_alive(), f"{fn} did not end within {seconds} s"
+    return raised[0] if raised else None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import anyio
 import pytest
 import zmq
@@ -11,6 +9,7 @@ import zmq
 from refitflow.core.errors import ConfigError
 from refitflow.engine.vote import Ballot, Decision, Verdict
 from refitflow.engine.zmq_vote import ZmqVote
+from tests._procs import ends_within
 from tests.conftest import free_addresses
 
 
@@ -88,20 +87,9 @@ def test_an_address_zmq_refuses_is_a_config_error_and_leaves_nothing_open(bad: s
     squatter = squatter_ctx.socket(zmq.PULL)
     squatter.bind(own)  # only "taken" builds the vote on this address
     addresses = {"own": ["tcp://no port", peer], "peer": [peer, "tcp://not a host:x"], "taken": [own, peer]}[bad]
-    caught: list[BaseException] = []
-
-    def build() -> None:
-        try:
-            ZmqVote(0, addresses).close()
-        except BaseException as exc:
-            caught.append(exc)
-
     try:
-        runner = threading.Thread(target=build, daemon=True)
-        runner.start()
-        runner.join(10)
-        assert not runner.is_alive(), "the vote's constructor hung after ZMQ refused an address"
-        assert len(caught) == 1 and isinstance(caught[0], ConfigError), caught
-        assert "engine vote: cannot" in str(caught[0])
+        caught = ends_within(lambda: ZmqVote(0, addresses).close(), 10)
+        assert isinstance(caught, ConfigError), caught
+        assert "engine vote: cannot" in str(caught)
     finally:
         squatter_ctx.destroy(linger=0)
