@@ -7,9 +7,10 @@ import gc
 import sys
 import threading
 
+import anyio
 import pytest
 
-from refitflow.core.gil import building, built
+from refitflow.core.gil import building, built, off_loop
 
 
 def test_the_collector_and_the_switch_interval_come_back_after_nested_builders_of_two_threads() -> None:
@@ -51,3 +52,41 @@ def test_a_disabled_collector_stays_disabled_and_a_failing_builder_restores_the_
     finally:
         gc.enable()
     assert built(lambda a, b: a + b, 2, 3) == 5
+
+
+@pytest.mark.asyncio
+async def test_off_loop_runs_one_builder_at_a_time_off_the_loop_thread_under_building() -> None:
+    """Builders hold the GIL: two side by side go no faster, and each is one more thread the event loop
+    loses the GIL to, so ``off_loop`` runs them one after the other, in a worker thread."""
+    running, most, seen = [0], [0], []
+    lock = threading.Lock()
+
+    def builder(k: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        seen.append((threading.current_thread() is threading.main_thread(), gc.isenabled()))
+        threading.Event().wait(0.02)  # long enough for the others to start, were they allowed to
+        with lock:
+            running[0] -= 1
+        return k * k
+
+    async with anyio.create_task_group() as tg:
+        out: list[int] = []
+
+        async def one(k: int) -> None:
+            out.append(await off_loop(builder, k))
+
+        for k in range(4):
+            tg.start_soon(one, k)
+    assert sorted(out) == [0, 1, 4, 9]
+    assert most[0] == 1
+    assert seen == [(False, False)] * 4  # a worker thread, the collector paused
+    assert gc.isenabled()
+
+    def boom() -> None:
+        raise ValueError("bad plan")
+
+    with pytest.raises(ValueError, match="bad plan"):
+        await off_loop(boom)
+    assert await off_loop(builder, 5) == 25  # a failed builder gave its turn back

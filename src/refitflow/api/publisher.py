@@ -25,7 +25,7 @@ from refitflow.api._transport import choose_transport
 from refitflow.core.digests import ALGORITHMS, Tiling, choose_tiling
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
-from refitflow.core.gil import built
+from refitflow.core.gil import off_loop
 from refitflow.core.hashing import mix64_box_on_device, shard_digests, to_host
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.layouts.boxes import full
@@ -275,7 +275,7 @@ class Publisher:
             empty = {name for name, value in tensors.items() if held[name] is None and is_dtensor(value)}
             return [(name, *self._spec(name, value)) for name, value in held.items() if name not in empty]
 
-        prepared = await anyio.to_thread.run_sync(built, specs) if many else specs()
+        prepared = await off_loop(specs) if many else specs()
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step
@@ -293,7 +293,7 @@ class Publisher:
                             source=source, shards=shards, metadata=self.metadata)  # fmt: skip
 
         async def announce(fields: list[dict[str, Any]] | None) -> Manifest:
-            manifest = await anyio.to_thread.run_sync(built, build, fields) if many else build(fields)
+            manifest = await off_loop(build, fields) if many else build(fields)
             await self.registry.publish(manifest)
             return manifest
 

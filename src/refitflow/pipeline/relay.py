@@ -24,6 +24,7 @@ import torch
 
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import RefitError
+from refitflow.core.gil import off_loop
 from refitflow.core.relay import RelayOffer, RelayParam
 from refitflow.core.types import Identity
 from refitflow.pipeline.destination import Destination
@@ -124,7 +125,7 @@ class Relaying:
         if "held" in plan.derived or len(plan.copies) <= 256:
             held, layout = held_boxes(plan, landing)
         else:  # the first refit of a large plan: tens of ms of Python, off the event loop
-            held, layout = await anyio.to_thread.run_sync(held_boxes, plan, landing)
+            held, layout = await off_loop(held_boxes, plan, landing)
         offer = self._offer(ctx, held, layout) if self.serve else None
         up: RelayOffer | None = None
         with anyio.move_on_after(JOIN_TIMEOUT_S):
@@ -138,7 +139,7 @@ class Relaying:
             return
         self.transport.connect(up.source)
         many = len(ctx.plan.buckets) > 64
-        geo = await anyio.to_thread.run_sync(geometry, ctx.plan, up) if many else geometry(ctx.plan, up)
+        geo = await off_loop(geometry, ctx.plan, up) if many else geometry(ctx.plan, up)
         ctx.upstream = Upstream(up, geo, self._probe_for(1 + len(up.params)))
 
     def _probe_for(self, n: int) -> torch.Tensor:

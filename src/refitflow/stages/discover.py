@@ -10,6 +10,7 @@ import anyio.to_thread
 from anyio.abc import ObjectSendStream
 
 from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, VersionError
+from refitflow.core.gil import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.stages._context import Discovery, StageContext
 from refitflow.stages._filter import check_compile
@@ -48,7 +49,7 @@ async def run(
         ctx.waited_s = t0 - t_wait
         check_compile(pub, ctx.limits)
         if sum(len(m.shards) for m in pub.manifests) > 1000:  # an address of many regions takes ms to read
-            await anyio.to_thread.run_sync(ctx.connect_sources, pub)
+            await off_loop(ctx.connect_sources, pub)
         else:
             ctx.connect_sources(pub)
         if pub.pending:  # announced before its digests: verify asks for them when it needs them
@@ -79,7 +80,7 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
         return len(pub.manifests) == len(pending.manifests) and all(full.completes(m) for full, m in pairs)
 
     many = sum(len(m.shards) for m in pub.manifests) > 1000  # every shard's layout compared: off the loop
-    if not (await anyio.to_thread.run_sync(same) if many else same()):
+    if not (await off_loop(same) if many else same()):
         raise ManifestError("the digests came with another layout than the version announced", version=version)
     return pub
 

@@ -24,11 +24,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import replace
 
-import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import PlanError
-from refitflow.core.gil import breathe, built
+from refitflow.core.gil import breathe, built, off_loop
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
 from refitflow.stages._checks import Land, build_checks, build_credits, digest_index, digest_vector
@@ -225,11 +224,11 @@ class PlanCache:
     async def get(self, pub: Publication, landing: Landing, limits: Limits) -> Plan:
         """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""
         if self._target is None or self._target.landing is not landing:  # once per landing: off the loop
-            await anyio.to_thread.run_sync(self.target, landing)
+            await off_loop(self.target, landing)
         key = self.key(pub, landing, limits)
         plan = self.lookup(key)
         if plan is None:
-            plan = await anyio.to_thread.run_sync(build_plan, pub, landing, limits, key, self._target)
+            plan = await off_loop(build_plan, pub, landing, limits, key, self._target)
             self.store(plan)
         return plan
 
@@ -249,7 +248,7 @@ async def run(
             plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
             if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
-                ctx.digests = await anyio.to_thread.run_sync(built, digest_vector, pub)
+                ctx.digests = await off_loop(digest_vector, pub)
                 assert ctx.attempt is not None
                 ctx.attempt.hold(plan.digest_geometry, ctx.digests)
                 if ctx.limits.skip_unchanged:
@@ -269,7 +268,7 @@ async def _skips(ctx: StageContext, plan: Plan) -> Skips | None:
         return None
     index = plan.derived.get("delta")
     if index is None:
-        index = plan.derived["delta"] = await anyio.to_thread.run_sync(built, DeltaIndex, plan, ctx.landing)
+        index = plan.derived["delta"] = await off_loop(DeltaIndex, plan, ctx.landing)
     assert ctx.attempt is not None
     skips = decide(index, plan.digest_geometry, ctx.digests, target, live, turn=ctx.attempt.version,
                    recheck_fraction=ctx.limits.recheck_fraction)  # fmt: skip

@@ -20,7 +20,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
-from refitflow.core.gil import built
+from refitflow.core.gil import off_loop
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import PULL
 from refitflow.stages._relay import RELAY, RelayPiece, Upstream
@@ -44,11 +44,7 @@ async def reads_of(ctx: StageContext, work: Work) -> list[Read]:
     if cached is None:
         many = len(work.bucket.reads) > 64
         planned = work.bucket.reads
-        cached = (
-            await anyio.to_thread.run_sync(built, _build_reads, ctx, work, planned)
-            if many
-            else _build_reads(ctx, work, planned)
-        )
+        cached = await off_loop(_build_reads, ctx, work, planned) if many else _build_reads(ctx, work, planned)
         ctx.plan.read_lists[key] = cached
     return cached
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
-import anyio.to_thread
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.dtypes import dtype_from_name
+from refitflow.core.gil import off_loop
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import COPY, PULL
 from refitflow.stages.plan import box_index
@@ -96,7 +96,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
             t0 = time.perf_counter()
             staged = work.bucket.staged
             if len(staged) > 64 and _key(ctx, work) not in ctx.plan.read_lists:  # many new views: off the loop
-                work.copies = await anyio.to_thread.run_sync(copies_of, ctx, work)
+                work.copies = await off_loop(copies_of, ctx, work)
             else:
                 work.copies = copies_of(ctx, work) if staged or work.actions is not None else []
             ctx.note("translate", 1, work.bucket.staging_bytes, time.perf_counter() - t0)

@@ -34,6 +34,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import IntegrityError
+from refitflow.core.gil import off_loop
 from refitflow.stages import apply
 from refitflow.stages._checks import digest_vector
 from refitflow.stages._context import StageContext, Work
@@ -83,7 +84,7 @@ async def _second_chance(ctx: StageContext, work: Work, st: HashState, bad: list
     await ctx.devices.wait(work.marks)
     keep = np.zeros(len(work.bucket.pieces), dtype=bool)
     keep[pieces] = True
-    still = (await anyio.to_thread.run_sync(check_bucket, ctx, work, st, keep, [])).bad
+    still = (await off_loop(check_bucket, ctx, work, st, keep, [])).bad
     if still:
         names = work.bucket.checks.names
         raise _integrity_error([names[k] for k in still], version)
@@ -102,7 +103,7 @@ async def _take_digests(ctx: StageContext) -> None:
         pub = ctx.publication = await ctx.complete()
         assert ctx.attempt is not None and ctx.plan is not None
         ctx.attempt.complete(pub.revision)
-    ctx.digests = await anyio.to_thread.run_sync(digest_vector, pub)
+    ctx.digests = await off_loop(digest_vector, pub)
     if ctx.attempt is not None and ctx.plan is not None:
         ctx.attempt.hold(ctx.plan.digest_geometry, ctx.digests)
 
@@ -167,7 +168,7 @@ async def run(ctx: StageContext, receive: ObjectReceiveStream[Work], send: Objec
                     asked = True
                     tg.start_soon(take)
                 keep, gather, nbytes = _plan_checks(work)
-                out = await anyio.to_thread.run_sync(check_bucket, ctx, work, st, keep, gather)
+                out = await off_loop(check_bucket, ctx, work, st, keep, gather)
                 now = ctx.digests is not None and not held  # compared before staging is freed: a second chance
                 if now:  # reads into it
                     bad = out.settle(ctx.digests)

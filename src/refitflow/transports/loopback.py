@@ -23,6 +23,7 @@ import anyio.to_thread
 import torch
 
 from refitflow.core.errors import TransportError
+from refitflow.core.gil import off_loop
 from refitflow.core.types import SourceAddress
 from refitflow.transports.base import Read, Transport, as_bytes
 
@@ -142,7 +143,7 @@ class LoopbackTransport(Transport):
             copies = cached[2]
             self._prepared.move_to_end(key)
         else:  # a first sight of many reads takes milliseconds: prepared off the event loop
-            copies = await anyio.to_thread.run_sync(self._copies, reads) if len(reads) > 256 else self._copies(reads)
+            copies = await off_loop(self._copies, reads) if len(reads) > 256 else self._copies(reads)
             if key is not None:
                 self._prepared[key] = (reads, state, copies)
                 while len(self._prepared) > _CACHE:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from refitflow.core.errors import ConfigError, TransportError
-from refitflow.core.gil import built
+from refitflow.core.gil import off_loop
 from refitflow.core.types import SourceAddress
 from refitflow.transports._nixl_agent import LockedAgent
 from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
@@ -183,8 +183,9 @@ class NixlTransport(Transport):
     async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         self._check_open()
         t0 = time.perf_counter()
-        if self._index is None:
-            self._index = LocalIndex({rid: loc.info for rid, loc in self._local.items()})
+        if self._index is None:  # thousands of registrations take milliseconds to sort: off the loop
+            infos = {rid: loc.info for rid, loc in self._local.items()}
+            self._index = await off_loop(LocalIndex, infos) if len(infos) > 256 else LocalIndex(infos)
         batch: list[tuple[_Prepared, str]] = []  # every peer's transfer (and stripe), posted together
         ckeys: list[CacheKey | None] = []
         try:
@@ -199,7 +200,7 @@ class NixlTransport(Transport):
                     args = (ck, self._agents[i], peer, lmem, rmem, la, ra)
                     hit = self._lookup(ck, peer, la, ra)
                     if hit is None and len(la) > 256:  # thousands of descriptors take milliseconds: off the loop
-                        hit = await anyio.to_thread.run_sync(self._prepare, *args)
+                        hit = await off_loop(self._prepare, *args)
                     batch.append((hit or self._prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
             await transfer(batch, count, self._drop_peer)
@@ -225,7 +226,7 @@ class NixlTransport(Transport):
         assert self._index is not None
         todo = [r for r in reads if r.nbytes]
         if len(todo) > 256:
-            groups = await anyio.to_thread.run_sync(built, describe, todo, regions, self._index)  # 1 ms switches
+            groups = await off_loop(describe, todo, regions, self._index)  # 1 ms switches
         else:
             groups = describe(todo, regions, self._index)
         if key is not None:
