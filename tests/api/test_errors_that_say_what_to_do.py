@@ -67,6 +67,21 @@ async def test_an_address_without_a_scheme_is_a_config_error_with_a_guess(ident)
         rf.Publisher("http://127.0.0.1:7100", identity=ident)
 
 
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1", "tcp://127.0.0.1:notaport", "tcp://127.0.0.1:99999", "tcp://:7"]
+)
+@pytest.mark.asyncio
+async def test_a_tcp_address_without_a_usable_port_is_a_config_error_where_it_is_given(ident, address) -> None:
+    """Not at the first request, seconds later: where the address comes in, with an example."""
+    with pytest.raises(rf.ConfigError, match=r"needs a port from 1 to 65535.*'tcp://127\.0\.0\.1:7100'"):
+        RegistryClient(address)
+    with pytest.raises(rf.ConfigError, match="needs a port"):
+        rf.Receiver({"w": torch.zeros(2)}, address, identity=ident)
+    with pytest.raises(rf.ConfigError, match="needs a port"):
+        async with rf.Registry.serve(address):
+            pass
+
+
 def test_wrong_argument_types_are_config_errors(ident, registry) -> None:
     with pytest.raises(rf.ConfigError, match=r"torch\.nn\.Module or a mapping.*got list; name the tensors"):
         rf.Receiver([torch.zeros(2)], registry, identity=ident)

@@ -15,10 +15,13 @@ __all__ = ["SCHEMES", "attach", "check_address", "no_answer_hint"]
 
 SCHEMES = ("tcp", "ipc", "inproc")
 _ADDRESS = re.compile(r"^(?P<scheme>[a-z]+)://(?P<rest>.+)$")
+_TCP = re.compile(r"^(?P<host>.+):(?P<port>\d{1,5}|\*)$")
 
 
 def check_address(address: object) -> str:
-    """``address`` if it is a ZMQ endpoint with a scheme refitflow speaks, else a ``ConfigError`` saying why."""
+    """``address`` if it is a ZMQ endpoint with a scheme refitflow speaks (and a port, for tcp), else a
+    ``ConfigError`` saying why. What only ZMQ knows (a host it cannot parse, an ipc path too long) is
+    refused where the socket binds or connects (``attach``)."""
     if not isinstance(address, str):
         raise ConfigError(f"a registry address is a string such as 'tcp://127.0.0.1:7100', got {address!r}")
     found = _ADDRESS.match(address)
@@ -27,6 +30,10 @@ def check_address(address: object) -> str:
         raise ConfigError(f"registry address {address!r} has no scheme (tcp://host:port or ipc://path){guess}")
     if found["scheme"] not in SCHEMES:
         raise ConfigError(f"registry address {address!r}: scheme {found['scheme']!r} is not one of {SCHEMES}")
+    tcp = _TCP.match(found["rest"]) if found["scheme"] == "tcp" else None
+    if found["scheme"] == "tcp" and (tcp is None or (tcp["port"] != "*" and not 0 < int(tcp["port"]) < 65536)):
+        raise ConfigError(f"registry address {address!r} needs a port from 1 to 65535: tcp://host:port, "
+                          f"e.g. 'tcp://127.0.0.1:7100' (or port * to bind any free one)")  # fmt: skip
     return address
 
 
