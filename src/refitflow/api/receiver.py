@@ -24,6 +24,7 @@ from refitflow.core.errors import (
     RefitTimeoutError,
     VersionError,
 )
+from refitflow.core.gil import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
@@ -248,6 +249,8 @@ class Receiver:
         if self._relaying is not None and d.holdings.ids(d.generation)[0] == d.holdings.ids(d.generation + 1)[0]:
             await self._relaying.leave()  # this refit overwrites the storage served: offer it to nobody new
         try:
+            # a storage replaced behind our back (param.data = ...): refused before anything is written
+            await off_loop(d.check_unmoved) if len(d.params) > 1024 else d.check_unmoved()
             with anyio.fail_after(self.config.refit_timeout_s):
                 txn = await run_pipeline(
                     ctx, ledger=self.ledger, registry=self.registry, identity=self.identity,

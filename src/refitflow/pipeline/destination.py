@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from refitflow.core.errors import ConfigError
+from refitflow.core.errors import ConfigError, PlanError
 from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.pipeline.device import devices_of
@@ -102,12 +102,28 @@ class Destination:
             {n: t.detach().clone() for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )
         self.generation = 0  # swaps so far: shadow targets alternate between two storages
+        self._live_at = {n: t.data_ptr() for n, t in self.params.items()}  # check_unmoved()
         # the digests of the version each storage holds (delta refits; pipeline/held.py)
         self.holdings = Holdings(shadow=mode is ApplyMode.SHADOW, swaps=shadow_commit is ShadowCommit.SWAP)
 
     def holding(self, which: str) -> Holding | None:
         """``(digest geometry, digests)`` of the version the ``"target"`` or ``"live"`` storage holds, if known."""
         return self.holdings.get(which, self.generation)
+
+    def check_unmoved(self) -> None:
+        """``PlanError`` if a parameter's live storage is not where this destination writes: replaced behind
+        refitflow's back (``param.data = …``, ``module.to(…)``, a reload that reallocates), every view,
+        registration and plan would point at the old storage, which the model no longer reads. ≈ 0.2 µs a
+        parameter."""
+        at = self._live_at
+        moved = [n for n, p in self.params.items() if p.data_ptr() != at[n]]
+        if moved:
+            raise PlanError(
+                f"{len(moved)} parameter(s) no longer sit where this receiver writes, e.g. {moved[:3]}: their "
+                "storage was replaced after the receiver was made (param.data = ..., module.to(...), a weight "
+                "reload that reallocates), and the model no longer reads the old one. Nothing was written; make "
+                "a new rf.Receiver for the model as it is now", tensor=moved[0],
+            )  # fmt: skip
 
     def live(self, name: str) -> torch.Tensor:
         """The live (serving) tensor of a parameter."""
@@ -179,6 +195,7 @@ class Destination:
             old = p.data
             p.data = self.shadows[name]
             self.shadows[name] = old
+            self._live_at[name] = p.data_ptr()
 
     @property
     def nbytes(self) -> int:
