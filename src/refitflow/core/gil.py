@@ -39,7 +39,11 @@ def building() -> Iterator[None]:
     - the interpreter's switch interval is at most 1 ms, so the event loop's thread waits at most that
       long for the GIL while a builder's Python runs (at the default 5 ms, ticks of a loop beside a
       first refit of 10,000 tensors came late by 5–9 ms at the 99th percentile). A process that sets
-      the interval itself while a plan is being built has it restored to the value before.
+      the interval itself while a plan is being built has it restored to the value before;
+    - when the collector comes back, what the builders made joins the oldest generation without a pass
+      over it (``_promote_young``): the young generation's count had grown by every object made meanwhile,
+      so the first allocation after ``gc.enable()`` ran a pass over all of them (5–7 ms holding the GIL,
+      collecting nothing, at the end of a 10,000-tensor plan: the first refit's latest loop ticks).
     """
     with _build_lock:
         if _builders[0] == 0:
@@ -56,7 +60,18 @@ def building() -> Iterator[None]:
             if _builders[0] == 0:
                 sys.setswitchinterval(_builders[2])
                 if _builders[1]:
+                    _promote_young()
                     gc.enable()
+
+
+def _promote_young() -> None:
+    """Every tracked object into the oldest generation, without a collection: ``freeze`` moves them all to
+    the permanent generation (and zeroes the young count), ``unfreeze`` moves them back into the oldest,
+    both O(1). A plan's objects are long-lived and acyclic (refcounting frees them); others' young cycles
+    wait for the next full pass. Not when the process froze objects itself (``unfreeze`` would undo that)."""
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
 
 
 def built(fn: Callable[..., T], *args: Any) -> T:
