@@ -198,3 +198,31 @@ def test_units_listed_with_numpy_are_the_units_listed_in_python(case) -> None:
     planes, r0, r1, c0, c1 = frame(t, box)
     if t.tile_rows and all(u.mode for u in small):  # every byte of the box belongs to exactly one unit
         assert sum(u.covered for u in small) == len(planes) * (r1 - r0) * (c1 - c0) * t.item
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=0, max_size=3),
+    tile_rows=st.integers(1, 9),
+    tile_cols=st.integers(1, 12),
+    item=st.sampled_from([1, 2, 4]),
+)
+def test_contiguous_digest_units_hash_the_bytes_units_of_names(shape, tile_rows, tile_cols, item) -> None:
+    """The publisher's fast path (``_contiguous_units``, memoised per geometry, the tensor's array hashed
+    in place) gives every unit's xxh3 at its slot, for each geometry without row digests."""
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[item]
+    rows = shape[-2] if len(shape) >= 2 else 1
+    cols = shape[-1] if shape else 1
+    tile_rows, tile_cols = min(tile_rows, rows), min(tile_cols, cols)
+    if tile_cols < cols and (tile_cols * item) % 8:
+        tile_cols = cols  # column ranges are whole 8-byte words
+    t = Tiling("xxh3", shape, item, tile_rows, tile_cols)
+    if t.row_digests:
+        tile_rows = 1
+        t = Tiling("xxh3", shape, item, tile_rows, tile_cols)
+    x = _random(tuple(shape), dtype, seed=len(shape) * 31 + tile_rows)
+    flat = x.reshape(-1).view(torch.uint8).numpy().tobytes()
+    want = np.zeros(t.count, dtype=np.uint64)
+    for u in units_of(t, tuple((0, d) for d in shape)):
+        want[u.slot] = xxhash.xxh3_64_intdigest(flat[u.lo : u.lo + u.covered])
+    assert np.array_equal(shard_digests(x, t), want)
