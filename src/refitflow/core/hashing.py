@@ -233,22 +233,22 @@ def mix64_box_on_device(data: torch.Tensor, t: Tiling, box: Box) -> torch.Tensor
 
 def shard_digests(tensor: torch.Tensor, t: Tiling) -> np.ndarray:
     """Every digest of a contiguous shard, on its own device (only the digests come back)."""
-    full = tuple((0, d) for d in t.shape)
     if t.algo == "mix64":
-        return mix64_box(tensor.detach(), t, full)
+        return mix64_box(tensor.detach(), t, tuple((0, d) for d in t.shape))
     if t.row_digests:  # the tiles are strided: gather them, each row block hashed first (one pass)
         out = np.empty(t.count, dtype=np.uint64)
         blocks: list[int] = []
-        out[: t.tiles] = xxh3_gathered(tensor.detach(), t, full, blocks)
+        out[: t.tiles] = xxh3_gathered(tensor.detach(), t, tuple((0, d) for d in t.shape), blocks)
         out[t.tiles :] = blocks
         return out
-    data = tensor.detach().reshape(-1).view(torch.uint8)
+    data = tensor.detach()
+    data = (data if data.dim() == 1 else data.reshape(-1)).view(torch.uint8)
     ranges = _contiguous_units(t)
     if data.device.type != "cpu":
         lo = np.array([a for a, _ in ranges], dtype=np.int64)
         return hash_ranges(data, lo, np.array([b for _, b in ranges], dtype=np.int64))
     h = xxhash.xxh3_64_intdigest
-    whole: Any = data.numpy()  # the array itself: a memoryview costs more than a small hash
+    whole: Any = data.numpy()
     if len(ranges) == 1:
         return np.array([h(whole)], dtype=np.uint64)
     return np.fromiter((h(whole[a:b]) for a, b in ranges), np.uint64, len(ranges))
