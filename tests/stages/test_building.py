@@ -112,6 +112,10 @@ def test_what_builders_made_joins_the_oldest_generation_without_a_collection_pas
         assert gc.get_count()[0] < gc.get_threshold()[0] and gc.get_freeze_count() == 0
         kept += [[i] for i in range(100)]  # allocations after the builder: no pass over the 50,000
         assert passes == []
+        gc.collect()
+        with building():
+            kept += [[i] for i in range(300)]  # a few (a warm refit's verify): left young, collected as usual
+        assert gc.get_count()[0] >= 300
         gc.freeze()  # a server that froze its model after loading it
         try:
             before = gc.get_freeze_count()

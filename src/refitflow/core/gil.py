@@ -64,12 +64,17 @@ def building() -> Iterator[None]:
                     gc.enable()
 
 
+_PROMOTE_AT = 2_000  # young objects: more only where builders made them (a warm refit's verify makes ≈ 300–500)
+
+
 def _promote_young() -> None:
-    """Every tracked object into the oldest generation, without a collection: ``freeze`` moves them all to
-    the permanent generation (and zeroes the young count), ``unfreeze`` moves them back into the oldest,
-    both O(1). A plan's objects are long-lived and acyclic (refcounting frees them); others' young cycles
-    wait for the next full pass. Not when the process froze objects itself (``unfreeze`` would undo that)."""
-    if gc.get_freeze_count() == 0:
+    """After builders made many objects, every tracked object into the oldest generation without a pass:
+    ``freeze`` moves them all to the permanent generation (and zeroes the young count), ``unfreeze`` moves
+    them back into the oldest, both O(1). A plan's objects are long-lived and acyclic (refcounting frees
+    them); the process's own young cycles wait for the next full pass, so this happens only when a pass
+    would be long (a first refit's plan, not a warm refit's verify) — and never when the process froze
+    objects itself (``unfreeze`` would undo that)."""
+    if gc.get_count()[0] > _PROMOTE_AT and gc.get_freeze_count() == 0:
         gc.freeze()
         gc.unfreeze()
 
