@@ -30,6 +30,7 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.pipeline.arena import StagingArenas
 from refitflow.pipeline.config import ReceiverConfig
+from refitflow.pipeline.destination import Destination
 from refitflow.pipeline.device import DeviceLane, Marks
 from refitflow.pipeline.graph import run_pipeline
 from refitflow.pipeline.rank import RankState
@@ -88,7 +89,8 @@ class Receiver:
       ``read_timeout_s``, ...; each is documented there); an unknown one is a ``ConfigError``.
 
     ``refit`` = ``prepare`` + ``finish``; an engine-wide vote goes between the two
-    (``rf.EngineMember``). ``status`` and ``fence`` say what the rank serves.
+    (``rf.EngineMember``). ``status`` and ``fence`` say what the rank serves. ``rebind`` follows the model
+    after the server replaced its parameters' storages (a refit refuses until then: ``PlanError``).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class Receiver:
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
+        self._model, self._layout = model, layout  # made again by rebind()
         rank = RankState.build(model, self.config.mode, layout, self.config.budget_bytes, observer,
                                shadow_commit=self.config.shadow_commit)  # fmt: skip
         self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
@@ -150,24 +153,53 @@ class Receiver:
             self.limits = replace(self.limits, bucket_bytes=min(self.limits.bucket_bytes, cap),
                                   direct_bucket_bytes=min(self.limits.direct_bucket_bytes, cap))  # fmt: skip
         self._relaying: Relaying | None = None
+        self._landing: set[int] = set()  # the transport regions of the tensors reads land in
         self._running = False  # a prepare is in progress (one at a time)
 
     async def __aenter__(self) -> Receiver:
         try:
             # off the loop: a real transport imports its library and creates its agent (seconds)
             self._transport = await anyio.to_thread.run_sync(make_transport, self._transport_spec)
-            await anyio.to_thread.run_sync(self._prepare_landing)
-            for tensor in self.destination.landing_tensors():  # each on its own device (DRAM or VRAM)
-                self._transport.register(tensor)
+            await self._land()
             self._arena = StagingArenas(self.budget, self.devices.devices, register=self._transport.register)
-            if self._relays:
-                self._relaying = Relaying(self.registry, self.identity, self.receiver_id, self.destination,  # type: ignore[arg-type]
-                                          self._transport, serve=self.serve_replicas)  # fmt: skip
             await self.registry.register_receiver(self.identity, self.receiver_id)
         except BaseException:
             await self._close()  # a failed enter leaks nothing: no transport, no registry client
             raise
         return self
+
+    async def _land(self) -> None:
+        """Bind to ``self.destination``: what plans need of it, a byte view and a registration of every
+        tensor a read may land in (each on its own device, DRAM or VRAM), and a relay for it."""
+        assert self._transport is not None
+        await anyio.to_thread.run_sync(self._prepare_landing)
+        self._landing = {self._transport.register(t) for t in self.destination.landing_tensors()}
+        if self._relays:
+            self._relaying = Relaying(self.registry, self.identity, self.receiver_id, self.destination,  # type: ignore[arg-type]
+                                      self._transport, serve=self.serve_replicas)  # fmt: skip
+
+    async def rebind(self) -> None:
+        """Follow the model's parameters as they are now, after the server replaced their storages or the
+        Parameter objects themselves (``param.data = ...``, ``module.to(dtype)``, a reload): every view,
+        registration, plan and relay is made again from the model, between refits. The next refit reads
+        every byte (nothing is known of what the new storages hold); until it commits, ``status`` names
+        the last version refitflow committed. Parameters now on other devices need a new receiver."""
+        if self._transport is None or self._arena is None:
+            raise ConfigError("use the receiver inside 'async with'")
+        if self._running or self.ledger.open is not None:
+            raise VersionError("a refit is running on this receiver: rebind between refits")
+        new = Destination(self._model, self.config.mode, self._layout, shadow_commit=self.config.shadow_commit)
+        if new.devices != self.destination.devices:
+            raise ConfigError(f"the parameters now sit on {[str(d) for d in new.devices]}, not "
+                              f"{[str(d) for d in self.destination.devices]}: make a new rf.Receiver")  # fmt: skip
+        if self._relaying is not None:
+            await self._relaying.close()  # its offer names the old storages
+        old = self._landing
+        self.destination = self.ledger.destination = new
+        self._plans = PlanCache()
+        await self._land()
+        for region in old - self._landing:
+            self._transport.deregister(region)
 
     def _prepare_landing(self) -> None:
         """The first refit's share of setup, done once as the receiver starts (a worker thread): what plans

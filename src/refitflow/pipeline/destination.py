@@ -121,8 +121,8 @@ class Destination:
             raise PlanError(
                 f"{len(moved)} parameter(s) no longer sit where this receiver writes, e.g. {moved[:3]}: their "
                 "storage was replaced after the receiver was made (param.data = ..., module.to(...), a weight "
-                "reload that reallocates), and the model no longer reads the old one. Nothing was written; make "
-                "a new rf.Receiver for the model as it is now", tensor=moved[0],
+                "reload that reallocates), and the model no longer reads the old one. Nothing was written; "
+                "`await receiver.rebind()` follows the model as it is now", tensor=moved[0],
             )  # fmt: skip
 
     def live(self, name: str) -> torch.Tensor:

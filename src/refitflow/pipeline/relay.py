@@ -161,3 +161,10 @@ class Relaying:
                 self.joined = False
             except RefitError as exc:
                 log.info("relays not left: %s", exc)
+
+    async def close(self) -> None:
+        """Leave, and let go of the buffers this relay registered (its status words and its probe)."""
+        await self.leave()
+        for t in [*self.status.values(), *([self._probe] if self._probe is not None else [])]:
+            self.transport.deregister(self.transport.register(t))  # register is idempotent: its region
+        self.status, self._probe = {}, None
