@@ -229,3 +229,43 @@ async def test_digests_of_another_layout_or_version_are_refused_before_anything_
         await _complete(Answers(dataclasses.replace(full, manifests=(moved,))), pending, 1.0)
     with pytest.raises(rf.VersionError, match="version 2 completed before the digests of version 1"):
         await _complete(Answers(dataclasses.replace(full, version=2)), pending, 1.0)
+
+
+@pytest.mark.asyncio
+async def test_a_version_found_with_some_ranks_already_complete_commits(ident) -> None:
+    """A receiver that finds a version laid out while one rank's digests are in and another's are not
+    (the ranks of an engine complete one after the other) takes the complete ranks as they are. Before,
+    it required every rank it had seen to be pending and refused the version ("another layout"): seen
+    in CI's bench smoke run, where one rank's digests beat the other's by milliseconds."""
+
+    class RankOneHeld(rf.Registry):
+        gate = anyio.Event()
+
+        async def publish(self, manifest: rf.Manifest, *, owner: str | None = None) -> None:
+            if manifest.rank == 1 and not manifest.pending:
+                await self.gate.wait()
+            await super().publish(manifest, owner=owner)
+
+    registry = RankOneHeld()
+    a, b = torch.randn(64, 32), torch.randn(1000)
+    dst = {"a": torch.zeros(64, 32), "b": torch.zeros(1000)}
+    with anyio.fail_after(30):
+        async with (
+            rf.Publisher(registry, identity=ident, rank=0, world_size=2, announce_early=True) as p0,
+            rf.Publisher(registry, identity=ident, rank=1, world_size=2, announce_early=True) as p1,
+            rf.Receiver(dst, registry, identity=ident) as recv,
+        ):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(p1.publish, 1, {"b": b})  # its layout now, its digests held back
+                await p0.publish(1, {"a": a})  # layout and digests
+                laid_out = await registry.wait_complete(ident, 1, 5, early=True)
+                assert [m.pending for m in laid_out.manifests] == [False, True]
+                result: list[rf.RefitResult] = []
+
+                async def refit() -> None:
+                    result.append(await recv.refit(1))
+
+                tg.start_soon(refit)
+                await anyio.sleep(0.2)  # the receiver reads what it found
+                RankOneHeld.gate.set()
+            assert result[0].version == 1 and torch.equal(dst["a"], a) and torch.equal(dst["b"], b)

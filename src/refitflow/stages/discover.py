@@ -75,9 +75,11 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
         raise VersionError(f"version {pub.version} completed before the digests of version {version} were seen",
                            version=version)  # fmt: skip
 
-    def same() -> bool:
+    def same() -> bool:  # a rank already complete when the version was found (ranks complete one by one) as it was
         pairs = zip(pub.manifests, pending.manifests, strict=True)
-        return len(pub.manifests) == len(pending.manifests) and all(full.completes(m) for full, m in pairs)
+        return len(pub.manifests) == len(pending.manifests) and all(
+            full.completes(m) if m.pending else full == m for full, m in pairs
+        )
 
     many = sum(len(m.shards) for m in pub.manifests) > 1000  # every shard's layout compared: off the loop
     if not (await off_loop(same) if many else same()):
