@@ -79,6 +79,11 @@ class Tiling:
         return self.tiles + (self.planes * self.nr if self.row_digests else 0)
 
     @property
+    def box(self) -> Box:
+        """The whole shard, as a box."""
+        return tuple((0, d) for d in self.shape)
+
+    @property
     def row_bytes(self) -> int:
         return self.cols * self.item
 
@@ -101,7 +106,7 @@ class Tiling:
     def aligned(self, box: Box) -> Box:
         """``box`` widened to whole tiles (the whole shard when one digest covers it)."""
         if self.tile_rows == 0:
-            return tuple((0, d) for d in self.shape)
+            return self.box
         if not self.shape:
             return box
         (c0, c1) = box[-1]

@@ -234,11 +234,11 @@ def mix64_box_on_device(data: torch.Tensor, t: Tiling, box: Box) -> torch.Tensor
 def shard_digests(tensor: torch.Tensor, t: Tiling) -> np.ndarray:
     """Every digest of a contiguous shard, on its own device (only the digests come back)."""
     if t.algo == "mix64":
-        return mix64_box(tensor.detach(), t, tuple((0, d) for d in t.shape))
+        return mix64_box(tensor.detach(), t, t.box)
     if t.row_digests:  # the tiles are strided: gather them, each row block hashed first (one pass)
         out = np.empty(t.count, dtype=np.uint64)
         blocks: list[int] = []
-        out[: t.tiles] = xxh3_gathered(tensor.detach(), t, tuple((0, d) for d in t.shape), blocks)
+        out[: t.tiles] = xxh3_gathered(tensor.detach(), t, t.box, blocks)
         out[t.tiles :] = blocks
         return out
     data = tensor.detach()
@@ -259,6 +259,6 @@ def _contiguous_units(t: Tiling) -> tuple[tuple[int, int], ...]:
     """The byte ranges of a shard's digest units, in digest order, when every unit is contiguous (xxh3
     without row digests: whole row blocks, or column ranges of one-row blocks). Per geometry: a model's
     shards repeat a few (a publisher of 10,000 tensors spent ≈ 14 µs each recomputing them)."""
-    units = units_of(t, tuple((0, d) for d in t.shape))
+    units = units_of(t, t.box)
     assert [u.slot for u in units] == list(range(t.count)), "contiguous units are in digest order"
     return tuple((u.lo, u.lo + u.covered) for u in units)

@@ -30,10 +30,11 @@ def check_address(address: object) -> str:
         raise ConfigError(f"registry address {address!r} has no scheme (tcp://host:port or ipc://path){guess}")
     if found["scheme"] not in SCHEMES:
         raise ConfigError(f"registry address {address!r}: scheme {found['scheme']!r} is not one of {SCHEMES}")
-    tcp = _TCP.match(found["rest"]) if found["scheme"] == "tcp" else None
-    if found["scheme"] == "tcp" and (tcp is None or (tcp["port"] != "*" and not 0 < int(tcp["port"]) < 65536)):
-        raise ConfigError(f"registry address {address!r} needs a port from 1 to 65535: tcp://host:port, "
-                          f"e.g. 'tcp://127.0.0.1:7100' (or port * to bind any free one)")  # fmt: skip
+    if found["scheme"] == "tcp":
+        tcp = _TCP.match(found["rest"])
+        if tcp is None or (tcp["port"] != "*" and not 0 < int(tcp["port"]) < 65536):
+            raise ConfigError(f"registry address {address!r} needs a port from 1 to 65535: tcp://host:port, "
+                              f"e.g. 'tcp://127.0.0.1:7100' (or port * to bind any free one)")  # fmt: skip
     return address
 
 

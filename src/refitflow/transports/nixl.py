@@ -69,7 +69,6 @@ class NixlTransport(Transport):
         self._index: LocalIndex | None = None
         self._address: SourceAddress | None = None
         self._local_epoch = 0
-        self._changes = 0  # registrations made or dropped (the local index is of one such state)
         self._peers: dict[str, _Peer] = {}
         self._cache: OrderedDict[CacheKey, list[_Prepared]] = OrderedDict()
         # key -> (the very reads list described, address state, its description): a caller that replays
@@ -135,7 +134,6 @@ class NixlTransport(Transport):
     def _changed(self) -> None:
         self._address = None
         self._index = None
-        self._changes += 1
 
     def address(self) -> SourceAddress:
         self._check_open()
@@ -186,9 +184,9 @@ class NixlTransport(Transport):
         self._check_open()
         t0 = time.perf_counter()
         while self._index is None:  # thousands of registrations take milliseconds to sort: off the loop
-            changes, infos = self._changes, {rid: loc.info for rid, loc in self._local.items()}
+            infos = {rid: loc.info for rid, loc in self._local.items()}
             index = await off_loop(LocalIndex, infos) if len(infos) > 256 else LocalIndex(infos)
-            if changes == self._changes:  # else a registration came or went meanwhile: sort again
+            if infos.keys() == self._local.keys():  # region ids are never reused: else one came or went, sort again
                 self._index = index
         batch: list[tuple[_Prepared, str]] = []  # every peer's transfer (and stripe), posted together
         ckeys: list[CacheKey | None] = []
