@@ -5,6 +5,9 @@ the model never sees. ``rebind()`` follows the model as it is now (Parameter obj
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import anyio
 import pytest
 import torch
@@ -60,36 +63,37 @@ async def test_a_replaced_storage_is_refused_before_anything_is_written_and_rebi
             assert (await recv.refit(4)).version == 4 and _holds(model, 4)
 
 
+@contextlib.asynccontextmanager
+async def _serving_v1(ident, registry, model: torch.nn.Module) -> AsyncIterator[tuple[rf.Publisher, rf.Receiver]]:
+    """A publisher and an in-place receiver of ``model``, version 1 committed."""
+    with anyio.fail_after(30):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(model, registry, identity=ident) as recv,
+        ):
+            await pub.publish(1, _weights(1))
+            await recv.refit(1)
+            yield pub, recv
+
+
 @pytest.mark.asyncio
 async def test_rebind_follows_a_parameter_object_replaced_on_its_module(ident, registry) -> None:
     """Not detected (the receiver holds the old Parameter object, whose storage did not move), but a
     server that replaced Parameter objects (a reload) calls rebind() and the next version lands in them."""
     model = _model()
-    with anyio.fail_after(30):
-        async with (
-            rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(model, registry, identity=ident) as recv,
-        ):
-            await pub.publish(1, _weights(1))
-            await recv.refit(1)
-            model[0].weight = torch.nn.Parameter(torch.zeros(16, 8))
-            await recv.rebind()
-            await pub.publish(2, _weights(2))
-            assert (await recv.refit(2)).version == 2 and _holds(model, 2)
+    async with _serving_v1(ident, registry, model) as (pub, recv):
+        model[0].weight = torch.nn.Parameter(torch.zeros(16, 8))
+        await recv.rebind()
+        await pub.publish(2, _weights(2))
+        assert (await recv.refit(2)).version == 2 and _holds(model, 2)
 
 
 @pytest.mark.asyncio
 async def test_a_module_moved_to_another_dtype_is_refused(ident, registry) -> None:
     model = _model()
-    with anyio.fail_after(30):
-        async with (
-            rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(model, registry, identity=ident) as recv,
-        ):
-            await pub.publish(1, _weights(1))
-            await recv.refit(1)
-            model.to(torch.float64)  # module.to() sets param.data = converted copy, every parameter
-            await pub.publish(2, _weights(2))
-            with pytest.raises(rf.PlanError, match=r"4 parameter\(s\) no longer sit"):
-                await recv.refit(2)
-            assert all(p.dtype == torch.float64 and float(p.detach().view(-1)[0]) == 1.0 for p in model.parameters())
+    async with _serving_v1(ident, registry, model) as (pub, recv):
+        model.to(torch.float64)  # module.to() sets param.data = converted copy, every parameter
+        await pub.publish(2, _weights(2))
+        with pytest.raises(rf.PlanError, match=r"4 parameter\(s\) no longer sit"):
+            await recv.refit(2)
+        assert all(p.dtype == torch.float64 and float(p.detach().view(-1)[0]) == 1.0 for p in model.parameters())
