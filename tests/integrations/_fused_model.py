@@ -1,6 +1,6 @@
 """A CPU stand-in for one vLLM worker's model: a plain ``torch.nn.Module`` carrying vLLM's fused parameter
 names and shapes for its TP rank (``qkv_proj``, ``gate_up_proj``, Mixtral's ``block_sparse_moe.experts.
-w13_weight``/``w2_weight``, DeepSeek's latent attention ``fused_qkv_a_proj``/``q_b_proj``/``kv_b_proj``,
+routed_experts.w13_weight``/``w2_weight``, DeepSeek's latent attention ``fused_qkv_a_proj``/``q_b_proj``/``kv_b_proj``,
 vocabulary rows padded to a multiple of 64), and a ``load_weights`` that takes
 HF checkpoint names and shards/fuses them as vLLM's loaders do. vLLM's real model classes need its CUDA
 kernels to be built, so the test builds this module instead; the shapes below are written out from
@@ -60,8 +60,8 @@ class FusedModel(torch.nn.Module):
             else:
                 f = d.expert_ffn // tp
                 shapes |= {p + "block_sparse_moe.gate.weight": (d.experts, h),
-                           p + "block_sparse_moe.experts.w13_weight": (d.experts, 2 * f, h),
-                           p + "block_sparse_moe.experts.w2_weight": (d.experts, h, f)}  # fmt: skip
+                           p + "block_sparse_moe.experts.routed_experts.w13_weight": (d.experts, 2 * f, h),
+                           p + "block_sparse_moe.experts.routed_experts.w2_weight": (d.experts, h, f)}  # fmt: skip
         for name, shape in shapes.items():
             _nested(self, name, torch.full(shape, fill, dtype=dtype))
 
@@ -107,10 +107,10 @@ class FusedModel(torch.nn.Module):
                 e, kind = int(rest.split(".")[0]), rest.split(".")[1]
                 f = self.d.expert_ffn // self.tp
                 if kind == "w2":
-                    target = head + ".experts.w2_weight"
+                    target = head + ".experts.routed_experts.w2_weight"
                     self.param(target)[e] = w[:, r * f : (r + 1) * f]
                 else:
-                    target = head + ".experts.w13_weight"
+                    target = head + ".experts.routed_experts.w13_weight"
                     half = 0 if kind == "w1" else f
                     self.param(target)[e, half : half + f] = w[r * f : (r + 1) * f]
             else:

@@ -58,7 +58,7 @@ def test_a_parameter_the_tables_lack_or_of_another_shape_is_unmapped_and_one_the
     }
     assert derived.missing == ["model.norm.weight"] and not derived.complete
     assert "model.norm.weight" in derived.why() and set(derived.layout) == set(derived.targets)
-    w13 = derived.layout["model.layers.1.block_sparse_moe.experts.w13_weight"]
+    w13 = derived.layout["model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight"]
     assert w13.shape == (4, 32, 64) and {s.canonical for s in w13.segments} == {
         "model.layers.1.mlp.experts.gate", "model.layers.1.mlp.experts.up"}  # fmt: skip
 

@@ -51,8 +51,8 @@ def test_experts_w13_and_megatron_local_experts() -> None:
     c = _canon(MOE)
     gate, up, down = (c[L + f"mlp.experts.{x}"] for x in ("gate", "up", "down"))
     got = from_canonical(fused.layout(MOE, Parallel(tp=2, tp_rank=1, ep=2, ep_rank=1)), c)
-    assert torch.equal(got[L + "mlp.experts.w13_weight"], torch.cat([gate[2:, 16:], up[2:, 16:]], dim=1))
-    assert torch.equal(got[L + "mlp.experts.w2_weight"], down[2:, :, 16:])
+    assert torch.equal(got[L + "mlp.experts.routed_experts.w13_weight"], torch.cat([gate[2:, 16:], up[2:, 16:]], dim=1))
+    assert torch.equal(got[L + "mlp.experts.routed_experts.w2_weight"], down[2:, :, 16:])
     meg = from_canonical(megatron.layout(MOE, Parallel(tp=1, ep=2, ep_rank=1)), c)  # sequential: Megatron's default
     fc1 = meg["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([gate[3], up[3]]))
@@ -137,7 +137,7 @@ def test_megatron_grouped_experts_are_expert_tp_sliced_like_megatron_cores_defau
 def test_vllm_places_uneven_experts_linearly_and_flattens_expert_tp_over_dp() -> None:
     c = _canon(MOE)  # 4 experts over 3 EP ranks: vLLM's linear placement gives 2, 1, 1
     w13 = [
-        from_canonical(fused.layout(MOE, Parallel(ep=3, ep_rank=r)), c)[L + "mlp.experts.w13_weight"] for r in (0, 1, 2)
+        from_canonical(fused.layout(MOE, Parallel(ep=3, ep_rank=r)), c)[L + "mlp.experts.routed_experts.w13_weight"] for r in (0, 1, 2)
     ]
     assert [t.shape[0] for t in w13] == [2, 1, 1]
     assert torch.equal(w13[1][0], torch.cat([c[L + "mlp.experts.gate"][2], c[L + "mlp.experts.up"][2]]))
@@ -145,7 +145,7 @@ def test_vllm_places_uneven_experts_linearly_and_flattens_expert_tp_over_dp() ->
     par = fused.parallel(tp=2, tp_rank=1, dp=2, dp_rank=1)
     assert (par.tp_rank, par.etp, par.etp_rank, par.ep) == (1, 4, 3, 1)
     got = from_canonical(fused.layout(MOE, par), c)
-    assert torch.equal(got[L + "mlp.experts.w2_weight"], c[L + "mlp.experts.down"][:, :, 24:])
+    assert torch.equal(got[L + "mlp.experts.routed_experts.w2_weight"], c[L + "mlp.experts.down"][:, :, 24:])
     ep = fused.parallel(tp=2, tp_rank=1, dp=2, dp_rank=1, expert_parallel=True)
     assert (ep.ep, ep.ep_rank, ep.etp) == (4, 3, 1)
 
@@ -227,8 +227,8 @@ def test_layout_for_reads_a_config_and_names_mixtrals_moe_block() -> None:
     mixtral = tf.MixtralConfig(vocab_size=200, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=8, num_key_value_heads=2, num_local_experts=4)  # fmt: skip
     got = fused.layout_for(mixtral, Parallel(tp=2, tp_rank=1))
-    assert got[L + "block_sparse_moe.experts.w13_weight"].shape == (4, 32, 64)
-    assert L + "block_sparse_moe.gate.weight" in got and L + "mlp.experts.w13_weight" not in got
+    assert got[L + "block_sparse_moe.experts.routed_experts.w13_weight"].shape == (4, 32, 64)
+    assert L + "block_sparse_moe.gate.weight" in got and L + "mlp.experts.routed_experts.w13_weight" not in got
     assert got["model.embed_tokens.weight"].shape == (128, 64)  # 200 → 256 rows, 128 per rank
     deepseek = tf.DeepseekV3Config(vocab_size=200, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                    q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,

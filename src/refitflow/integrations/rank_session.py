@@ -181,7 +181,8 @@ class RankSession:
             return {}
         ledger = self.member.receiver.ledger
         return {"committed_version": ledger.committed_version, "fence": ledger.fence.state.value,
-                "first_failure": ledger.first_failure, "in_doubt": self.member.in_doubt}  # fmt: skip
+                "fence_reason": ledger.fence.reason, "first_failure": ledger.first_failure,
+                "in_doubt": self.member.in_doubt}  # fmt: skip
 
     def _member(self) -> EngineMember:
         if self.member is None:

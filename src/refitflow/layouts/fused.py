@@ -1,8 +1,9 @@
 """Fused inference layout (vLLM 0.33 names, receiver side): any TP, EP for experts.
 
 Names as vLLM's models hold them: ``qkv_proj`` (``[q; k; v]`` of this rank's heads), ``gate_up_proj``,
-the experts stacked as ``experts.w13_weight`` (this EP rank's experts, ``[gate; up]`` expert-TP
-sliced) and ``experts.w2_weight``, the router ``gate.weight`` / ``gate.e_score_correction_bias``,
+the experts stacked as ``experts.routed_experts.w13_weight`` (this EP rank's experts, ``[gate; up]``
+expert-TP sliced) and ``experts.routed_experts.w2_weight`` (vLLM ≥ 0.32 holds them in the ``FusedMoE``
+layer's ``RoutedExperts`` child; SGLang keeps them on the layer: ``experts.w13_weight``), the router ``gate.weight`` / ``gate.e_score_correction_bias``,
 ``shared_experts.gate_up_proj``/``down_proj`` (TP-split). Latent attention (DeepSeek-V2/V3, Kimi-K2,
 ``deepseek_v2.py``): ``fused_qkv_a_proj`` = ``[q_a_proj; kv_a_proj_with_mqa]`` replicated,
 ``q_a_layernorm``, ``q_b_proj`` (TP by heads), ``kv_a_layernorm``, ``kv_b_proj`` (TP by heads),
@@ -90,9 +91,13 @@ MOE: Table = {
 }  # fmt: skip
 
 
-def tables(d: ModelDims, *, moe_module: str = "mlp", mla_q_lora: Table = MLA_Q_LORA) -> Tables:
-    """The fused tables for this model (``moe_module``: the MoE block's name; ``mla_q_lora``: SGLang's names)."""
-    moe = {k.replace("mlp.", moe_module + ".", 1): v for k, v in MOE.items()}
+ROUTED = "routed_experts."  # vLLM's FusedMoE holds its expert weights in a RoutedExperts child
+
+
+def tables(d: ModelDims, *, moe_module: str = "mlp", mla_q_lora: Table = MLA_Q_LORA, routed: str = ROUTED) -> Tables:
+    """The fused tables for this model (``moe_module``: the MoE block's name; ``mla_q_lora`` and ``routed``,
+    the experts' holder: SGLang's names differ)."""
+    moe = {k.replace("mlp.", moe_module + ".", 1).replace("experts.w", f"experts.{routed}w"): v for k, v in MOE.items()}
     mla = mla_q_lora if d.q_lora_rank else MLA_Q_PROJ
     return Tables(first=FIRST, last=LAST, layer=LAYER, attention=ATTENTION, mla=mla, dense=DENSE, moe=moe)
 

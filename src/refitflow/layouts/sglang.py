@@ -39,7 +39,7 @@ def layout(
 ) -> LayoutMap:
     """This rank's SGLang parameters (``moe_module``: ``block_sparse_moe`` for Mixtral; pipeline stages
     split as vLLM splits them unless ``pp_layers`` says otherwise)."""
-    tables = fused.tables(d, moe_module=moe_module, mla_q_lora=MLA_Q_LORA)
+    tables = fused.tables(d, moe_module=moe_module, mla_q_lora=MLA_Q_LORA, routed="")
     return fused.build_fused(tables, d, par, padded_vocab(d.vocab, par.tp, vocab_padding), pp_layers)
 
 

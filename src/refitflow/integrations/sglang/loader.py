@@ -95,7 +95,7 @@ class Worker:
     def open(cls, model: torch.nn.Module, init: RefitflowInitInfo, place: Place) -> Worker:
         vote, addresses, gloo = _vote_plan(model, init, place)
         params = parameters(model)
-        loader, build = writers.choose(init.loader, params, lambda: receiver_layout(model, place), model)
+        loader, build, _ = writers.choose(init.loader, params, lambda: receiver_layout(model, place), model)
         config = SessionConfig(
             registry=init.registry, identity=Identity(model=init.model, **init.identity),
             receiver_id=f"sglang-{init.model}-{place.name}", mode=init.mode, budget_bytes=init.budget_bytes,

@@ -21,7 +21,9 @@ vLLM closes an update whose ``update_weights`` raised, but keeps one whose ``fin
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,8 +33,8 @@ from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
 from refitflow.integrations.fused_model import parameters
-from refitflow.integrations.rank_session import Build, RankSession, SessionConfig
-from refitflow.integrations.vllm import mla
+from refitflow.integrations.rank_session import RankSession, SessionConfig
+from refitflow.integrations.vllm import kernels, mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.vllm.place import Place, receiver_layout
 
@@ -50,8 +52,12 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         super().__init__(config, vllm_config, device, model)
         self.session: RankSession | None = None
         self.loader: str | None = None  # "direct" or "load_weights", chosen at init
+        self.why = ""  # why that loader
+        self.mode = "in_place"
         self.place = Place.of(self.parallel_config)
         self.latent: set[str] = set()  # MLA weights derived after loading (re-derived after each commit)
+        self.split: kernels.Split | None = None  # per layer: written directly, or reprocessed (kernels.py)
+        self.watch: kernels.StorageWatch | None = None  # every tensor's storage, checked after each commit
 
     # -- vLLM's hooks --------------------------------------------------------------------------------
 
@@ -61,7 +67,8 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         self.latent = mla.derived_parameters(self.model)
         if self.latent and not isinstance(self._dtype, torch.dtype):
             raise ConfigError("an MLA model needs vLLM's model_config.dtype to derive its attention weights")
-        self.loader, build = self._writer(init_info)
+        self.loader, build, self.why = self._writer(init_info)
+        self.mode = init_info.mode
         vote, addresses = self._vote(init_info)
         gloo = _gloo_group() if vote == "gloo" else None
         config = SessionConfig(
@@ -72,16 +79,18 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
             init_timeout_s=init_info.init_timeout_s, receiver_options=dict(init_info.receiver_options),
         )  # fmt: skip
         self.session = RankSession.open(config, build, gloo_group=gloo)
-        log.info("refitflow: %s loader on %s, vote %s", self.loader, self.place.name, vote)
+        self.watch = kernels.StorageWatch(self.model)
+        log.info("refitflow: %s loader on %s, vote %s, mode %s", self.loader, self.place.name, vote, init_info.mode)
 
     def start_weight_update(self) -> None:
         self._open().drop_pending("a new update started before the last one was finished")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse, receive (pull, verify, vote); no ``torch.accelerator.synchronize`` (fails without one)."""
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with self._explained("update"):
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: RefitflowUpdateInfo) -> None:
         session = self._open()
@@ -90,9 +99,29 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
                        wait_s=wait)  # fmt: skip
 
     def finish_weight_update(self) -> None:
-        session = self._open()
-        if session.commit() is not None and self.latent:
-            self._rederive(session)
+        with self._explained("finish"):
+            session = self._open()
+            if session.commit() is not None:
+                self._after_commit(session)
+
+    @contextlib.contextmanager
+    def _explained(self, hook: str) -> Iterator[None]:
+        """A failure as vLLM shows it (HTTP 500 body, server log): which loader and why, the mode, the root
+        cause with its type, and what this worker serves now. Typed errors keep their type."""
+        try:
+            yield
+        except Exception as exc:
+            fence = self.gate_status()
+            now = ("refuses every request (fenced) until a later version commits" if fence["fence"] == "fenced"
+                   else f"serves version {fence['version']}" if fence["version"] is not None
+                   else "serves the weights it loaded")  # fmt: skip
+            message = (f"refitflow {hook} on {self.place.name} failed: {type(exc).__name__}: {exc} [{self.loader} "
+                       f"loader ({self.why}), mode {self.mode}; this worker {now}]")  # fmt: skip
+            log.error("%s", message)
+            if isinstance(exc, RefitError):
+                exc.args = (message,)
+                raise
+            raise RefitError(message) from exc
 
     def shutdown(self) -> None:
         session, self.session = self.session, None
@@ -106,6 +135,12 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         """This worker's refitflow state: loader, committed version, fence, first failure since the last commit."""
         return {"loader": self.loader, **(self.session.status if self.session else {})}
 
+    def gate_status(self) -> dict[str, Any]:
+        """What the serving gate reads (``gate.worker_fence``): this worker's fence and why it is closed."""
+        status = self.session.status if self.session else {}
+        return {"fence": status.get("fence", "ready"), "reason": status.get("fence_reason"),
+                "version": status.get("committed_version")}  # fmt: skip
+
     @property
     def _dtype(self) -> Any:
         """The model's activation dtype (vLLM resolves ``model_config.dtype`` to a torch dtype)."""
@@ -116,21 +151,45 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
             raise ConfigError("the refitflow engine is not initialised: call init_weight_transfer_engine first")
         return self.session
 
-    def _writer(self, info: RefitflowInitInfo) -> tuple[str, Build]:
-        """The direct writer when every parameter maps (``loader`` auto or direct), else load_weights."""
-        params = [(n, p) for n, p in parameters(self.model) if n not in self.latent]
-        return writers.choose(info.loader, params, lambda: receiver_layout(self.model_config, self.model, self.place),
-                              self.model)  # fmt: skip
+    def _writer(self, info: RefitflowInitInfo) -> writers.Choice:
+        """The direct writer (live parameters the kernels read, and reprocessed layers' loading layouts) when
+        every one maps (``loader`` auto or direct), else load_weights. Logs which layers take which path."""
+        self.split = split = kernels.split(self.model)
+        log.info("refitflow on %s: %s", self.place.name, split.summary())
+        if split.layers:
+            kinds = sorted({layer.method for layer in split.layers})
+            self.why = f"{len(split.layers)} layers ({', '.join(kinds)}) reprocessed through vLLM's reload steps"
+        params = [(n, p) for n, p in split.targets() if n not in self.latent]
+        unloadable = "; ".join(f"{n}: {w}" for n, w in split.unloadable.items())
+        layout = lambda: receiver_layout(self.model_config, self.model, self.place)  # noqa: E731
+        live = [(n, p) for n, p in parameters(self.model) if n not in self.latent]
+        choice = writers.choose(info.loader, params, layout, self.model, live=live, refused=unloadable)
+        if choice.loader != "direct" or not split.layers:
+            return choice
+        return choice._replace(why=f"{choice.why}; {self.why}")
 
-    def _rederive(self, session: RankSession) -> None:
-        """The committed version's latent-attention weights, from its ``kv_b_proj``; a failure fences."""
+    def _after_commit(self, session: RankSession) -> None:
+        """Reprocess the transformed layers (vLLM's reload steps), derive MLA weights, then check that every
+        tensor the kernels read is still the storage written; any failure fences this worker."""
+        step = "reprocessing the transformed layers"
         try:
-            assert isinstance(self._dtype, torch.dtype)
-            moved = mla.rederive(self.model, self._dtype)
+            if self.loader == "direct" and self.split is not None:
+                for layer in self.split.layers:
+                    step = f"reprocessing {layer.name} ({layer.method}) through vLLM's reload steps"
+                    kernels.reprocess(layer, layer.loading)
+            if self.latent:
+                step = "deriving the MLA attention weights"
+                assert isinstance(self._dtype, torch.dtype)
+                mla.rederive(self.model, self._dtype)
+            step = "checking the storage the kernels read"
+            moved = self.watch.moved() if self.watch is not None else []
             if moved:
-                raise RefitError(f"vLLM re-derived {moved[:4]} into new storage: captured CUDA graphs read the old")
+                raise RefitError(f"{len(moved)} tensors no longer sit where they did, e.g. {moved[:4]}: the model "
+                                 "(and any captured CUDA graph) may read storage refitflow did not write")  # fmt: skip
         except Exception as exc:
-            reason = f"deriving the MLA attention weights after the commit failed: {type(exc).__name__}: {exc}"
+            reason = f"version committed, then {step} failed: {type(exc).__name__}: {exc}"
+            log.error("refitflow on %s: %s; this worker is fenced until a later version commits", self.place.name,
+                      reason, exc_info=not isinstance(exc, RefitError))  # fmt: skip
             session.fence(reason)
             raise RefitError(reason) from exc
 

@@ -1,0 +1,172 @@
+"""The serving gate: a vLLM server none of whose workers is fenced runs the model; otherwise nothing does.
+
+A worker is *fenced* when a version failed after it began writing the live weights in place (or after a
+commit, while reprocessing): its model is a mix of two versions. vLLM itself would go on serving it —
+its ``/resume`` reopens scheduling whatever the weights hold — so the gate lives in vLLM's own processes,
+installed by the plugin hook (``plugin.register``), on servers whose weight-transfer backend is
+``refitflow``:
+
+- **engine core** (where every step is scheduled): after each weight-transfer call that reaches the
+  workers (``init``/``start``/``update``/``finish``/``shutdown``, by any client: the HTTP routes, Ray, an
+  in-process ``AsyncLLM``), it asks every worker for its fence before the next step. When one is fenced it
+  pauses scheduling with vLLM's own ``pause_scheduler(mode="abort")`` — in-flight requests end, new ones
+  wait — and refuses ``resume_scheduler`` with the reason; once every worker is ready again (a later
+  version committed) it resumes what it paused. The worker's forward is never called on a mixed model.
+- **API server** (``AsyncLLM``): after the same calls it reads the engine core's state (the utility
+  ``refitflow_gate`` the gate adds), and refuses each request while a
+  worker is fenced with ``RetryableRequestError`` (HTTP 503) naming the reason; a request in flight when
+  the fence closed ends with that error too, not with a partial answer.
+
+A vLLM that lacks these hooks (another version) logs that the gate is off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+__all__ = ["WEIGHT_METHODS", "install", "worker_fence"]
+
+log = logging.getLogger(__name__)
+
+WEIGHT_METHODS = frozenset({
+    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+    "shutdown_weight_transfer_engine",
+})  # fmt: skip
+_STATE = "_refitflow_fenced"  # on the engine core / AsyncLLM: the reason, or None
+_PAUSED = "_refitflow_paused"  # on the engine core: the gate paused scheduling (and resumes it)
+_MARK = "_refitflow_gate"
+_RPC_TIMEOUT_S = 30.0
+
+
+def worker_fence(worker: Any) -> dict[str, Any] | None:
+    """Run on each worker (``collective_rpc``): its refitflow fence, or None without a refitflow engine."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    status = getattr(engine, "gate_status", None)
+    return status() if callable(status) else None
+
+
+def _ours(owner: Any) -> bool:
+    config = getattr(getattr(owner, "vllm_config", None), "weight_transfer_config", None)
+    return getattr(config, "backend", None) == "refitflow"
+
+
+def _reason(states: list[Any]) -> str | None:
+    """Why the server must not serve (None: it may): the first fenced worker's reason."""
+    for rank, state in enumerate(states):
+        if isinstance(state, dict) and state.get("fence") == "fenced":
+            return f"worker {rank} is fenced: {state.get('reason') or 'a version failed part-way'}"
+    return None
+
+
+def install() -> None:
+    """Patch vLLM's engine core and ``AsyncLLM`` in this process (idempotent)."""
+    try:
+        from vllm.v1.engine import core
+    except ImportError as exc:
+        log.warning("refitflow: vLLM's engine core cannot be imported (%s): the serving gate is off", exc)
+        return
+    for cls in vars(core).values():
+        if isinstance(cls, type) and issubclass(cls, core.EngineCore):
+            _patch_core(cls)
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:  # a worker-only process
+        return
+    _patch_async_llm(AsyncLLM)
+
+
+def _patch_core(cls: type) -> None:
+    if "resume_scheduler" in vars(cls) and not hasattr(vars(cls)["resume_scheduler"], _MARK):
+        resume = vars(cls)["resume_scheduler"]
+
+        def resume_scheduler(self: Any, *args: Any, **kwargs: Any) -> Any:
+            reason = getattr(self, _STATE, None)
+            if reason:
+                raise RuntimeError(f"refitflow refuses to resume serving: {reason}. It serves again once a later "
+                                   "version commits on every worker")  # fmt: skip
+            return resume(self, *args, **kwargs)
+
+        setattr(resume_scheduler, _MARK, True)
+        cls.resume_scheduler = resume_scheduler  # type: ignore[attr-defined]
+    if cls.__name__ == "EngineCore" and "refitflow_gate" not in vars(cls):
+        cls.refitflow_gate = lambda self: getattr(self, _STATE, None)  # type: ignore[attr-defined]
+    if "collective_rpc" in vars(cls) and not hasattr(vars(cls)["collective_rpc"], _MARK):
+        rpc = vars(cls)["collective_rpc"]
+
+        def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
+            try:
+                return rpc(self, method, timeout, args, kwargs)
+            finally:
+                if method in WEIGHT_METHODS and _ours(self):
+                    _refresh_core(self, rpc)
+
+        setattr(collective_rpc, _MARK, True)
+        cls.collective_rpc = collective_rpc  # type: ignore[attr-defined]
+
+
+def _refresh_core(core: Any, rpc: Any) -> None:
+    try:
+        reason = _reason(rpc(core, worker_fence, _RPC_TIMEOUT_S, (), None))
+    except Exception as exc:  # a worker that cannot say: do not serve what it may hold
+        reason = f"the workers' fence could not be read ({type(exc).__name__}: {exc})"
+    was = getattr(core, _STATE, None)
+    setattr(core, _STATE, reason)
+    if reason and not was:
+        log.error("refitflow: %s; pausing the scheduler (in-flight requests end) until a version commits", reason)
+        if not core.is_scheduler_paused():
+            core.pause_scheduler(mode="abort", clear_cache=True)
+            setattr(core, _PAUSED, True)
+    elif was and not reason:
+        log.info("refitflow: every worker serves a committed version again")
+        if getattr(core, _PAUSED, False):
+            setattr(core, _PAUSED, False)
+            core.resume_scheduler()
+
+
+def _patch_async_llm(cls: type) -> None:
+    if hasattr(cls.collective_rpc, _MARK):  # type: ignore[attr-defined]
+        return
+    rpc, generate = cls.collective_rpc, cls.generate  # type: ignore[attr-defined]
+
+    async def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
+        try:
+            return await rpc(self, method, timeout, args, kwargs)
+        finally:
+            if method in WEIGHT_METHODS and _ours(self):
+                setattr(self, _STATE, await _core_state(self.engine_core))
+
+    async def gated_generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        _refuse(self)
+        async for output in generate(self, *args, **kwargs):
+            if getattr(output, "finished", False):
+                _refuse(self)  # ended by the gate's pause: an error, not a partial answer
+            yield output
+
+    for fn in (collective_rpc, gated_generate):
+        setattr(fn, _MARK, True)
+    cls.collective_rpc = collective_rpc  # type: ignore[attr-defined]
+    cls.generate = gated_generate  # type: ignore[attr-defined]
+
+
+async def _core_state(client: Any) -> str | None:
+    """The engine core's gate (``refitflow_gate``), through its client: a utility call across processes, a
+    plain call in-process."""
+    try:
+        if hasattr(client, "call_utility_async"):
+            state: str | None = await client.call_utility_async("refitflow_gate")
+            return state
+        state = client.engine_core.refitflow_gate()
+        return state
+    except Exception as exc:
+        return f"the engine core's fence could not be read ({type(exc).__name__}: {exc})"
+
+
+def _refuse(llm: Any) -> None:
+    reason = getattr(llm, _STATE, None)
+    if reason:
+        from vllm.exceptions import RetryableRequestError
+
+        raise RetryableRequestError(f"refitflow: this server does not serve while {reason}; it serves again once a "
+                                    "later version commits")  # fmt: skip
