@@ -1,14 +1,17 @@
 """A transformers trainer in its own process, publishing to a registry it serves, for a real vLLM server.
 
 ``argv[1]``: ``{"model_dir": d, "layout": "hf" | "megatron", "tp": n, "dtype": "float32" | "bfloat16",
-"prompt": [ids], "tokens": n}``. The model is the transformers model saved in ``d`` (its config); it
+"serve_dtype": ..., "prompt": [ids], "tokens": n}`` (``serve_dtype``: the server's, which the expected tokens
+are computed in; default ``dtype``). The model is the transformers model saved in ``d`` (its config); it
 prints ``RF {"ready": true}``, ``RF {"registry": address}``, then takes JSON lines on stdin:
 
 - ``{"version": v, "seed": s}``: the weights of seed ``s`` (seed 0: the ones saved in ``d``, which the
   server booted from; another seed: a fresh initialisation), in ``dtype``, published as version ``v`` — HF
   names from one publisher, or Megatron's layout from ``tp`` publishers — answered with
-  ``RF {"published": v, "expected": greedy tokens of the prompt}`` (transformers' own ``generate``);
-  ``"corrupt": true`` flips one byte of layer 0's attention after the digests were taken;
+  ``RF {"published": v, "expected": greedy tokens of the prompt, "gaps": [top-1 minus top-2 logit per step]}``
+  (transformers' own ``generate``);
+  ``"corrupt": true`` flips one byte of layer 0's attention after the digests were taken (``"lm_head"``:
+  of the LM head, the last tensor);
   ``"widen": true`` publishes a model one head wider instead (another shape than the server's).
 
 Every rank writes the same registered tensors in place from version to version.
@@ -42,11 +45,16 @@ def weights(spec: dict[str, Any], seed: int, config: tf.PretrainedConfig) -> tf.
     return tf.AutoModelForCausalLM.from_config(config).to(dtype)
 
 
-def expected(model: tf.PreTrainedModel, spec: dict[str, Any]) -> list[int]:
+def expected(model: tf.PreTrainedModel, spec: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The greedy tokens of the prompt, and at each step the gap between the best and the second-best logit
+    (where it is tiny, another kernel's rounding may pick the other: the tests allow that, and only that)."""
+    model = model.to(getattr(torch, spec.get("serve_dtype") or spec["dtype"]))
     prompt = torch.tensor([spec["prompt"]])
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=spec["tokens"], do_sample=False, min_new_tokens=spec["tokens"])
-    return [int(t) for t in out[0, prompt.shape[1] :]]
+        out = model.generate(prompt, max_new_tokens=spec["tokens"], do_sample=False, min_new_tokens=spec["tokens"],
+                             output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    gaps = [float(top[0] - top[1]) for top in (s[0].float().topk(2).values for s in out.scores)]
+    return [int(t) for t in out.sequences[0, prompt.shape[1] :]], gaps
 
 
 def ranks(spec: dict[str, Any], model: tf.PreTrainedModel) -> list[dict[str, torch.Tensor]]:
@@ -65,16 +73,19 @@ def metadata(spec: dict[str, Any], config: tf.PretrainedConfig, rank: int) -> di
     return layout_metadata("megatron", d, Parallel(tp=spec["tp"], tp_rank=rank))
 
 
-def attention(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return next(t for n, t in tensors.items() if ".0." in n and ("q_proj" in n or "linear_qkv" in n))
+def victim(tensors: dict[str, torch.Tensor], which: bool | str) -> torch.Tensor:
+    """The tensor a corrupted version flips a byte of: layer 0's attention, or the LM head."""
+    if which == "lm_head":
+        return next(t for n, t in tensors.items() if "lm_head" in n or "output_layer" in n)
+    return next(t for n, t in tensors.items() if ".0." in n and ("q_proj" in n or "linear_qkv.weight" in n))
 
 
 async def main() -> None:
     spec = json.loads(sys.argv[1])
     config = tf.AutoConfig.from_pretrained(spec["model_dir"])
     wide = tf.AutoConfig.from_pretrained(spec["model_dir"])
-    wide.num_attention_heads += 1
     wide.head_dim = config.hidden_size // config.num_attention_heads
+    wide.num_attention_heads += config.num_key_value_heads  # more query heads: other q_proj / o_proj shapes
     world = 1 if spec["layout"] == "hf" else spec["tp"]
     identity = rf.Identity(model="tiny-real", layout=spec["layout"])
     held: list[dict[str, torch.Tensor]] = []
@@ -90,11 +101,13 @@ async def main() -> None:
         print(PREFIX + json.dumps({"registry": server.address}), flush=True)
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
-            if cmd.get("widen"):  # another shape: fresh tensors, published as they are
+            if cmd.get("widen"):  # another model's shapes: fresh tensors, its layout announced
                 model = weights(spec, cmd["seed"], wide)
-                for pub, tensors in zip(pubs, ranks(spec, model), strict=True):
+                for rank, (pub, tensors) in enumerate(zip(pubs, ranks(spec, model), strict=True)):
+                    pub.metadata = metadata(spec, wide, rank)
                     await pub.publish(cmd["version"], tensors)
-                print(PREFIX + json.dumps({"published": cmd["version"], "expected": []}), flush=True)
+                    pub.metadata = metadata(spec, config, rank)
+                print(PREFIX + json.dumps({"published": cmd["version"], "expected": [], "gaps": []}), flush=True)
                 continue
             model = weights(spec, cmd["seed"], config)
             fresh = ranks(spec, model)
@@ -106,8 +119,9 @@ async def main() -> None:
             for pub, tensors in zip(pubs, held, strict=True):
                 await pub.publish(cmd["version"], tensors)
             if cmd.get("corrupt"):
-                attention(held[0]).view(-1)[:1].view(torch.uint8)[0] ^= 0xFF
-            print(PREFIX + json.dumps({"published": cmd["version"], "expected": expected(model, spec)}), flush=True)
+                victim(held[0], cmd["corrupt"]).view(-1)[:1].view(torch.uint8)[0] ^= 0xFF
+            tokens, gaps = expected(model, spec)
+            print(PREFIX + json.dumps({"published": cmd["version"], "expected": tokens, "gaps": gaps}), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any, Self
 import anyio
 import httpx
 import pytest
+from anyio.abc import Process
 from transformers import AutoConfig
 
 from tests.conftest import free_ports
@@ -46,7 +47,7 @@ class VllmServer:
         self.extra = [a for k, v in extra.items() for a in (f"--{k.replace('_', '-')}", v)]
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Process | None = None
         self.vocab = AutoConfig.from_pretrained(model_dir).vocab_size
 
     async def __aenter__(self) -> Self:
@@ -57,14 +58,14 @@ class VllmServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--skip-tokenizer-init",
                 "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
                 "--weight-transfer-config", '{"backend": "refitflow"}', *self.extra]  # fmt: skip
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
+        with self.log_path.open("wb") as log:
+            self.proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                 env=env, start_new_session=True)  # fmt: skip
         # a fresh connection per request: uvicorn closes one after a route raised (vLLM's 500s do)
         self.http = httpx.AsyncClient(base_url=self.url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
         with anyio.fail_after(START_S):
             while True:
-                if self.proc.poll() is not None:
+                if self.proc.returncode is not None:
                     raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
                 try:
                     if (await self.http.get("/health")).status_code == 200:
@@ -81,14 +82,14 @@ class VllmServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.http.aclose()
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            with anyio.move_on_after(30):
-                while self.proc.poll() is None:
-                    await anyio.sleep(0.2)
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        if self.proc is not None and self.proc.returncode is None:
+            with anyio.CancelScope(shield=True):
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the API server, its engine core and workers
+                with anyio.move_on_after(30):
+                    await self.proc.wait()
+                if self.proc.returncode is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    await self.proc.wait()
         if exc[0] is not None:
             print(f"--- vLLM server log (last lines of {self.log_path}) ---\n{self.tail(120)}", file=sys.stderr)
 

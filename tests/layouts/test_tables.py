@@ -137,7 +137,8 @@ def test_megatron_grouped_experts_are_expert_tp_sliced_like_megatron_cores_defau
 def test_vllm_places_uneven_experts_linearly_and_flattens_expert_tp_over_dp() -> None:
     c = _canon(MOE)  # 4 experts over 3 EP ranks: vLLM's linear placement gives 2, 1, 1
     w13 = [
-        from_canonical(fused.layout(MOE, Parallel(ep=3, ep_rank=r)), c)[L + "mlp.experts.routed_experts.w13_weight"] for r in (0, 1, 2)
+        from_canonical(fused.layout(MOE, Parallel(ep=3, ep_rank=r)), c)[L + "mlp.experts.routed_experts.w13_weight"]
+        for r in (0, 1, 2)
     ]
     assert [t.shape[0] for t in w13] == [2, 1, 1]
     assert torch.equal(w13[1][0], torch.cat([c[L + "mlp.experts.gate"][2], c[L + "mlp.experts.up"][2]]))

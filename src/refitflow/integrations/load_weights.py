@@ -10,7 +10,9 @@ the engine vote. A failure after the first bucket was loaded leaves the rank fen
 or restores the copy taken at begin (``shadow``: one more copy of the model while it runs).
 
 Every rank reads the whole tensors (not its slice): this mode costs TP times the bytes of
-``direct``. Stacked canonical experts are fed per expert, under the model family's checkpoint names.
+``direct``. A ``load`` with ``begin()`` and ``end(failed)`` has them called around each version's buckets
+(vLLM's layerwise reload: ``integrations/vllm/reload.py``). Stacked canonical experts are fed per expert,
+under the model family's checkpoint names.
 """
 
 from __future__ import annotations
@@ -199,11 +201,31 @@ class BucketLoader:
             params = self.ledger.destination.params
             self._backup = await anyio.to_thread.run_sync(lambda: {n: t.detach().clone() for n, t in params.items()})
         loaded: set[str] = set()
+        begin, end = getattr(self.load, "begin", None), getattr(self.load, "end", None)
+        if begin is not None:
+            await anyio.to_thread.run_sync(begin)
+        try:
+            await self._buckets(pub.version, wait_s, txn, loaded)
+        except BaseException:
+            if end is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(end, True)
+            raise
+        if end is not None:
+            await anyio.to_thread.run_sync(end, False)
+        for name, tensor in self.ledger.destination.params.items():
+            if name in loaded:
+                txn.coverage.record(name, "load_weights", tensor.numel())
+        self.ledger.prepare(txn)  # CoverageError: a parameter load_weights never reported
+        return txn
+
+    async def _buckets(self, version: int, wait_s: float, txn: Transaction, loaded: set[str]) -> None:
+        """Every bucket of ``version``: pulled, verified, handed to ``load``; what it reported goes into ``loaded``."""
         for bucket in self.buckets:
-            got, _ = await bucket.receiver.prepare(pub.version, timeout=wait_s)
-            if got.version != pub.version:  # a newer version appeared mid-way: never mix two
+            got, _ = await bucket.receiver.prepare(version, timeout=wait_s)
+            if got.version != version:  # a newer version appeared mid-way: never mix two
                 await bucket.receiver.abort(got, "another version than the rest of the buckets")
-                raise RefitError(f"bucket got version {got.version}, not {pub.version}", version=pub.version)
+                raise RefitError(f"bucket got version {got.version}, not {version}", version=version)
             await bucket.receiver.finish(got)
             named = [p for n in bucket.names for p in checkpoint_names(n, bucket.receiver.destination.params[n],
                                                                         self.family)]  # fmt: skip
@@ -212,11 +234,6 @@ class BucketLoader:
             if reported is None:
                 raise ConfigError("the model's load_weights does not report what it loaded: coverage cannot be checked")
             loaded |= set(reported)
-        for name, tensor in self.ledger.destination.params.items():
-            if name in loaded:
-                txn.coverage.record(name, "load_weights", tensor.numel())
-        self.ledger.prepare(txn)  # CoverageError: a parameter load_weights never reported
-        return txn
 
     def _abort(self, txn: Transaction, reason: str) -> None:
         self.ledger.abort(txn, reason)

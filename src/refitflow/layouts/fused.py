@@ -3,7 +3,8 @@
 Names as vLLM's models hold them: ``qkv_proj`` (``[q; k; v]`` of this rank's heads), ``gate_up_proj``,
 the experts stacked as ``experts.routed_experts.w13_weight`` (this EP rank's experts, ``[gate; up]``
 expert-TP sliced) and ``experts.routed_experts.w2_weight`` (vLLM ≥ 0.32 holds them in the ``FusedMoE``
-layer's ``RoutedExperts`` child; SGLang keeps them on the layer: ``experts.w13_weight``), the router ``gate.weight`` / ``gate.e_score_correction_bias``,
+layer's ``RoutedExperts`` child; SGLang keeps them on the layer: ``experts.w13_weight``), the router
+``gate.weight`` / ``gate.e_score_correction_bias``,
 ``shared_experts.gate_up_proj``/``down_proj`` (TP-split). Latent attention (DeepSeek-V2/V3, Kimi-K2,
 ``deepseek_v2.py``): ``fused_qkv_a_proj`` = ``[q_a_proj; kv_a_proj_with_mqa]`` replicated,
 ``q_a_layernorm``, ``q_b_proj`` (TP by heads), ``kv_a_layernorm``, ``kv_b_proj`` (TP by heads),

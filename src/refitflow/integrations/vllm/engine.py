@@ -37,6 +37,7 @@ from refitflow.integrations.rank_session import RankSession, SessionConfig
 from refitflow.integrations.vllm import kernels, mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.vllm.place import Place, receiver_layout
+from refitflow.integrations.vllm.reload import LayerwiseLoad
 
 __all__ = ["RefitflowEngine"]
 
@@ -163,7 +164,10 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         unloadable = "; ".join(f"{n}: {w}" for n, w in split.unloadable.items())
         layout = lambda: receiver_layout(self.model_config, self.model, self.place)  # noqa: E731
         live = [(n, p) for n, p in parameters(self.model) if n not in self.latent]
-        choice = writers.choose(info.loader, params, layout, self.model, live=live, refused=unloadable)
+        # load_weights inside vLLM's layerwise reload when vLLM recorded the loading layout (its own loader did)
+        load = LayerwiseLoad(self.model, self.model_config, restore=info.mode == "shadow") if kernels.recorded(
+            self.model) else None  # fmt: skip
+        choice = writers.choose(info.loader, params, layout, self.model, live=live, load=load, refused=unloadable)
         if choice.loader != "direct" or not split.layers:
             return choice
         return choice._replace(why=f"{choice.why}; {self.why}")

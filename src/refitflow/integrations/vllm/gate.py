@@ -6,7 +6,10 @@ its ``/resume`` reopens scheduling whatever the weights hold — so the gate liv
 installed by the plugin hook (``plugin.register``), on servers whose weight-transfer backend is
 ``refitflow``:
 
-- **engine core** (where every step is scheduled): after each weight-transfer call that reaches the
+- **engine core** (where every step is scheduled): each weight-transfer hook runs on the workers through
+  ``answering``, which returns a worker's failure as a value (vLLM 0.32's executor otherwise leaves the
+  other workers' answers queued after a failure, and every later call reads stale ones); after each
+  weight-transfer call that reaches the
   workers (``init``/``start``/``update``/``finish``/``shutdown``, by any client: the HTTP routes, Ray, an
   in-process ``AsyncLLM``), it asks every worker for its fence before the next step. When one is fenced it
   pauses scheduling with vLLM's own ``pause_scheduler(mode="abort")`` — in-flight requests end, new ones
@@ -22,11 +25,13 @@ A vLLM that lacks these hooks (another version) logs that the gate is off.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WEIGHT_METHODS", "install", "worker_fence"]
+__all__ = ["WEIGHT_METHODS", "Failed", "answering", "install", "worker_fence"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,34 @@ def worker_fence(worker: Any) -> dict[str, Any] | None:
     engine = getattr(worker, "weight_transfer_engine", None)
     status = getattr(engine, "gate_status", None)
     return status() if callable(status) else None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A worker's hook raised: its message (``answering``)."""
+
+    message: str
+
+
+def answering(method: str, worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run on each worker: its weight-transfer hook, a failure answered as a value. vLLM 0.32's
+    ``MultiprocExecutor.collective_rpc`` raises at the first worker that failed and leaves the other
+    workers' answers in their queues, so with TP > 1 every later call reads the previous one's answers;
+    answered as values, every answer is read."""
+    try:
+        return getattr(worker, method)(*args, **kwargs)
+    except Exception as exc:
+        log.exception("refitflow: %s failed on this worker", method)
+        return Failed(str(exc))
+
+
+def _answered(results: list[Any]) -> list[Any]:
+    """The workers' answers, or the first failure raised as vLLM's executor raises it."""
+    for result in results:
+        if isinstance(result, Failed):
+            raise RuntimeError(f"Worker failed with error '{result.message}', please check the stack trace above "
+                               "for the root cause")  # fmt: skip
+    return results
 
 
 def _ours(owner: Any) -> bool:
@@ -96,11 +129,12 @@ def _patch_core(cls: type) -> None:
         rpc = vars(cls)["collective_rpc"]
 
         def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
-            try:
+            if method not in WEIGHT_METHODS or not _ours(self):
                 return rpc(self, method, timeout, args, kwargs)
+            try:
+                return _answered(rpc(self, functools.partial(answering, method), timeout, args, kwargs))
             finally:
-                if method in WEIGHT_METHODS and _ours(self):
-                    _refresh_core(self, rpc)
+                _refresh_core(self, rpc)
 
         setattr(collective_rpc, _MARK, True)
         cls.collective_rpc = collective_rpc  # type: ignore[attr-defined]

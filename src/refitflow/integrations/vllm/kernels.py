@@ -19,7 +19,9 @@ parameter changes nothing the model computes, or corrupts it.
   they fill); after the version committed, ``reprocess`` runs vLLM's own per-layer reload steps on it:
   restore the loading layout, put the new bytes in, ``process_weights_after_loading``, copy what it made
   into the kernel's existing tensors and put those back (their pointers never change: captured CUDA
-  graphs stay valid) — what vLLM's ``_layerwise_process`` does after its weight loaders ran.
+  graphs stay valid) — what vLLM's ``_layerwise_process`` does after its weight loaders ran, with one
+  difference: the layer is processed as at load (``AS_AT_LOAD``), where vLLM's own reload skips work a
+  reload needs.
 
 Layers without a quantisation method (norms) are direct. ``StorageWatch`` then checks, after every
 commit, that each parameter and buffer of the model is still the storage it was at init.
@@ -27,7 +29,8 @@ commit, that each parameter and buffer of the model is still the storage it was 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +38,24 @@ import torch
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["DIRECT", "KernelLayer", "Split", "StorageWatch", "reprocess", "split"]
+__all__ = [
+    "AS_AT_LOAD",
+    "DIRECT",
+    "KernelLayer",
+    "Split",
+    "StorageWatch",
+    "as_at_load",
+    "quantised_layers",
+    "recorded",
+    "reprocess",
+    "split",
+]
 
+# a quantisation method's state that makes its processing skip work on a reload: set aside while a layer is
+# reprocessed, so the tensors are transformed as at load (vLLM 0.32 skips the CPU MoE prepack on a reload
+# when ``moe_kernel`` is set: its own layerwise reload of the checkpoint it booted from changes w13/w2), then
+# put back with the rest of the method's state
+AS_AT_LOAD = ("moe_kernel",)
 # (platform, quantisation method) whose processing leaves the weights as the kernel reads them; a MoE
 # method also needs one of the backends listed (its kernel reads w13/w2 as loaded)
 DIRECT: dict[tuple[str, str], frozenset[str] | None] = {
@@ -157,6 +176,38 @@ def split(model: torch.nn.Module, *, reprocess_all: bool = False) -> Split:
     return Split(direct=direct, layers=layers, unloadable=unloadable)
 
 
+@contextlib.contextmanager
+def as_at_load(methods: Iterable[Any]) -> Iterator[None]:
+    """Process as at load: each method's ``AS_AT_LOAD`` state set aside while the body runs, then all of its
+    state put back as it was (the kernel it built at load keeps reading the kernel tensors, which the
+    processed values are copied into)."""
+    kept = {id(m): (m, dict(vars(m))) for m in methods}
+    try:
+        for method, state in kept.values():
+            for name in AS_AT_LOAD:
+                if name in state:
+                    setattr(method, name, None)
+        yield
+    finally:
+        for method, state in kept.values():
+            vars(method).clear()
+            vars(method).update(state)
+
+
+def quantised_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, Any]]:
+    """Every layer with a quantisation method (what vLLM processes after loading), with it."""
+    return [(n, m, method) for n, m in model.named_modules() if (method := _method(m)) is not None]
+
+
+def recorded(model: torch.nn.Module) -> bool:
+    """Whether vLLM recorded the model's loading layout (its loader did, ``record_metadata_for_reloading``):
+    the layerwise reload needs it."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    layers = quantised_layers(model)
+    return bool(layers) and all(m in LAYERWISE_INFO and LAYERWISE_INFO[m].restore_metadata[0] for _, m, _ in layers)
+
+
 def _tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return ({n: p for n, p in module._parameters.items() if p is not None},
             {n: b for n, b in module._buffers.items() if b is not None})  # fmt: skip
@@ -188,7 +239,8 @@ def reprocess(layer: KernelLayer, staged: dict[str, torch.Tensor]) -> None:
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")
     method: Any = module.quant_method
-    method.process_weights_after_loading(module)
+    with as_at_load([method]):
+        method.process_weights_after_loading(module)
     update: Any = getattr(module, "update_param_tp_status", None)
     if update is not None:
         update()
