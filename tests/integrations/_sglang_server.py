@@ -5,9 +5,11 @@
 
 - the app is ``sglang.srt.entrypoints.http_server.app`` (its routes, request bodies, answers), served
   without its lifespan (which starts SGLang's tokenizer workers and warm-up);
+- SGLang's plugin loader runs first, as SGLang's ``Engine`` does in this process: refitflow's serving-gate
+  hooks are applied to SGLang's classes;
 - its tokenizer manager is ``CpuTokenizerManager``: SGLang's own ``TokenizerControlMixin`` weight-update
-  methods and ``TokenizerManager.pause_generation``/``continue_generation`` (their pause condition and
-  model-update lock), with the communicators sending each request to every scheduler process
+  methods and ``TokenizerManager.pause_generation``/``continue_generation``/``generate_request`` (their
+  pause condition and model-update lock; ``generate_request`` is only reached while the gate refuses), with the communicators sending each request to every scheduler process
   (``_sglang_rank``, one per TP rank) and answering with TP rank 0's result, as SGLang's do;
 - ``GET /test/state?seed=s`` (the tests' own route) reports each rank's model and refitflow state;
   ``POST /test/lose_verdict?rank=r`` loses that rank's next engine-vote verdict.
@@ -61,6 +63,7 @@ def tokenizer_manager(ranks: list[Any], args: Any) -> Any:
     class CpuTokenizerManager(TokenizerControlMixin):
         pause_generation = TokenizerManager.pause_generation
         continue_generation = TokenizerManager.continue_generation
+        generate_request = TokenizerManager.generate_request  # behind the serving gate: only refusals reach here
 
         def __init__(self) -> None:
             self.server_args = args
@@ -90,6 +93,10 @@ async def main() -> None:
     from sglang.srt.server_args import ServerArgs
 
     spec = json.loads(sys.argv[1])
+    sys.path.insert(0, spec["plugins"])  # refitflow's entry point, as pip writes it from pyproject.toml
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as SGLang's Engine does in the HTTP server's process: the serving gate's hooks
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         spec["dist_port"] = s.getsockname()[1]

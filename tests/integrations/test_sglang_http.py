@@ -87,7 +87,8 @@ async def test_begin_update_end_over_sglangs_http_refits_both_ranks_and_a_failur
     """Raw HTTP, SGLang's routes: pause → begin → update_weights_from_tensor (refitflow's loader) → end →
     continue; a corrupted slice on TP rank 0 is ``{"success": false}`` naming the IntegrityError on both
     ranks' behalf (rank 1 voted ready and learned ABORT): in place, both fenced, neither committed; SGLang's
-    session still closes and the next version commits; a rank in doubt is reported and resolved."""
+    session still closes, the server refuses requests and resuming until the next version commits; a rank in
+    doubt is reported, whichever rank it is (SGLang returns rank 0's answer alone), and resolved."""
     with anyio.fail_after(400):
         async with Trainer("qwen2") as trainer, Server(tmp_path) as server:
             init = init_info(trainer.registry)
@@ -112,10 +113,14 @@ async def test_begin_update_end_over_sglangs_http_refits_both_ranks_and_a_failur
             status, answer = await server.post("/update_weights_from_tensor", update_body(init, 2))
             assert status == 400 and answer["success"] is False, answer
             assert answer["message"].startswith("refitflow: IntegrityError"), answer
+            assert "rank 1: RefitError" in answer["message"] and "must not serve" in answer["message"], answer
             assert (await server.post("/end_weight_update"))[0] == 200  # SGLang's session closes all the same
             for rank in await server.state(seed=1):  # in place: written, fenced, and version 1 no longer
                 assert rank["committed_version"] == 1 and rank["fence"] == "fenced" and rank["versions"] == ["1"]
                 assert rank["holds"] is False, rank
+            refused = await server.http.post("/generate", json={"input_ids": [1, 2, 3]})  # the gate: no request
+            assert refused.status_code == 400 and "must not serve" in refused.text, refused.text
+            assert (await server.http.post("/continue_generation", json={})).status_code != 200  # nor resuming
 
             await trainer.publish(3, seed=3)
             assert (await server.post("/begin_weight_update"))[0] == 200
@@ -123,23 +128,34 @@ async def test_begin_update_end_over_sglangs_http_refits_both_ranks_and_a_failur
             assert (await server.post("/end_weight_update"))[0] == 200
             for rank in await server.state(seed=3):
                 assert rank["holds"] and rank["committed_version"] == 3 and rank["fence"] == "ready", rank
+            assert (await server.post("/continue_generation"))[0] == 200  # every rank serves version 3: open
+
+            # rank 1 (whose answer SGLang drops) loses its verdict while rank 0 commits: the answer says so
+            await server.http.post("/test/lose_verdict", params={"rank": 1})
+            await trainer.publish(4, seed=4)
+            assert (await server.post("/begin_weight_update"))[0] == 200
+            status, answer = await server.post("/update_weights_from_tensor", update_body(init, 4))
+            assert status == 400 and answer["success"] is False, answer
+            assert "rank 1: RefitError: in doubt" in answer["message"] and "must not serve" in answer["message"]
+            assert (await server.post("/end_weight_update"))[0] == 200
+            assert (await server.http.post("/generate", json={"input_ids": [1, 2, 3]})).status_code == 400
 
             # rank 0 (whose answer SGLang returns) loses the next verdict: the driver sees the doubt, keeps the
-            # server paused; rank 1 committed version 4. The next refit resolves it: both commit version 5.
+            # server paused; rank 1 committed version 5. The next refit resolves both doubts: version 6 everywhere.
             await server.http.post("/test/lose_verdict", params={"rank": 0})
             fleet = SglangFleet({"a": server.url}, init, tp=2)
-            await trainer.publish(4, seed=4)
-            result = (await fleet.refit(4, timeout_s=60))["a"]
-            assert not result.committed and "in doubt" in (result.ranks[0].error or ""), result
-            assert fleet.paused == {"a"} and (await server.http.get("/test/weight_version")).json()["paused"]
-            zero, one = await server.state(seed=4)
-            assert zero["in_doubt"] is not None and zero["fence"] == "updating" and zero["committed_version"] == 3
-            assert one["holds"] and one["committed_version"] == 4
             await trainer.publish(5, seed=5)
             result = (await fleet.refit(5, timeout_s=60))["a"]
-            assert result.committed and result.version == 5 and not fleet.paused, result
-            for rank in await server.state(seed=5):
-                assert rank["holds"] and rank["committed_version"] == 5 and rank["in_doubt"] is None, rank
+            assert not result.committed and "in doubt" in (result.ranks[0].error or ""), result
+            assert fleet.paused == {"a"} and (await server.http.get("/test/weight_version")).json()["paused"]
+            zero, one = await server.state(seed=5)
+            assert zero["in_doubt"] is not None and zero["fence"] == "updating" and zero["committed_version"] == 4
+            assert one["holds"] and one["committed_version"] == 5
+            await trainer.publish(6, seed=6)
+            result = (await fleet.refit(6, timeout_s=60))["a"]
+            assert result.committed and result.version == 6 and not fleet.paused, result
+            for rank in await server.state(seed=6):
+                assert rank["holds"] and rank["committed_version"] == 6 and rank["in_doubt"] is None, rank
             assert not (await server.http.get("/test/weight_version")).json()["paused"]
 
 
@@ -161,8 +177,9 @@ async def test_the_fleet_driver_keeps_a_failed_shadow_server_serving_the_previou
             await trainer.publish(2, seed=2, corrupt=1)
             result = (await fleet.refit(2, timeout_s=60))["a"]
             assert not result.committed and "update_weights_from_tensor: 400" in (result.ranks[0].error or "")
-            # SGLang answers with TP rank 0's result: a peer (rank 1, whose slice was corrupted) was not ready
-            assert "ranks [1] not ready" in (result.ranks[0].error or "") and not fleet.paused
+            # SGLang answers with TP rank 0's result, which now carries every rank's: rank 1's slice was corrupted
+            error = result.ranks[0].error or ""
+            assert "ranks [1] not ready" in error and "rank 1: IntegrityError" in error and not fleet.paused
             assert not (await server.http.get("/test/weight_version")).json()["paused"]
             for rank in await server.state(seed=1):
                 assert rank["holds"] and rank["fence"] == "ready" and rank["committed_version"] == 1, rank

@@ -11,7 +11,10 @@ COMMIT — makes it visible (in place: opens the fence; shadow: copies the verif
 live storage), then runs the model's own ``post_load_weights`` when it has one (what SGLang's loaders
 run after loading; ``end_weight_update`` skips it after a custom load).
 
-Failures raise typed ``RefitError``s. SGLang stops its scheduler on any exception from a loader, so
+SGLang answers an update with its TP rank 0's result alone, so every rank ends ``refit`` by exchanging
+its outcome with the others (``answers.settle``): each rank raises if any rank did not commit, saying which
+and how it was left, and whether the server may serve. Failures raise typed ``RefitError``s. SGLang stops
+its scheduler on any exception from a loader, so
 ``refit`` runs only under the guard of the refitflow SGLang plugin (``plugin.guard``), which turns
 them into SGLang's ``(False, message)`` answer; without it ``refit`` refuses to run.
 """
@@ -32,7 +35,7 @@ from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
 from refitflow.integrations.fused_model import parameters
 from refitflow.integrations.rank_session import RankSession, SessionConfig
-from refitflow.integrations.sglang import payload
+from refitflow.integrations.sglang import answers, payload
 from refitflow.integrations.sglang.place import Place, receiver_layout
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 
@@ -64,15 +67,28 @@ def refit(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]]) -> N
             "'refitflow' was not loaded in this scheduler (is refitflow installed in SGLang's environment, and "
             "'refitflow' in SGLANG_PLUGINS if that is set?)"
         )
-    init, update = payload.decode(named_tensors)
+    failure: Exception | None = None
+    try:
+        init, update = payload.decode(named_tensors)
+        worker = _workers.get(id(model))
+        if worker is not None and worker.init != init:
+            log.warning("refitflow: the init info changed; closing this worker's session and opening a new one")
+            _workers.pop(id(model)).close()
+            worker = None
+        if worker is None:
+            worker = _workers[id(model)] = Worker.open(model, init, Place.current())
+        worker.refit(update)
+    except Exception as exc:  # every rank still answers: SGLang's reply is TP rank 0's alone
+        failure = exc
+    answers.settle(_mine(model, failure), failure)
+
+
+def _mine(model: torch.nn.Module, failure: Exception | None) -> answers.Answer:
     worker = _workers.get(id(model))
-    if worker is not None and worker.init != init:
-        log.warning("refitflow: the init info changed; closing this worker's session and opening a new one")
-        _workers.pop(id(model)).close()
-        worker = None
-    if worker is None:
-        worker = _workers[id(model)] = Worker.open(model, init, Place.current())
-    worker.refit(update)
+    status = worker.session.status if worker is not None else {}
+    rank = worker.place.rank if worker is not None else answers.world_rank()
+    error = None if failure is None else f"{type(failure).__name__}: {failure}"
+    return answers.Answer(rank=rank, error=error, fence=status.get("fence"), version=status.get("committed_version"))
 
 
 def workers() -> dict[int, Worker]:

@@ -5,6 +5,9 @@
 runs the update under the loader's guard and turns any exception into SGLang's ``(False, message)``
 answer — SGLang itself would let it stop the scheduler, taking the server down — so a failed refit
 reaches the caller as ``{"success": false, "message": ...}``. Other load formats pass through untouched.
+It also registers the serving gate's hooks (``gate.HOOKS``): a server left not serving by an update
+(a rank fenced, in doubt, or on another version) runs no batch and answers no request until a version
+commits on every rank.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from refitflow.integrations.sglang import loader
+from refitflow.integrations.sglang import gate, loader
 from refitflow.integrations.sglang.payload import LOADER
 
 __all__ = ["TARGET", "guard", "register"]
@@ -32,6 +35,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, guard, HookType.AROUND)
+    for target, hook in gate.HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True
 
 
