@@ -9,7 +9,8 @@
   hooks are applied to SGLang's classes;
 - its tokenizer manager is ``CpuTokenizerManager``: SGLang's own ``TokenizerControlMixin`` weight-update
   methods and ``TokenizerManager.pause_generation``/``continue_generation``/``generate_request`` (their
-  pause condition and model-update lock; ``generate_request`` is only reached while the gate refuses), with the communicators sending each request to every scheduler process
+  pause condition and model-update lock; ``generate_request`` is only reached while the gate refuses), with
+  the communicators sending each request to every scheduler process
   (``_sglang_rank``, one per TP rank) and answering with TP rank 0's result, as SGLang's do;
 - ``GET /test/state?seed=s`` (the tests' own route) reports each rank's model and refitflow state;
   ``POST /test/lose_verdict?rank=r`` loses that rank's next engine-vote verdict.
