@@ -73,8 +73,8 @@ class HfTrainer(LineChild):
         return Greedy(answer["expected"], answer["gaps"])
 
     def init_info(self, **extra: Any) -> dict[str, Any]:
-        info = RefitflowInitInfo(registry=self.registry, model="tiny-real", identity={"layout": self.layout},
-                                 budget_bytes=1 << 20, **extra)  # fmt: skip
+        fields = {"budget_bytes": 1 << 20} | extra
+        info = RefitflowInitInfo(registry=self.registry, model="tiny-real", identity={"layout": self.layout}, **fields)
         return {"init_info": info.to_dict()}
 
 

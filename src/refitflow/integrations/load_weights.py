@@ -90,21 +90,35 @@ class _Bucket:
 
 
 class _Shared(Transport):
-    """One transport for every bucket's receiver: registrations are kept, closing is the owner's."""
+    """One transport for every bucket's receiver: registrations are kept, closing is the owner's. Memory inside
+    a window the owner registered (``cover``) is that window's region: every bucket's views overlap in one
+    window, and NIXL does not find a range among overlapping registrations (``NIXL_ERR_NOT_FOUND``)."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.name = inner.name
+        self._windows: dict[int, tuple[int, int]] = {}  # region -> [start, end) of a window
 
     @property
     def agent(self) -> str:
         return self.inner.agent
 
+    def cover(self, window: torch.Tensor) -> None:
+        """Register ``window`` once; every view of it registered later is this region."""
+        start = window.data_ptr()
+        self._windows[self.inner.register(window)] = (start, start + window.numel() * window.element_size())
+
     def register(self, tensor: torch.Tensor) -> int:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for region, (a, b) in self._windows.items():
+            if a <= start and end <= b:
+                return region
         return self.inner.register(tensor)
 
     def deregister(self, region: int) -> None:
-        self.inner.deregister(region)
+        if region not in self._windows:
+            self.inner.deregister(region)
 
     def address(self) -> SourceAddress:
         return self.inner.address()
@@ -125,7 +139,7 @@ class BucketLoader:
 
     def __init__(
         self, params: Iterable[tuple[str, torch.Tensor]], load: Load, config: SessionConfig,
-        stack: contextlib.AsyncExitStack, transport: Transport, registry: RegistryClient, family: str,
+        stack: contextlib.AsyncExitStack, transport: _Shared, registry: RegistryClient, family: str,
     ) -> None:  # fmt: skip
         self.load, self.config, self.stack = load, config, stack
         self.transport, self.registry, self.family = transport, registry, family
@@ -156,6 +170,7 @@ class BucketLoader:
         size = max(off + torch.Size(tensors[n][0]).numel() * tensors[n][1].itemsize for g in groups for n, off in g)
         device = next(iter(self.ledger.destination.params.values())).device
         self._window = torch.empty(max(size, self.config.budget_bytes), dtype=torch.uint8, device=device)
+        self.transport.cover(self._window)
         staging = max(1 << 16, self.config.budget_bytes // 4)
         own = ("shadow_commit", "serve_replicas")
         options = {k: v for k, v in self.config.receiver_options.items() if k not in own}

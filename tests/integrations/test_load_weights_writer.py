@@ -1,0 +1,56 @@
+"""The ``load_weights`` writer over NIXL with buckets that share one window: a model whose tensors are larger
+than each bucket's staging arena, in several buckets. Every bucket's views of the window overlap the
+others', and NIXL finds no range among overlapping registrations (``NIXL_ERR_NOT_FOUND`` before the window
+was registered once); both versions land bit-exactly through the model's own loader."""
+
+from __future__ import annotations
+
+import pathlib
+
+import anyio
+import pytest
+import torch
+import transformers as tf
+
+from refitflow.core.types import Identity
+from refitflow.integrations.load_weights import load_weights_writer
+from refitflow.integrations.rank_session import RankSession, SessionConfig
+from tests.integrations.test_vllm_cpu_server import HfTrainer, save
+
+
+def seeded(config: tf.PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return dict(tf.AutoModelForCausalLM.from_config(config).state_dict())
+
+
+@pytest.mark.asyncio
+async def test_buckets_sharing_one_window_land_bit_exactly(tmp_path: pathlib.Path) -> None:
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=8000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                            num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    model = tf.LlamaForCausalLM(config)
+    live = dict(model.named_parameters())
+    assert live["model.embed_tokens.weight"].nbytes > (8 << 20) // 4  # larger than a bucket's staging arena
+
+    def load(weights: object) -> list[str]:
+        names = []
+        for name, tensor in weights:  # type: ignore[attr-defined]
+            live[name].data.copy_(tensor)
+            names.append(name)
+        return names
+
+    with anyio.fail_after(300):
+        async with HfTrainer(save(model, tmp_path / "model")) as trainer:
+            config_ = SessionConfig(registry=trainer.registry, identity=Identity(model="tiny-real", layout="hf"),
+                                    receiver_id="buckets", budget_bytes=8 << 20)  # fmt: skip
+            build = load_weights_writer(list(live.items()), load, "mlp")
+            session = await anyio.to_thread.run_sync(RankSession.open, config_, build)
+            try:
+                for version in (1, 2):
+                    await trainer.publish(version, seed=version)
+                    await anyio.to_thread.run_sync(lambda v=version: session.update(v, timeout_s=60, wait_s=60))
+                    assert await anyio.to_thread.run_sync(session.commit) == version
+                    expected = seeded(config, version)
+                    assert all(torch.equal(live[n].detach(), expected[n]) for n in live)
+            finally:
+                await anyio.to_thread.run_sync(session.close)
