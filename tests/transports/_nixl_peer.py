@@ -86,14 +86,15 @@ if __name__ == "__main__":
 class LineChild:
     """A test's handle on a child process speaking JSON lines: commands on stdin, ``RF <json>`` answers."""
 
-    def __init__(self, argv: list[str], *, path: list[str] | None = None) -> None:
-        self.argv, self.path = argv, path or []
+    def __init__(self, argv: list[str], *, path: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.argv, self.path, self.env = argv, path or [], env or {}
         self.proc: Process | None = None
 
     async def __aenter__(self) -> Self:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([SRC, *self.path, *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("UCX_NET_DEVICES", "lo")
+        env.update(self.env)
         self.proc = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
                                              env=env)  # fmt: skip
         assert self.proc.stdout is not None

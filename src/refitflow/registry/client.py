@@ -191,8 +191,20 @@ class RegistryClient:
     # -- the Registry interface -------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest) -> None:
-        await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
-                            max_bytes=(await self.hello()).get("max_message_bytes"))  # fmt: skip
+        """Announce ``manifest``. A registry that does not answer in time (down, or cut off by the network) is
+        a ``RefitTimeoutError`` — and the version is held all the same: the lease task announces it as soon as
+        the registry answers again (with every other version held), so receivers get it after the outage."""
+        try:
+            await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
+                                max_bytes=(await self.hello()).get("max_message_bytes"))  # fmt: skip
+        except RefitTimeoutError as exc:
+            self._hold(manifest)
+            self._stale = True  # announce what is held once the registry answers
+            raise RefitTimeoutError(f"{exc.reason}; version {manifest.version} is held and will be announced when "
+                                    "the registry answers again", version=manifest.version) from exc  # fmt: skip
+        self._hold(manifest)
+
+    def _hold(self, manifest: Manifest) -> None:
         held = self._held.setdefault((manifest.identity.key(), manifest.rank), {})
         held[manifest.version] = manifest
         while len(held) > self.max_held_versions:

@@ -21,8 +21,9 @@ __all__ = ["transfer"]
 
 async def transfer(batch: list[tuple[_Prepared, str]], count: bool, drop_peer: Callable[[str], None]) -> None:
     """Post every READ of ``batch`` ((prepared, peer) pairs), with its served-bytes notification when
-    ``count``, and wait until each has ended; ``drop_peer`` a peer found disconnected. Raises the first
-    failure, once every READ posted has ended."""
+    ``count``, and wait until each has ended; ``drop_peer`` a peer found disconnected, or one with a READ still
+    in progress when the wait is cancelled (a read deadline: after a partition heals, its UCX endpoint may be
+    dead, and the next read must connect afresh). Raises the first failure, once every READ posted has ended."""
     per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
     for p, peer in batch:
         per_agent.setdefault(id(p.nx), []).append((p, peer))
@@ -47,13 +48,21 @@ async def transfer(batch: list[tuple[_Prepared, str]], count: bool, drop_peer: C
                 if isinstance(exc.__cause__, nx.disconnected):
                     drop_peer(peer)
                 failures.append(exc)
+            except BaseException:  # cancelled (a read deadline) with this READ still in progress
+                stuck.update(peer for (_, peer), s in zip(group, states, strict=True) if s == "PROC")
+                raise
 
+    stuck: set[str] = set()
     groups = list(per_agent.values())
-    if len(groups) == 1:
-        await agent_reads(groups[0])
-    else:
-        async with anyio.create_task_group() as tg:
-            for group in groups:
-                tg.start_soon(agent_reads, group)
+    try:
+        if len(groups) == 1:
+            await agent_reads(groups[0])
+        else:
+            async with anyio.create_task_group() as tg:
+                for group in groups:
+                    tg.start_soon(agent_reads, group)
+    finally:
+        for peer in stuck:  # a peer that stopped answering: its connection may be dead after the network heals
+            drop_peer(peer)
     if failures:
         raise failures[0]

@@ -21,6 +21,7 @@ enforce remote deregistration, so memory a peer may still read must not be freed
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -43,9 +44,12 @@ from refitflow.transports.base import Read, Transport
 
 __all__ = ["NixlTransport"]
 
+log = logging.getLogger(__name__)
+
 _EPOCHS = itertools.count(1)
 _VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
 _MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
+CONNECT_TRIES = 4  # add_remote_agent attempts when UCX cannot connect (0.1 + 0.2 + 0.4 s between them)
 
 
 class NixlTransport(Transport):
@@ -160,27 +164,60 @@ class NixlTransport(Transport):
         self._peers[source.agent] = _Peer(source.metadata, regions, next(_EPOCHS), md)
 
     async def _load(self, agent: str) -> None:
-        """Give NIXL the peer's metadata (a refresh if it knew an older snapshot): ~10 ms, so off the loop."""
+        """Give NIXL the peer's metadata (a refresh if it knew an older snapshot): ~10 ms, so off the loop.
+
+        A connection UCX cannot make (``NIXL_ERR_BACKEND``: "destination is unreachable" in the first moments
+        after a network partition healed, or a refused connection to a process that died) is tried again,
+        ``CONNECT_TRIES`` times in all over 0.7 s (the caller's read deadline bounds it); a peer NIXL knows to be
+        gone (``NIXL_ERR_REMOTE_DISCONNECT``) is not."""
         peer = self._peers[agent]
         for nx in self._agents:
-            name = await anyio.to_thread.run_sync(nx.call, "add_remote_agent", nx.agent.add_remote_agent, peer.md)
+            for attempt in range(CONNECT_TRIES):
+                try:
+                    name = await anyio.to_thread.run_sync(nx.call, "add_remote_agent", nx.agent.add_remote_agent,
+                                                          peer.md)  # fmt: skip
+                    break
+                except TransportError as exc:
+                    if attempt + 1 == CONNECT_TRIES or isinstance(exc.__cause__, nx.disconnected):
+                        raise
+                    await anyio.sleep(0.1 * 2**attempt)
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name != agent:
                 raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
         peer.loaded = True
 
     def _drop_peer(self, agent: str) -> None:
+        """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh."""
         self._forget(lambda k: k[1] == agent)
-        peer = self._peers.pop(agent, None)
+        peer = self._peers.get(agent)
         for nx in self._agents if peer is not None and peer.loaded else []:
             try:
                 nx.call("remove_remote_agent", nx.agent.remove_remote_agent, agent)
             except TransportError:
-                pass  # already unusable; connect() adds it afresh
+                pass  # already unusable
+        if peer is not None:
+            peer.loaded = False
 
     # -- reads ----------------------------------------------------------------------------------------
 
     async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
+        """Post every read, wait for all of them. A peer found disconnected is dropped and the read tried once
+        more, connecting afresh: after a network partition healed, UCX's endpoint to a live peer may be dead
+        (its keepalive gave up during the partition) while a new one connects; a peer that is really gone
+        fails the second try at once."""
+        try:
+            await self._read(reads, key=key, count=count)
+        except TransportError as exc:
+            if not isinstance(exc.__cause__, self._nx.disconnected):
+                raise
+            log.info("nixl: a peer was disconnected (%s); reading again over a new connection", exc)
+            try:
+                await self._read(reads, key=key, count=count)
+            except TransportError as again:
+                raise TransportError(f"{exc.reason}; reading again over a new connection failed too: "
+                                     f"{again.reason}") from again  # fmt: skip
+
+    async def _read(self, reads: Sequence[Read], *, key: Hashable | None, count: bool) -> None:
         self._check_open()
         t0 = time.perf_counter()
         while self._index is None:  # thousands of registrations take milliseconds to sort: off the loop
