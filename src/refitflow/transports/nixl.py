@@ -242,6 +242,12 @@ class NixlTransport(Transport):
                         hit = await off_loop(self._prepare, *args)
                     batch.append((hit or self._prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
+            announced: dict[int, set[str]] = {}
+            for p, peer in batch:
+                announced.setdefault(id(p.nx), set()).add(peer)
+            for nx in self._agents:
+                if announced.get(id(nx)):
+                    nx.announce(announced[id(nx)])
             await transfer(batch, count, self._drop_peer)
         except BaseException:
             self._forget(lambda k: k in ckeys)
