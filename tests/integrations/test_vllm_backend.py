@@ -330,3 +330,32 @@ async def test_two_worker_processes_commit_together_or_neither_does(mode: str) -
             assert v2["fence"] == "ready" and v2["holds"], r
         else:
             assert v2["fence"] == "fenced", r
+
+
+@pytest.mark.asyncio
+async def test_a_storage_replaced_between_update_and_finish_fails_the_commit_and_fences_the_worker() -> None:
+    """vLLM RFC #48478's contract: after a commit every tensor the kernels (and captured CUDA graphs) read is
+    still the storage refitflow wrote. A parameter whose storage the server replaced while the version waited
+    for ``finish_weight_update`` is caught after the commit: ``finish`` raises naming it, the worker is fenced
+    (the serving gate then keeps the server from serving), and once the server's storage is back the next
+    version commits."""
+    with anyio.fail_after(300):
+        async with Trainer("qwen2") as trainer:
+            engine, model = await started(trainer, "qwen2", 0, mode="shadow")
+            await trainer.publish(1, seed=1)
+            await update(engine, 1)
+            name = "model.norm.weight"
+            param = dict(model.named_parameters())[name]
+            kept = param.data
+            await trainer.publish(2, seed=2)
+            engine.start_weight_update()
+            await anyio.to_thread.run_sync(engine.update_weights, {"version": 2, "timeout_s": 60})
+            param.data = kept.clone()  # the server moves a weight behind refitflow's back
+            with pytest.raises(RefitError, match=f"no longer sit where they did.*{name}"):
+                engine.finish_weight_update()
+            assert engine.gate_status()["fence"] == "fenced"
+            param.data = kept  # the storage back where refitflow writes it
+            await trainer.publish(3, seed=3)
+            await update(engine, 3)
+            assert holds(model, expected("qwen2", 3, 2, 0)) and engine.gate_status()["fence"] == "ready"
+            engine.shutdown()
