@@ -32,7 +32,7 @@ import transformers as tf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from tests.integrations._vllm_cpu import VllmServer
-from tests.integrations.test_vllm_cpu_server import HfTrainer
+from tests.integrations._vllm_real import HfTrainer
 
 
 async def timed(server: VllmServer, route: str, body: dict | None = None) -> float:

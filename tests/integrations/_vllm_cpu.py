@@ -42,9 +42,10 @@ def python() -> str:
 
 
 class VllmServer:
-    def __init__(self, model_dir: pathlib.Path, *, dtype: str, log_path: pathlib.Path, **extra: str) -> None:
-        self.model_dir, self.dtype, self.log_path = model_dir, dtype, log_path
-        self.extra = [a for k, v in extra.items() for a in (f"--{k.replace('_', '-')}", v)]
+    def __init__(self, model_dir: pathlib.Path, *, dtype: str, log_path: pathlib.Path, flags: tuple[str, ...] = (),
+                 max_model_len: int = 128, **extra: str) -> None:  # fmt: skip
+        self.model_dir, self.dtype, self.log_path, self.max_model_len = model_dir, dtype, log_path, max_model_len
+        self.extra = [*flags, *(a for k, v in extra.items() for a in (f"--{k.replace('_', '-')}", v))]
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: Process | None = None
@@ -56,7 +57,7 @@ class VllmServer:
         env.pop("PYTHONPATH", None)  # the venv's own packages, refitflow installed there
         argv = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--skip-tokenizer-init",
-                "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
+                "--enforce-eager", "--max-model-len", str(self.max_model_len), "--max-num-seqs", "4", "--seed", "0",
                 "--weight-transfer-config", '{"backend": "refitflow"}', *self.extra]  # fmt: skip
         with self.log_path.open("wb") as log:
             self.proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ import transformers as tf
 from refitflow.core.types import Identity
 from refitflow.integrations.load_weights import load_weights_writer
 from refitflow.integrations.rank_session import RankSession, SessionConfig
-from tests.integrations.test_vllm_cpu_server import HfTrainer, save
+from tests.integrations._vllm_real import HfTrainer, save
 
 
 def seeded(config: tf.PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -12,108 +12,26 @@ version commits (in place), never a mix. The server needs its own venv (``.ci/vl
 
 from __future__ import annotations
 
-import json
 import pathlib
-import sys
-from dataclasses import dataclass
-from typing import Any, Self
 
 import anyio
 import pytest
 import requests
-import torch
-import transformers as tf
 
-from refitflow.integrations.vllm.info import RefitflowInitInfo
 from tests.integrations._vllm_cpu import VllmServer
-from tests.transports._nixl_peer import LineChild
+from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, llama_checkpoint, mixtral_checkpoint, update
 
-ROOT = str(pathlib.Path(__file__).resolve().parents[2])
-PROMPT, TOKENS = [1, 17, 42, 99, 7], 12
 DEADLINE_S = 900.0
-TIE = {"float32": 1e-4, "bfloat16": 0.02}  # logit gaps within another kernel's rounding (see Greedy)
-
-
-@dataclass(frozen=True)
-class Greedy:
-    """transformers' greedy tokens of ``PROMPT`` and, per step, the gap between its best and second logit."""
-
-    tokens: list[int]
-    gaps: list[float]
-
-    def matches(self, got: list[int], dtype: str) -> bool:
-        """``got`` (the server's) is the same greedy sequence: equal, or equal up to a step where the two best
-        logits tie within ``TIE[dtype]`` (vLLM's CPU kernels round otherwise than torch's; in bf16 this
-        tiny random model's logits tie exactly at some steps — vLLM's own load of a checkpoint differs
-        from transformers there too)."""
-        for mine, theirs, gap in zip(got, self.tokens, self.gaps, strict=True):
-            if mine != theirs:
-                return gap <= TIE[dtype]
-        return True
-
-
-class HfTrainer(LineChild):
-    """``_hf_trainer``: a transformers model published as HF names or Megatron TP shards."""
-
-    def __init__(self, model_dir: pathlib.Path, *, layout: str = "hf", tp: int = 2, dtype: str = "float32",
-                 serve_dtype: str | None = None) -> None:  # fmt: skip
-        spec = {"model_dir": str(model_dir), "layout": layout, "tp": tp, "dtype": dtype, "serve_dtype": serve_dtype,
-                "prompt": PROMPT, "tokens": TOKENS}  # fmt: skip
-        super().__init__([sys.executable, "-m", "tests.integrations._hf_trainer", json.dumps(spec)], path=[ROOT])
-        self.layout = layout
-
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
-        self.registry = str((await self._ask(None))["registry"])
-        return self
-
-    async def publish(self, version: int, seed: int, **flags: bool | str) -> Greedy:
-        answer = await self._ask({"version": version, "seed": seed, **flags})
-        assert answer["published"] == version
-        return Greedy(answer["expected"], answer["gaps"])
-
-    def init_info(self, **extra: Any) -> dict[str, Any]:
-        fields = {"budget_bytes": 1 << 20} | extra
-        info = RefitflowInitInfo(registry=self.registry, model="tiny-real", identity={"layout": self.layout}, **fields)
-        return {"init_info": info.to_dict()}
-
-
-def save(model: tf.PreTrainedModel, path: pathlib.Path) -> pathlib.Path:
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """A tiny Llama (untied head, GQA, vocabulary not a multiple of 64: vLLM pads it), seed 0."""
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            tie_word_embeddings=False)  # fmt: skip
-    return save(tf.LlamaForCausalLM(config), tmp_path_factory.mktemp("llama"))
+    return llama_checkpoint(tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    torch.manual_seed(0)
-    config = tf.MixtralConfig(vocab_size=200, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                              num_experts_per_tok=2, max_position_embeddings=256,
-                              tie_word_embeddings=False)  # fmt: skip
-    return save(tf.MixtralForCausalLM(config), tmp_path_factory.mktemp("mixtral"))
-
-
-async def update(server: VllmServer, version: int, **info: Any) -> tuple[int, str]:
-    """vLLM's own sequence, paused: start → update → finish (when the update succeeded) → resume.
-    The update's status and body."""
-    assert (await server.post("/pause?mode=keep")).status_code == 200
-    assert (await server.post("/start_weight_update")).status_code == 200, "start refused"
-    answer = await server.post("/update_weights", {"update_info": {"version": version, "timeout_s": 60, **info}})
-    if answer.status_code == 200:
-        finish = await server.post("/finish_weight_update", {"weight_version": str(version)})
-        assert finish.status_code == 200, finish.text
-    await server.post("/resume")
-    return answer.status_code, answer.text
+    return mixtral_checkpoint(tmp_path_factory.mktemp("mixtral"))
 
 
 @pytest.mark.asyncio

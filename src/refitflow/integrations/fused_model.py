@@ -29,7 +29,7 @@ __all__ = ["Derived", "derive", "parameters"]
 class Derived:
     """What a receiver needs to write a live model in place."""
 
-    targets: dict[str, torch.Tensor]  # local name -> the live parameter refitflow writes (whole, padding too)
+    targets: dict[str, torch.Tensor]  # local name -> the model's own parameter refitflow writes (whole, padding too)
     layout: LayoutMap  # the tables' layout of those parameters
     unmapped: dict[str, str]  # the model's parameters the layout cannot write -> why
     missing: list[str]  # parameters the layout expects and the model does not have
@@ -57,7 +57,7 @@ def derive(params: Iterable[tuple[str, torch.Tensor]], layout: LayoutMap) -> Der
         elif layout[name].shape != shape:
             unmapped[name] = f"shape {shape}, the layout says {layout[name].shape}"
         else:
-            targets[name] = param.detach()
+            targets[name] = param  # the model's own tensor: a shadow swap (``param.data = ...``) must reach it
     missing = sorted(set(layout) - set(targets) - set(unmapped))
     return Derived(targets=targets, layout={n: layout[n] for n in targets}, unmapped=unmapped, missing=missing)
 

@@ -38,6 +38,18 @@ class LoopThread:
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float, what: str = "call", **kwargs: Any) -> T:
         """Run ``await fn(*args, **kwargs)`` on the loop thread; block until it returns, raises or times out."""
+        future = self.start(fn, *args, timeout=timeout, what=what, **kwargs)
+        try:
+            return future.result(timeout=timeout + self.grace_s)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise RefitTimeoutError(f"{what} did not end within {timeout} s (+{self.grace_s} s grace)") from exc
+
+    def start(
+        self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float, what: str = "call", **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        """Start ``await fn(*args, **kwargs)`` on the loop thread under ``timeout`` and return at once: its future
+        (a ``RefitTimeoutError`` when the deadline passed)."""
         if self._portal is None:
             raise ConfigError("this loop thread is closed")
 
@@ -50,12 +62,7 @@ class LoopThread:
                     raise
                 raise RefitTimeoutError(f"{what} did not finish within {timeout} s") from exc
 
-        future = self._portal.start_task_soon(bounded)
-        try:
-            return future.result(timeout=timeout + self.grace_s)
-        except concurrent.futures.TimeoutError as exc:
-            future.cancel()
-            raise RefitTimeoutError(f"{what} did not end within {timeout} s (+{self.grace_s} s grace)") from exc
+        return self._portal.start_task_soon(bounded)
 
     def close(self) -> None:
         """Stop the loop (waiting for tasks it still runs) and its thread."""

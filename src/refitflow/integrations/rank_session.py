@@ -18,12 +18,14 @@ raises saying so, and the next ``update`` learns the verdict first. Two preparer
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from refitflow.api.receiver import Receiver, RefitResult
 from refitflow.core.errors import ConfigError, RefitError
@@ -52,6 +54,7 @@ class SessionConfig:
     identity: Identity
     receiver_id: str
     mode: str = "in_place"
+    shadow_commit: str = "copy"  # shadow: copy into the live storage (CUDA-graph safe) or swap storages (eager)
     budget_bytes: int = 256 << 20
     transport: str = "auto"  # nixl beside a registry address (api._transport.choose_transport)
     vote: str = "none"  # none (one rank), zmq, gloo
@@ -66,6 +69,8 @@ class SessionConfig:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.vote not in VOTES:
             raise ConfigError(f"the engine vote must be one of {VOTES}, got {self.vote!r}")
+        if self.shadow_commit not in ("copy", "swap"):
+            raise ConfigError(f"shadow_commit must be 'copy' or 'swap', got {self.shadow_commit!r}")
         own = sorted(set(self.receiver_options) & set(_OWN))
         if own:
             raise ConfigError(f"receiver_options may not set {own}: the session sets them (shadow commits by copy)")
@@ -93,6 +98,8 @@ class RankSession:
         self.member: EngineMember | None = None
         self.pending: EngineOutcome | None = None  # voted to commit, waiting for ``commit``
         self.last_result: RefitResult | None = None
+        self._background: tuple[int, concurrent.futures.Future[EngineOutcome]] | None = None  # begin_update
+        self._state: tuple[str, str | None] = ("idle", None)  # poll_update
 
     @classmethod
     def open(cls, config: SessionConfig, build: Build, *, gloo_group: Any = None) -> RankSession:
@@ -115,15 +122,45 @@ class RankSession:
 
     def update(self, version: int, *, timeout_s: float, wait_s: float) -> RefitResult | None:
         """Pull, verify and prepare ``version`` (or newer) and vote; raise unless the engine decided COMMIT."""
+        self._check_idle()
+        outcome = self.loop.run(self._prepared, version, wait_s, timeout=timeout_s, what="the refitflow update")
+        return self._settle(outcome, version)
+
+    def begin_update(self, version: int, *, timeout_s: float, wait_s: float) -> None:
+        """``update`` in the background (it returns at once): ``poll_update`` says how it went."""
+        self._check_idle()
+        self._state = ("preparing", None)
+        future = self.loop.start(self._prepared, version, wait_s, timeout=timeout_s, what="the refitflow update")
+        self._background = (version, future)
+
+    def poll_update(self) -> tuple[str, str | None]:
+        """How the update is going: ``("idle" | "preparing" | "prepared" | "failed", error or None)``; a
+        background update that ended is settled here (prepared: it waits for ``commit``)."""
+        if self._background is not None and self._background[1].done():
+            (version, future), self._background = self._background, None
+            try:
+                self._settle(future.result(), version)
+                self._state = ("prepared", None)
+            except Exception as exc:
+                self._state = ("failed", f"{type(exc).__name__}: {exc}")
+        return self._state
+
+    def _check_idle(self) -> None:
+        if self._background is not None:
+            raise ConfigError("an update is being prepared in the background: wait for it to end first")
         if self.pending is not None:
             raise ConfigError(f"version {self.pending.version} is prepared and not yet committed: finish it first")
+
+    async def _prepared(self, version: int, wait_s: float) -> EngineOutcome:
         member = self._member()
-        prepare = functools.partial(member.prepare, version, timeout=wait_s)
-        outcome = self.loop.run(prepare, timeout=timeout_s, what="the refitflow update")
+        outcome = await member.prepare(version, timeout=wait_s)
         if outcome.decision is Decision.IN_DOUBT:  # ask the peers once before failing: a lost verdict, usually
-            resolve = functools.partial(member.resolve, defer=True)
-            learned = self.loop.run(resolve, timeout=member.resolve_timeout + 5.0, what="resolving the engine vote")
-            outcome = learned if learned is not None else outcome
+            with anyio.move_on_after(member.resolve_timeout + 5.0):
+                learned = await member.resolve(defer=True)
+                outcome = learned if learned is not None else outcome
+        return outcome
+
+    def _settle(self, outcome: EngineOutcome, version: int) -> RefitResult | None:
         if outcome.transaction is None:
             raise self._failure(outcome, version)
         self.pending = outcome
@@ -149,6 +186,9 @@ class RankSession:
 
     def commit(self) -> int | None:
         """Make the prepared version visible on this rank; the version committed (None: nothing pending)."""
+        if self.poll_update()[0] == "preparing":
+            raise ConfigError("the update is still being prepared: commit once it is prepared (poll_update)")
+        self._state = ("idle", None)
         outcome, self.pending = self.pending, None
         if outcome is None:
             return None
@@ -202,8 +242,8 @@ def direct_writer(derived: Derived) -> Build:
 
     async def build(config: SessionConfig, stack: contextlib.AsyncExitStack) -> Preparer:
         options: dict[str, Any] = dict(config.receiver_options)
-        if config.mode == "shadow":  # written in the shadow, copied in at commit: every pointer stays
-            options["shadow_commit"] = "copy"
+        if config.mode == "shadow":  # copy (every pointer stays: CUDA graphs) or swap (eager engines: ≈ µs)
+            options["shadow_commit"] = config.shadow_commit
         receiver = Receiver(
             derived.targets, config.registry, identity=config.identity, transport=config.transport,
             mode=config.mode, budget_bytes=config.budget_bytes, receiver_id=config.receiver_id,

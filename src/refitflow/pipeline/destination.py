@@ -125,6 +125,10 @@ class Destination:
                 "`await receiver.rebind()` follows the model as it is now", tensor=moved[0],
             )  # fmt: skip
 
+    def live_pointers(self) -> dict[str, int]:
+        """Where each parameter's live storage is now (``swap`` moves it; the model must read the same)."""
+        return dict(self._live_at)
+
     def live(self, name: str) -> torch.Tensor:
         """The live (serving) tensor of a parameter."""
         return self.params[name].detach()

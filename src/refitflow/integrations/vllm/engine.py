@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from refitflow.api.receiver import Receiver
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
@@ -75,6 +76,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         config = SessionConfig(
             registry=init_info.registry, identity=Identity(model=init_info.model, **init_info.identity),
             receiver_id=f"vllm-{init_info.model}-{self.place.name}", mode=init_info.mode,
+            shadow_commit=init_info.shadow_commit,
             budget_bytes=init_info.budget_bytes, transport=init_info.transport, vote=vote,
             vote_rank=self.place.global_rank, vote_addresses=addresses, vote_timeout_s=init_info.vote_timeout_s,
             init_timeout_s=init_info.init_timeout_s, receiver_options=dict(init_info.receiver_options),
@@ -96,8 +98,22 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
     def receive_weights(self, update_info: RefitflowUpdateInfo) -> None:
         session = self._open()
         wait = update_info.wait_s if update_info.wait_s is not None else update_info.timeout_s
-        session.update(update_info.version, timeout_s=update_info.timeout_s + session.config.vote_timeout_s,
-                       wait_s=wait)  # fmt: skip
+        timeout = update_info.timeout_s + session.config.vote_timeout_s
+        if not update_info.no_drain:
+            session.update(update_info.version, timeout_s=timeout, wait_s=wait)
+            return
+        if self.mode != "shadow":
+            raise ConfigError("no_drain needs mode='shadow': the engine keeps serving the live weights while the "
+                              "next version fills the shadow")  # fmt: skip
+        session.begin_update(update_info.version, timeout_s=timeout, wait_s=wait)  # returns at once
+
+    def drain_state(self) -> dict[str, Any]:
+        """A no-drain update's progress (``nodrain.worker_state`` reads it between two steps)."""
+        phase, error = self._open().poll_update()
+        if error is not None:
+            phase, error = "failed", self._explain("update", error)
+        pending = self._open().pending
+        return {"phase": phase, "error": error, "version": None if pending is None else pending.version}
 
     def finish_weight_update(self) -> None:
         with self._explained("finish"):
@@ -112,17 +128,20 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         try:
             yield
         except Exception as exc:
-            fence = self.gate_status()
-            now = ("refuses every request (fenced) until a later version commits" if fence["fence"] == "fenced"
-                   else f"serves version {fence['version']}" if fence["version"] is not None
-                   else "serves the weights it loaded")  # fmt: skip
-            message = (f"refitflow {hook} on {self.place.name} failed: {type(exc).__name__}: {exc} [{self.loader} "
-                       f"loader ({self.why}), mode {self.mode}; this worker {now}]")  # fmt: skip
+            message = self._explain(hook, f"{type(exc).__name__}: {exc}")
             log.error("%s", message)
             if isinstance(exc, RefitError):
                 exc.args = (message,)
                 raise
             raise RefitError(message) from exc
+
+    def _explain(self, hook: str, error: str) -> str:
+        fence = self.gate_status()
+        now = ("refuses every request (fenced) until a later version commits" if fence["fence"] == "fenced"
+               else f"serves version {fence['version']}" if fence["version"] is not None
+               else "serves the weights it loaded")  # fmt: skip
+        return (f"refitflow {hook} on {self.place.name} failed: {error} [{self.loader} loader ({self.why}), mode "
+                f"{self.mode}; this worker {now}]")  # fmt: skip
 
     def shutdown(self) -> None:
         session, self.session = self.session, None
@@ -186,7 +205,12 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
                 assert isinstance(self._dtype, torch.dtype)
                 mla.rederive(self.model, self._dtype)
             step = "checking the storage the kernels read"
-            moved = self.watch.moved() if self.watch is not None else []
+            receiver = getattr(session.member, "receiver", None) if session.member is not None else None
+            swapped = None  # where a shadow swap moved the model's own parameters (not reprocessed layers' staging)
+            if isinstance(receiver, Receiver) and self.split is not None:
+                own = {n for n, _ in self.split.direct}
+                swapped = {n: ptr for n, ptr in receiver.destination.live_pointers().items() if n in own}
+            moved = self.watch.moved(swapped) if self.watch is not None else []
             if moved:
                 raise RefitError(f"{len(moved)} tensors no longer sit where they did, e.g. {moved[:4]}: the model "
                                  "(and any captured CUDA graph) may read storage refitflow did not write")  # fmt: skip

@@ -7,13 +7,12 @@ installed by the plugin hook (``plugin.register``), on servers whose weight-tran
 ``refitflow``:
 
 - **engine core** (where every step is scheduled): each weight-transfer hook runs on the workers through
-  ``answering``, which returns a worker's failure as a value (vLLM 0.32's executor otherwise leaves the
-  other workers' answers queued after a failure, and every later call reads stale ones); after each
-  weight-transfer call that reaches the
-  workers (``init``/``start``/``update``/``finish``/``shutdown``, by any client: the HTTP routes, Ray, an
-  in-process ``AsyncLLM``), it asks every worker for its fence before the next step. When one is fenced it
-  pauses scheduling with vLLM's own ``pause_scheduler(mode="abort")`` — in-flight requests end, new ones
-  wait — and refuses ``resume_scheduler`` with the reason; once every worker is ready again (a later
+  ``_workers.call`` (every worker's answer read, even after a failure); a no-drain update
+  (``nodrain``) is answered later while the core goes on stepping. After each weight-transfer call that
+  reaches the workers (``init``/``start``/``update``/``finish``/``shutdown``, by any client: the HTTP
+  routes, Ray, an in-process ``AsyncLLM``), it asks every worker for its fence before the next step. When
+  one is fenced it pauses scheduling with vLLM's own ``pause_scheduler(mode="abort")`` — in-flight requests
+  end, new ones wait — and refuses ``resume_scheduler`` with the reason; once every worker is ready again (a later
   version committed) it resumes what it paused. The worker's forward is never called on a mixed model.
 - **API server** (``AsyncLLM``): after the same calls it reads the engine core's state (the utility
   ``refitflow_gate`` the gate adds), and refuses each request while a
@@ -25,13 +24,14 @@ A vLLM that lacks these hooks (another version) logs that the gate is off.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WEIGHT_METHODS", "Failed", "answering", "install", "worker_fence"]
+from refitflow.integrations.vllm import nodrain
+from refitflow.integrations.vllm._workers import call, worker_fence
+
+__all__ = ["WEIGHT_METHODS", "install"]
 
 log = logging.getLogger(__name__)
 
@@ -43,41 +43,6 @@ _STATE = "_refitflow_fenced"  # on the engine core / AsyncLLM: the reason, or No
 _PAUSED = "_refitflow_paused"  # on the engine core: the gate paused scheduling (and resumes it)
 _MARK = "_refitflow_gate"
 _RPC_TIMEOUT_S = 30.0
-
-
-def worker_fence(worker: Any) -> dict[str, Any] | None:
-    """Run on each worker (``collective_rpc``): its refitflow fence, or None without a refitflow engine."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    status = getattr(engine, "gate_status", None)
-    return status() if callable(status) else None
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A worker's hook raised: its message (``answering``)."""
-
-    message: str
-
-
-def answering(method: str, worker: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run on each worker: its weight-transfer hook, a failure answered as a value. vLLM 0.32's
-    ``MultiprocExecutor.collective_rpc`` raises at the first worker that failed and leaves the other
-    workers' answers in their queues, so with TP > 1 every later call reads the previous one's answers;
-    answered as values, every answer is read."""
-    try:
-        return getattr(worker, method)(*args, **kwargs)
-    except Exception as exc:
-        log.exception("refitflow: %s failed on this worker", method)
-        return Failed(str(exc))
-
-
-def _answered(results: list[Any]) -> list[Any]:
-    """The workers' answers, or the first failure raised as vLLM's executor raises it."""
-    for result in results:
-        if isinstance(result, Failed):
-            raise RuntimeError(f"Worker failed with error '{result.message}', please check the stack trace above "
-                               "for the root cause")  # fmt: skip
-    return results
 
 
 def _ours(owner: Any) -> bool:
@@ -123,6 +88,24 @@ def _patch_core(cls: type) -> None:
 
         setattr(resume_scheduler, _MARK, True)
         cls.resume_scheduler = resume_scheduler  # type: ignore[attr-defined]
+    if "has_work" in vars(cls) and not hasattr(vars(cls)["has_work"], _MARK):
+        has_work = vars(cls)["has_work"]
+
+        def working(self: Any) -> bool:
+            return bool(has_work(self)) or nodrain.has_work(self)
+
+        setattr(working, _MARK, True)
+        cls.has_work = working  # type: ignore[attr-defined]
+    if "post_step" in vars(cls) and not hasattr(vars(cls)["post_step"], _MARK):
+        post_step = vars(cls)["post_step"]
+
+        def stepped(self: Any, model_executed: bool) -> None:
+            post_step(self, model_executed)
+            if nodrain.has_work(self):
+                nodrain.tick(self, idle=not model_executed, settled=_refresh_core)
+
+        setattr(stepped, _MARK, True)
+        cls.post_step = stepped  # type: ignore[attr-defined]
     if cls.__name__ == "EngineCore" and "refitflow_gate" not in vars(cls):
         cls.refitflow_gate = lambda self: getattr(self, _STATE, None)  # type: ignore[attr-defined]
     if "collective_rpc" in vars(cls) and not hasattr(vars(cls)["collective_rpc"], _MARK):
@@ -132,17 +115,21 @@ def _patch_core(cls: type) -> None:
             if method not in WEIGHT_METHODS or not _ours(self):
                 return rpc(self, method, timeout, args, kwargs)
             try:
-                return _answered(rpc(self, functools.partial(answering, method), timeout, args, kwargs))
+                if nodrain.wanted(method, kwargs):
+                    return nodrain.begin(self, timeout, args, kwargs)  # answered once prepared: steps go on
+                if method == "finish_weight_update" and nodrain.active(self) is not None:
+                    return nodrain.finish(self)  # answered once swapped in between two steps
+                return call(self, method, timeout, args, kwargs)
             finally:
-                _refresh_core(self, rpc)
+                _refresh_core(self)
 
         setattr(collective_rpc, _MARK, True)
         cls.collective_rpc = collective_rpc  # type: ignore[attr-defined]
 
 
-def _refresh_core(core: Any, rpc: Any) -> None:
+def _refresh_core(core: Any) -> None:
     try:
-        reason = _reason(rpc(core, worker_fence, _RPC_TIMEOUT_S, (), None))
+        reason = _reason(core.model_executor.collective_rpc(worker_fence, _RPC_TIMEOUT_S))
     except Exception as exc:  # a worker that cannot say: do not serve what it may hold
         reason = f"the workers' fence could not be read ({type(exc).__name__}: {exc})"
     was = getattr(core, _STATE, None)

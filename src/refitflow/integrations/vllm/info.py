@@ -11,11 +11,12 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["LOADERS", "TRANSPORTS", "VOTES", "RefitflowInitInfo", "RefitflowUpdateInfo"]
+__all__ = ["KV_POLICIES", "LOADERS", "TRANSPORTS", "VOTES", "RefitflowInitInfo", "RefitflowUpdateInfo"]
 
 LOADERS = ("auto", "direct", "load_weights")
 VOTES = ("auto", "none", "zmq", "gloo")
 TRANSPORTS = ("auto", "nixl")
+KV_POLICIES = ("keep", "reset_prefix", "recompute")  # what a no-drain swap does with the KV cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class RefitflowInitInfo:
     model: str  # the publication's identity: model name ...
     identity: dict[str, str] = field(default_factory=dict)  # ... and its other fields (layout, dtype, ...)
     mode: str = "in_place"  # in_place (a failure fences the engine) or shadow (a failure keeps the old version)
+    shadow_commit: str = "copy"  # shadow: copy into the live storage (CUDA-graph safe) or swap storages (eager)
     loader: str = "auto"  # direct (write the live parameters), load_weights (the model's own), auto: direct if it maps
     budget_bytes: int = 256 << 20  # staging bytes per worker (load_weights: also the size of its buckets)
     transport: str = "auto"  # auto or nixl: the registry is another process's, so the reads go over NIXL
@@ -41,6 +43,9 @@ class RefitflowInitInfo:
             raise ConfigError(f"registry must be an address such as tcp://host:port, got {self.registry!r}")
         if self.mode not in ("in_place", "shadow"):
             raise ConfigError(f"mode must be 'in_place' or 'shadow', got {self.mode!r}")
+        if self.shadow_commit not in ("copy", "swap"):
+            raise ConfigError(f"shadow_commit must be 'copy' (CUDA-graph safe) or 'swap' (eager servers), got "
+                              f"{self.shadow_commit!r}")  # fmt: skip
         if self.loader not in LOADERS:
             raise ConfigError(f"loader must be one of {LOADERS}, got {self.loader!r}")
         if self.transport not in TRANSPORTS:
@@ -64,12 +69,19 @@ class RefitflowUpdateInfo:
     version: int
     timeout_s: float = 600.0  # the whole update on this worker: waiting for the version, pulling, the vote
     wait_s: float | None = None  # how long to wait for the version to be published (default: timeout_s)
+    no_drain: bool = False  # shadow mode: prepare while the engine keeps generating, swap between two steps
+    weight_version: str | None = None  # no_drain: the label from the swap on (default: the committed version)
+    kv: str = "keep"  # no_drain, at the swap: keep the KV cache, reset the prefix cache, or recompute in flight
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {self.version!r}")
         if self.timeout_s <= 0 or (self.wait_s is not None and not 0 < self.wait_s <= self.timeout_s):
             raise ConfigError("timeout_s must be positive and wait_s between 0 and timeout_s")
+        if self.kv not in KV_POLICIES:
+            raise ConfigError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
+        if not isinstance(self.no_drain, bool):
+            raise ConfigError(f"no_drain must be true or false, got {self.no_drain!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -30,7 +30,7 @@ commit, that each parameter and buffer of the model is still the storage it was 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +275,9 @@ class StorageWatch:
         for name, b in self.model.named_buffers(remove_duplicate=False):
             yield name, b.data_ptr()
 
-    def moved(self) -> list[str]:
+    def moved(self, swapped: Mapping[str, int] | None = None) -> list[str]:
+        """Names whose storage is not where it should be; ``swapped``: where refitflow's own shadow swap put
+        parameters it writes (``Destination.live_pointers``), now their expected place."""
+        self.at.update({n: ptr for n, ptr in (swapped or {}).items() if n in self.at})
         now = dict(self._now())
         return sorted(n for n in set(now) | set(self.at) if now.get(n) != self.at.get(n))
