@@ -125,8 +125,8 @@ async def test_the_kv_policy_decides_whether_a_new_request_reuses_a_prefix_cache
     ``kv="keep"`` a new request with the same prompt reuses that block (computed by the old weights); after
     ``kv="reset_prefix"`` it does not, and its tokens are the new model's."""
     with anyio.fail_after(DEADLINE_S):
-        server = VllmServer(llama, dtype="float32", log_path=tmp_path / "vllm.log",
-                            flags=("--enable-scale-out", "--enable-prompt-tokens-details"), block_size="32")  # fmt: skip
+        flags = ("--enable-scale-out", "--enable-prompt-tokens-details")
+        server = VllmServer(llama, dtype="float32", log_path=tmp_path / "vllm.log", flags=flags, block_size="32")
         async with HfTrainer(llama, prompt=LONG) as trainer, server:
             init = trainer.init_info(mode="shadow", shadow_commit="swap")
             assert (await server.post("/init_weight_transfer_engine", init)).status_code == 200
