@@ -39,6 +39,7 @@ from refitflow.integrations.vllm import kernels, mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.vllm.place import Place, receiver_layout
 from refitflow.integrations.vllm.reload import LayerwiseLoad
+from refitflow.integrations.vllm.reprocessing import Reprocessing, reprocessing
 
 __all__ = ["RefitflowEngine"]
 
@@ -189,24 +190,21 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         choice = writers.choose(info.loader, params, layout, self.model, live=live, load=load, refused=unloadable)
         if choice.loader != "direct" or not split.layers:
             return choice
-        return choice._replace(why=f"{choice.why}; {self.why}")
+        return choice._replace(build=reprocessing(choice.build, split.layers), why=f"{choice.why}; {self.why}")
 
     def _after_commit(self, session: RankSession) -> None:
-        """Reprocess the transformed layers (vLLM's reload steps), derive MLA weights, then check that every
-        tensor the kernels read is still the storage written; any failure fences this worker."""
-        step = "reprocessing the transformed layers"
+        """Derive MLA weights, then check that every tensor the kernels read is still the storage written; any
+        failure fences this worker. (Transformed layers were processed before the vote and installed with the
+        commit: ``reprocessing``.)"""
+        step = "deriving the MLA attention weights"
         try:
-            if self.loader == "direct" and self.split is not None:
-                for layer in self.split.layers:
-                    step = f"reprocessing {layer.name} ({layer.method}) through vLLM's reload steps"
-                    kernels.reprocess(layer, layer.loading)
             if self.latent:
-                step = "deriving the MLA attention weights"
                 assert isinstance(self._dtype, torch.dtype)
                 mla.rederive(self.model, self._dtype)
             step = "checking the storage the kernels read"
             receiver = getattr(session.member, "receiver", None) if session.member is not None else None
             swapped = None  # where a shadow swap moved the model's own parameters (not reprocessed layers' staging)
+            receiver = receiver.inner if isinstance(receiver, Reprocessing) else receiver
             if isinstance(receiver, Receiver) and self.split is not None:
                 own = {n for n, _ in self.split.direct}
                 swapped = {n: ptr for n, ptr in receiver.destination.live_pointers().items() if n in own}

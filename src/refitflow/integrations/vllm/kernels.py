@@ -16,12 +16,13 @@ parameter changes nothing the model computes, or corrupts it.
 - **reprocess**: anything else. The layer's *loading layout* — the parameters as vLLM created them before
   processing, which vLLM recorded for its own reloads (``record_metadata_for_reloading``) — becomes a set
   of staging tensors the receiver writes (never read by a kernel: the old version keeps serving while
-  they fill); after the version committed, ``reprocess`` runs vLLM's own per-layer reload steps on it:
-  restore the loading layout, put the new bytes in, ``process_weights_after_loading``, copy what it made
-  into the kernel's existing tensors and put those back (their pointers never change: captured CUDA
-  graphs stay valid) — what vLLM's ``_layerwise_process`` does after its weight loaders ran, with one
-  difference: the layer is processed as at load (``AS_AT_LOAD``), where vLLM's own reload skips work a
-  reload needs.
+  they fill). Once they are verified, ``process`` runs vLLM's own per-layer reload steps on a detached copy
+  of the layer (its own tables, its own copy of the quantisation method): restore the loading layout, put
+  the new bytes in, ``process_weights_after_loading`` — what vLLM's ``_layerwise_process`` does after its
+  weight loaders ran, processed as at load (``AS_AT_LOAD``, where vLLM's own reload skips work a reload
+  needs) — while the live layer serves on. At the commit ``install`` copies what it made into the kernel's
+  existing tensors (pointers never change: captured CUDA graphs stay valid) and moves over the attributes
+  processing set (the CPU backend's oneDNN handle closure): microseconds, not a processing pass.
 
 Layers without a quantisation method (norms) are direct. ``StorageWatch`` then checks, after every
 commit, that each parameter and buffer of the model is still the storage it was at init.
@@ -30,6 +31,7 @@ commit, that each parameter and buffer of the model is still the storage it was 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +44,14 @@ __all__ = [
     "AS_AT_LOAD",
     "DIRECT",
     "KernelLayer",
+    "Processed",
     "Split",
     "StorageWatch",
     "as_at_load",
+    "install",
+    "process",
     "quantised_layers",
     "recorded",
-    "reprocess",
     "split",
 ]
 
@@ -213,51 +217,98 @@ def _tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
             {n: b for n, b in module._buffers.items() if b is not None})  # fmt: skip
 
 
-@torch.no_grad()
-def reprocess(layer: KernelLayer, staged: dict[str, torch.Tensor]) -> None:
-    """Run vLLM's reload steps on one layer with the bytes of ``staged`` (its loading-layout tensors holding
-    the committed version): restore the loading layout, fill it, process, copy into the kernel's tensors.
+@dataclass(eq=False)
+class Processed:
+    """What vLLM's processing made of one layer's new loading-layout bytes, off to the side: its tensors, to be
+    copied into the kernel's, and the attributes it set (a oneDNN handle's closure, say), to be moved over."""
 
-    Raises on any failure; the layer is then in an unknown state and the caller fences the rank."""
+    layer: KernelLayer
+    tensors: dict[str, torch.Tensor]
+    attributes: dict[str, Any]
+
+
+def _detached(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with its own attribute, parameter, buffer and submodule tables, and its own
+    copy of the quantisation method: what processing changes on it stays off the live layer."""
+    twin = module.__class__.__new__(module.__class__)
+    twin.__dict__ = dict(module.__dict__)
+    for table in ("_parameters", "_buffers", "_modules"):
+        twin.__dict__[table] = dict(module.__dict__[table])
+    twin.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    method: Any = copy.copy(module.quant_method)
+    if isinstance(method, torch.nn.Module):
+        method.__dict__ = dict(method.__dict__)
+        for table in ("_parameters", "_buffers", "_modules"):
+            method.__dict__[table] = dict(method.__dict__[table])
+    for name in AS_AT_LOAD:  # processed as at load: state that skips work on a reload is left out
+        if name in vars(method):
+            vars(method)[name] = None
+    if "quant_method" in twin._modules:  # a method that is a module is a submodule
+        twin._modules["quant_method"] = method
+    else:
+        twin.__dict__["quant_method"] = method
+    return twin
+
+
+@torch.no_grad()
+def process(layer: KernelLayer, staged: Mapping[str, torch.Tensor]) -> Processed:
+    """vLLM's reload steps on a detached copy of ``layer`` with the bytes of ``staged`` (its loading-layout
+    tensors holding the version): restore the loading layout, fill it, ``process_weights_after_loading``.
+    Nothing live is touched: the engine goes on serving while it runs. Raises when processing fails or
+    makes tensors the kernel's cannot take (another set of names, shapes or dtypes)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
     module = layer.module
-    info = LAYERWISE_INFO[module]
     kernel_params, kernel_buffers = _tensors(module)
-    non_persistent = set(module._non_persistent_buffers_set)
-    restore_layer_on_meta(module, info)
-    materialize_layer(module, info)
+    twin = _detached(module)
+    info = LAYERWISE_INFO[module]
+    restore_layer_on_meta(twin, info)
+    materialize_layer(twin, info)
     for name, tensor in staged.items():
-        current = getattr(module, name)
-        if current is kernel_params.get(name):  # never on meta (bias): processing may rewrite it, so a copy
+        current = getattr(twin, name)
+        if current is kernel_params.get(name):  # never on meta (bias): the live one, so a fresh copy
             fresh = torch.nn.Parameter(tensor.clone(), requires_grad=False)
             fresh.__dict__.update(current.__dict__)
-            module._parameters[name] = fresh
+            twin._parameters[name] = fresh
         else:
             current.data.copy_(tensor)
-    if hasattr(module, "_already_called_process_weights_after_loading"):
-        delattr(module, "_already_called_process_weights_after_loading")
-    method: Any = module.quant_method
-    with as_at_load([method]):
-        method.process_weights_after_loading(module)
-    update: Any = getattr(module, "update_param_tp_status", None)
+    twin.__dict__.pop("_already_called_process_weights_after_loading", None)
+    before = dict(twin.__dict__)
+    method: Any = twin.quant_method
+    method.process_weights_after_loading(twin)
+    update: Any = getattr(twin, "update_param_tp_status", None)
     if update is not None:
         update()
-    made_params, made_buffers = _tensors(module)
-    for name, kernel in kernel_params.items():
-        if name not in made_params:
+    made_params, made_buffers = _tensors(twin)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, kernel in {**kernel_params, **kernel_buffers}.items():
+        made = made_params.get(name, made_buffers.get(name))
+        if made is None:
             raise RuntimeError(f"{layer.name}: processing left no {name!r}, which the kernel holds")
-        kernel.data.copy_(made_params[name])  # same shape and dtype as at load, or this raises
-    for name, kernel in kernel_buffers.items():
-        if name in made_buffers:
-            kernel.data.copy_(made_buffers[name])
-    for name in [*made_params, *made_buffers]:
-        delattr(module, name)
-    for name, p in kernel_params.items():
-        module.register_parameter(name, p)  # type: ignore[arg-type]
-    for name, b in kernel_buffers.items():
-        module.register_buffer(name, b, persistent=name not in non_persistent)
+        if made.shape != kernel.shape or made.dtype != kernel.dtype:
+            raise RuntimeError(f"{layer.name}: processing made {name!r} {tuple(made.shape)} {made.dtype}, the kernel "
+                               f"holds {tuple(kernel.shape)} {kernel.dtype}")  # fmt: skip
+        tensors[name] = made.detach()
+    tables = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "quant_method")
+    attributes = {k: v for k, v in twin.__dict__.items()
+                  if k not in tables and (k not in before or before[k] is not v)}  # fmt: skip
+    return Processed(layer, tensors, attributes)
+
+
+@torch.no_grad()
+def install(processed: Processed) -> None:
+    """Make a processed layer live: its tensors copied into the kernel's (their pointers never change), the
+    attributes its processing set moved over. Microseconds for an attribute, a copy for each tensor."""
+    module = processed.layer.module
+    kernel_params, kernel_buffers = _tensors(module)
+    for name, made in processed.tensors.items():
+        kernel = kernel_params.get(name, kernel_buffers.get(name))
+        assert kernel is not None
+        if made.data_ptr() != kernel.data_ptr() and made.numel():
+            kernel.data.copy_(made)
+    for name, value in processed.attributes.items():
+        module.__dict__[name] = value
 
 
 class StorageWatch:
