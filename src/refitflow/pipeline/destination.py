@@ -102,6 +102,7 @@ class Destination:
             {n: t.detach().clone() for n, t in self.params.items()} if mode is ApplyMode.SHADOW else {}
         )
         self.generation = 0  # swaps so far: shadow targets alternate between two storages
+        self._live = {n: t.detach() for n, t in self.params.items()} if self.shadows else {}  # swap()
         self._live_at = {n: t.data_ptr() for n, t in self.params.items()}  # check_unmoved()
         # the digests of the version each storage holds (delta refits; pipeline/held.py)
         self.holdings = Holdings(shadow=mode is ApplyMode.SHADOW, swaps=shadow_commit is ShadowCommit.SWAP)
@@ -195,11 +196,12 @@ class Destination:
     def swap(self) -> None:
         """Make the shadow copies live (shadow mode); synchronous, so no coroutine sees a mix."""
         self.generation += 1
-        for name, p in self.params.items():
-            old = p.data
-            p.data = self.shadows[name]
-            self.shadows[name] = old
-            self._live_at[name] = p.data_ptr()
+        shadows, live, live_at = self.shadows, self._live, self._live_at
+        for name, p in self.params.items():  # ~0.5 us a parameter: a no-drain swap between two engine steps
+            new = shadows[name]
+            shadows[name] = live[name]
+            live[name] = p.data = new
+            live_at[name] = new.data_ptr()
 
     @property
     def nbytes(self) -> int:
