@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import refitflow as rf
+from refitflow.core.wire import manifest_to_dict
+from refitflow.registry.channel import Channel
 from refitflow.registry.client import RegistryClient
 from tests.faults._registry_children import IDENTITY, RegistryChild
 from tests.faults._util import free_address, spawn_registry, until
@@ -82,19 +84,38 @@ async def _announced(child: RegistryChild, before: int) -> bool:
 
 
 @pytest.mark.asyncio
-async def test_an_abandoned_publish_never_reaches_the_restarted_registry() -> None:
+async def test_a_request_given_up_on_never_reaches_the_restarted_registry() -> None:
+    """The channel alone (nothing held): a request queued while the registry was down is dropped with it."""
+    address = free_address()
+    with anyio.fail_after(60):
+        channel = Channel(address, request_timeout_s=0.5, security=None, context=None)
+        try:
+            async with rf.Registry.serve(address) as first:
+                await channel.request("publish", manifest=manifest_to_dict(manifest(1, 0, world=1)), owner="c")
+                assert first.registry.newest_complete(ID) == 1
+            with pytest.raises(rf.RefitTimeoutError):
+                await channel.request("publish", manifest=manifest_to_dict(manifest(2, 0, world=1)), owner="c")
+            async with rf.Registry.serve(address) as second:
+                assert (await channel.request("hello"))["incarnation"] == second.incarnation
+                assert await second.registry.versions(ID) == []  # the abandoned 2 never arrived
+        finally:
+            await channel.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_publish_the_registry_did_not_answer_is_held_and_announced_when_it_is_back() -> None:
     address = free_address()
     with anyio.fail_after(60):
         async with RegistryClient(address, request_timeout_s=0.5) as client:
             async with rf.Registry.serve(address) as first:
                 await client.publish(manifest(1, 0, world=1))
                 assert first.registry.newest_complete(ID) == 1
-            with pytest.raises(rf.RefitTimeoutError):
-                await client.publish(manifest(2, 0, world=1))  # the registry is down: given up
+            with pytest.raises(rf.RefitTimeoutError, match="held"):
+                await client.publish(manifest(2, 0, world=1))  # the registry is down: held
             async with rf.Registry.serve(address) as second:
-                found = await client.wait_complete(ID, 1, 20)  # the held version 1 is re-announced …
-                assert found.version == 1
-                assert await second.registry.versions(ID) == [1]  # … and the abandoned 2 never arrives
+                found = await client.wait_complete(ID, 2, 20)
+                assert found.version == 2
+                assert 2 in await second.registry.versions(ID)
 
 
 @pytest.mark.asyncio
@@ -103,12 +124,15 @@ async def test_a_stalled_registry_does_not_carry_out_requests_its_client_gave_up
     registry = await spawn_registry(address)
     try:
         with anyio.fail_after(60):
-            async with RegistryClient(address, request_timeout_s=0.5) as client:
-                await client.hello()  # learns the registry's incarnation and clock
+            channel = Channel(address, request_timeout_s=0.5, security=None, context=None)
+            try:
+                await channel.request("hello")  # learns the registry's incarnation and clock
                 registry.send_signal(signal.SIGSTOP)
-                with pytest.raises(rf.RefitTimeoutError):
-                    await client.publish(manifest(1, 0, world=1))  # queued on a live connection, given up
+                with pytest.raises(rf.RefitTimeoutError):  # queued on a live connection, given up
+                    await channel.request("publish", manifest=manifest_to_dict(manifest(1, 0, world=1)), owner="c")
                 registry.send_signal(signal.SIGCONT)
+            finally:
+                await channel.aclose()
             async with RegistryClient(address, request_timeout_s=10) as probe:
                 assert await probe.versions(ID) == []  # the stale publish arrived past its deadline: refused
     finally:

@@ -49,7 +49,8 @@ class HfTrainer(LineChild):
                  serve_dtype: str | None = None, prompt: list[int] = PROMPT) -> None:  # fmt: skip
         spec = {"model_dir": str(model_dir), "layout": layout, "tp": tp, "dtype": dtype, "serve_dtype": serve_dtype,
                 "prompt": prompt, "tokens": TOKENS}  # fmt: skip
-        super().__init__([sys.executable, "-m", "tests.integrations._hf_trainer", json.dumps(spec)], path=[ROOT])
+        super().__init__([sys.executable, "-m", "tests.integrations._hf_trainer", json.dumps(spec)], path=[ROOT],
+                         env={"OMP_NUM_THREADS": "1"})  # one core: the server shares this machine  # fmt: skip
         self.layout = layout
 
     async def __aenter__(self) -> Self:
