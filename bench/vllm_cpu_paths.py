@@ -6,14 +6,15 @@ with refitflow's plug-in; a trainer process publishes it (HF names) over NIXL; t
 
 - ``direct``: the live parameters the kernels read (here the norms) written directly; every layer whose
   kernel transforms its weights (vLLM's CPU linears, embedding, LM head) pulled into its loading-layout
-  staging tensors and reprocessed through vLLM's reload steps at ``finish_weight_update``;
+  staging tensors and processed through vLLM's reload steps on a detached copy before the vote (inside
+  ``/update_weights``), installed at ``finish_weight_update``;
 - ``load_weights``: the model's own ``load_weights`` inside vLLM's layerwise reload (whole tensors, in
   buckets of ``budget``), processed as layers complete.
 
 Per round it prints the wall time of ``/update_weights`` (pull, verify, vote; ``load_weights`` also loads
-and processes) and of ``/finish_weight_update`` (``direct``: the reprocessing), medians at the end, and
-vLLM's own load time at boot from its log for scale. ``python bench/vllm_cpu_paths.py`` (defaults: 161 M
-parameters, fp32, 5 rounds).
+and processes; ``direct`` also processes) and of ``/finish_weight_update`` (``direct``: the install),
+medians at the end, and vLLM's own load time at boot from its log for scale.
+``python bench/vllm_cpu_paths.py`` (defaults: 161 M parameters, fp32, 5 rounds).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import anyio
 import httpx
 import pytest
 
+from refitflow.integrations.vllm import VllmFleet, policy_mask
 from tests.integrations._vllm_cpu import VllmServer
 from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, llama_checkpoint
 
@@ -109,11 +110,21 @@ async def test_a_version_swaps_in_between_two_steps_of_a_stream_and_every_token_
             assert stream.status == 200 and stream.spans == [("1", 0, STREAM)]
             assert await server.tokens(PROMPT, TOKENS) == served
 
-            # kv="recompute": the stream in flight is preempted and recomputes its KV with version 3
+            # refitflow's driver, kv="recompute": the stream in flight is preempted and recomputes its KV with v3
             v3 = await trainer.publish(3, seed=3)
-            stream = await swapped_mid_stream(server, 3, kv="recompute")
-            assert [s[0] for s in stream.spans] == ["1", "3"], stream.spans
+            fleet = VllmFleet({"a": server.url}, mode="shadow")
+            stream = Stream(server)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream.run)
+                await stream.started.wait()
+                result = (await fleet.refit(3, timeout_s=60, no_drain=True, kv="recompute"))["a"]
+                assert result.committed and result.version == 3 and not fleet.paused, result
+            assert stream.status == 200 and [s[0] for s in stream.spans] == ["1", "3"], stream.spans
             assert v3.matches(await server.tokens(PROMPT, TOKENS), "float32")
+            # what an RL loop training version 3 keeps of that stream: the tokens version 3 generated
+            mask = policy_mask(stream.last["choices"][0]["weight_versions"], {"3"}, tokens=stream.count)
+            swap_at = stream.spans[1][1]
+            assert mask == [False] * swap_at + [True] * (STREAM - swap_at) and 20 <= swap_at < STREAM
             assert swapped.spans[1][0] == "1"
 
 

@@ -5,7 +5,8 @@
 - ``info``: its init and update info (plain data: what the RL loop sends);
 - ``driver.VllmFleet``: drives vLLM servers over their RL routes (needs httpx, not vLLM);
 - ``checksums``: ``/weight_checker``-compatible checksums of what a commit must hold;
-- ``place``: a worker's ranks from vLLM's parallel config, the model's dimensions.
+- ``place``: a worker's ranks from vLLM's parallel config, the model's dimensions;
+- ``versions``: which weight version produced each output token (``policy_mask``, ``token_versions``).
 
 Names are imported on first use, so the driver and the info classes work without vLLM installed.
 """
@@ -22,7 +23,9 @@ __all__ = [
     "ServerError",
     "VllmFleet",
     "expected_checksums",
+    "policy_mask",
     "register",
+    "token_versions",
 ]
 
 _WHERE = {
@@ -32,7 +35,9 @@ _WHERE = {
     "ServerError": "driver",
     "VllmFleet": "driver",
     "expected_checksums": "checksums",
+    "policy_mask": "versions",
     "register": "plugin",
+    "token_versions": "versions",
 }
 
 

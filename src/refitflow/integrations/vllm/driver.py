@@ -13,12 +13,18 @@ version commits on it. A failed ``update_weights`` is followed by one ``finish_w
 worker was in doubt (it voted ready and lost the verdict, so it raised) its peers learned COMMIT and
 keep vLLM's update open; finishing commits the version on them (the others refuse it, harmlessly) and
 lets the next ``start_weight_update`` through, and the server stays paused — in either mode — until
-the next update, where the doubtful worker learns the verdict first. Needs ``httpx`` (in the ``vllm``
-extra); vLLM itself is not imported.
+the next update, where the doubtful worker learns the verdict first.
+
+``refit(v, no_drain=True, kv="keep")`` (``mode="shadow"``) updates without draining: no pause and no
+resume — start → update (answered once prepared, the servers generating all along) → finish (answered
+once swapped in between two steps). A failed update leaves every server generating its previous
+version; a server with a worker in doubt is paused then (its fence) until a later version commits.
+Needs ``httpx`` (in the ``vllm`` extra); vLLM itself is not imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,6 +69,8 @@ class VllmFleet:
     async def refit(self, version: int, *, timeout_s: float = 600.0, **update: Any) -> dict[str, EngineResult]:
         """Update every server to ``version`` (or newer); ``update``: more ``RefitflowUpdateInfo`` fields."""
         info = {"version": version, "timeout_s": timeout_s, **update}
+        if info.get("no_drain") and self.mode != "shadow":
+            raise ConfigError("no_drain updates need mode='shadow' (the previous version serves while one prepares)")
         return await each_server(self.servers, lambda name, url: self._refit_one(name, url, info, timeout_s))
 
     async def checksums(self, *, timeout_s: float = 120.0) -> dict[str, dict[str, str]]:
@@ -79,12 +87,14 @@ class VllmFleet:
 
     async def _refit_one(self, name: str, url: str, info: dict[str, Any], timeout_s: float) -> EngineResult:
         deadline = time.monotonic() + timeout_s + self.vote_timeout_s + 2 * self.request_timeout_s
-        version = info["version"]
+        version, no_drain = info["version"], bool(info.get("no_drain"))
         step, error = "pause", None
+        pause = {"mode": self.pause_mode}
         async with _client(url, self.request_timeout_s) as http:
             try:
                 with anyio.fail_after(max(deadline - time.monotonic(), 0.001)):
-                    await _post(http, "pause", None, params={"mode": self.pause_mode})
+                    if not no_drain:
+                        await _post(http, "pause", None, params=pause)
                     step = "start_weight_update"
                     await _post(http, step, None)
                     step = "update_weights"
@@ -98,11 +108,15 @@ class VllmFleet:
                 # finish it on the workers that voted COMMIT and keep it open (a peer was in doubt); the workers
                 # whose update failed refuse it, which is the usual answer (every worker failed): ignored
                 await post_step(http, "finish_weight_update", None, self.request_timeout_s)
+                if no_drain and "in doubt" in str(error):  # its workers may now hold two versions: fence it
+                    with contextlib.suppress(ServerError):
+                        await _post(http, "pause", None, params=pause, timeout=self.request_timeout_s)
             # an update that got as far as pulling may have written (vLLM answers with the first failing worker's
             # error, "in doubt" among them)
             return await settle(http, name, version, committed=error is None, error=error, paused=self.paused,
                                 wrote=step in ("update_weights", "finish_weight_update"),
-                                in_place=self.mode == "in_place", resume=("resume", None),
+                                in_place=self.mode == "in_place",
+                                resume=None if no_drain else ("resume", None),
                                 timeout_s=self.request_timeout_s)  # fmt: skip
 
     async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:

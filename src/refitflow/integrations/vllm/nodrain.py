@@ -164,4 +164,3 @@ def _swap(core: Any, drain: Drain, states: list[dict[str, Any]]) -> None:
 def has_work(core: Any) -> bool:
     """Keep the core's loop turning (not blocked on its input queue) while an update is in flight."""
     return active(core) is not None or bool(getattr(core, "_refitflow_reset_prefix", False))
-
