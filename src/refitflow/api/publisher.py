@@ -262,13 +262,15 @@ class Publisher:
         )
         return tensor.detach(), fields
 
-    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded]) -> Manifest:
+    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded], *,
+                      metadata: Mapping[str, str] | None = None) -> Manifest:  # fmt: skip
         """Register, digest and announce this rank's tensors as ``version`` (greater than the last one).
 
         ``tensors``: name -> tensor (the whole tensor), ``rf.Sharded`` (this rank's part of it), or a
         ``DTensor`` (an FSDP2 parameter: its local part, placed by its placements — ``api/_dtensor.py``;
         a rank whose chunk is empty publishes nothing for it). The tensors must stay unchanged until
-        ``await released(version)`` returns.
+        ``await released(version)`` returns. ``metadata``: this version's own entries, announced over the
+        publisher's (e.g. the base version a LoRA adapter was trained on).
         """
         if self.published and version <= self.published[-1]:
             raise VersionError(
@@ -278,6 +280,7 @@ class Publisher:
         if not isinstance(tensors, Mapping):
             raise ConfigError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
         many = len(tensors) > 1024  # then the per-tensor Python runs in a worker thread, off a busy loop
+        meta = {**self.metadata, **(metadata or {})}
 
         def specs() -> list[tuple[str, torch.Tensor, dict[str, Any]]]:  # every check before anything is registered
             held = {name: local_part(name, value) for name, value in tensors.items()}
@@ -299,7 +302,7 @@ class Publisher:
                 for (name, _, spec), digests in zip(prepared, fields, strict=True)
             )
             return Manifest(identity=self.identity, version=version, rank=self.rank, world_size=self.world_size,
-                            source=source, shards=shards, metadata=self.metadata)  # fmt: skip
+                            source=source, shards=shards, metadata=meta)  # fmt: skip
 
         async def announce(fields: list[dict[str, Any]] | None) -> Manifest:
             manifest = await off_loop(build, fields) if many else build(fields)
