@@ -14,6 +14,13 @@ prints ``RF {"ready": true}``, ``RF {"registry": address}``, then takes JSON lin
   of the LM head, the last tensor);
   ``"widen": true`` publishes a model one head wider instead (another shape than the server's).
 
+- ``{"adapter": name, "version": v, "seed": s, "base_version": b}``: a LoRA adapter (PEFT, ``LORA``: r 8, alpha
+  32, every linear of the model) with random ``A`` and ``B`` of seed ``s``, on the base weights of
+  ``"base_seed"`` (as ``seed`` above; default 0), published as version ``v`` of adapter ``name`` trained on
+  base version ``b`` (``refitflow.integrations.lora``), answered like a version, with ``"twice"``: the greedy
+  tokens had ``alpha / r`` been applied twice (a test's negative control); ``"corrupt": true`` flips one byte
+  of it after the digests were taken.
+
 Every rank writes the same registered tensors in place from version to version.
 """
 
@@ -80,6 +87,51 @@ def victim(tensors: dict[str, torch.Tensor], which: bool | str) -> torch.Tensor:
     return next(t for n, t in tensors.items() if ".0." in n and ("q_proj" in n or "linear_qkv.weight" in n))
 
 
+LORA = {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"]}  # fmt: skip
+
+
+class Adapters:
+    """The adapter commands: one ``AdapterPublisher`` per adapter name, on the boot checkpoint's model."""
+
+    def __init__(self, spec: dict[str, Any], config: tf.PretrainedConfig, registry: Any,
+                 stack: contextlib.AsyncExitStack) -> None:  # fmt: skip
+        self.spec, self.config, self.registry, self.stack = spec, config, registry, stack
+        self.publishers: dict[str, Any] = {}
+        self.held: dict[str, dict[str, torch.Tensor]] = {}
+
+    async def publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        import peft
+
+        from refitflow.integrations.lora import AdapterPublisher
+
+        base = weights(self.spec, cmd.get("base_seed", 0), self.config)  # the base version's weights
+        model = peft.get_peft_model(base, peft.LoraConfig(**LORA, lora_dropout=0.0))
+        gen = torch.Generator().manual_seed(cmd["seed"])
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        name = cmd["adapter"]
+        if name not in self.publishers:
+            config = model.peft_config["default"].to_dict()
+            self.publishers[name] = await self.stack.enter_async_context(
+                AdapterPublisher(self.registry, name=name, config=config, transport="nixl"))  # fmt: skip
+        fresh = {n: t.detach().clone() for n, t in peft.get_peft_model_state_dict(model).items()}
+        held = self.held.setdefault(name, fresh)
+        for n, t in fresh.items():
+            held[n].copy_(t)
+        await self.publishers[name].publish(cmd["version"], held, base_version=cmd["base_version"])
+        if cmd.get("corrupt"):
+            next(iter(held.values())).view(-1)[:1].view(torch.uint8)[0] ^= 0xFF
+        tokens, gaps = expected(model, self.spec)
+        for module in model.modules():  # the negative control: alpha / r applied twice
+            if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling:
+                module.scaling["default"] *= LORA["lora_alpha"] / LORA["r"]
+        twice, _ = expected(model, self.spec)
+        return {"published": cmd["version"], "expected": tokens, "gaps": gaps, "twice": twice}
+
+
 async def main() -> None:
     spec = json.loads(sys.argv[1])
     config = tf.AutoConfig.from_pretrained(spec["model_dir"])
@@ -97,10 +149,14 @@ async def main() -> None:
             ))
             for r in range(world)
         ]  # fmt: skip
+        adapters = Adapters(spec, config, server.registry, stack)
         print(PREFIX + json.dumps({"ready": True}), flush=True)
         print(PREFIX + json.dumps({"registry": server.address}), flush=True)
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
+            if "adapter" in cmd:
+                print(PREFIX + json.dumps(await adapters.publish(cmd)), flush=True)
+                continue
             if cmd.get("widen"):  # another model's shapes: fresh tensors, its layout announced
                 model = weights(spec, cmd["seed"], wide)
                 for rank, (pub, tensors) in enumerate(zip(pubs, ranks(spec, model), strict=True)):

@@ -43,8 +43,9 @@ def python() -> str:
 
 class VllmServer:
     def __init__(self, model_dir: pathlib.Path, *, dtype: str, log_path: pathlib.Path, flags: tuple[str, ...] = (),
-                 max_model_len: int = 128, **extra: str) -> None:  # fmt: skip
+                 max_model_len: int = 128, env: dict[str, str] | None = None, **extra: str) -> None:  # fmt: skip
         self.model_dir, self.dtype, self.log_path, self.max_model_len = model_dir, dtype, log_path, max_model_len
+        self.env = dict(env or {})
         self.extra = [*flags, *(a for k, v in extra.items() for a in (f"--{k.replace('_', '-')}", v))]
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -53,7 +54,7 @@ class VllmServer:
 
     async def __aenter__(self) -> Self:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   UCX_NET_DEVICES="lo", VLLM_LOGGING_LEVEL="INFO")  # fmt: skip
+                   UCX_NET_DEVICES="lo", VLLM_LOGGING_LEVEL="INFO", **self.env)  # fmt: skip
         env.pop("PYTHONPATH", None)  # the venv's own packages, refitflow installed there
         argv = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--skip-tokenizer-init",

@@ -63,6 +63,15 @@ class HfTrainer(LineChild):
         assert answer["published"] == version
         return Greedy(answer["expected"], answer["gaps"])
 
+    async def publish_adapter(self, name: str, version: int, seed: int, *, base_version: int = 0,
+                              **flags: bool | int) -> tuple[Greedy, list[int]]:  # fmt: skip
+        """Version ``version`` of LoRA adapter ``name``: the PEFT model's greedy tokens, and those it would give
+        had ``alpha / r`` been applied twice."""
+        answer = await self._ask({"adapter": name, "version": version, "seed": seed, "base_version": base_version,
+                                  **flags})  # fmt: skip
+        assert answer["published"] == version
+        return Greedy(answer["expected"], answer["gaps"]), answer["twice"]
+
     def init_info(self, **extra: Any) -> dict[str, Any]:
         fields = {"budget_bytes": 1 << 20} | extra
         info = RefitflowInitInfo(registry=self.registry, model="tiny-real", identity={"layout": self.layout}, **fields)

@@ -27,9 +27,13 @@ class Failed:
 
 
 def answering(method: str, worker: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run on each worker: its weight-transfer hook, a failure answered as a value."""
+    """Run on each worker: its weight-transfer hook (``engine.<name>``: a method of refitflow's engine), a failure
+    answered as a value."""
     try:
-        return getattr(worker, method)(*args, **kwargs)
+        owner = worker
+        if method.startswith("engine."):
+            owner, method = worker.weight_transfer_engine, method.removeprefix("engine.")
+        return getattr(owner, method)(*args, **kwargs)
     except Exception as exc:
         log.exception("refitflow: %s failed on this worker", method)
         return Failed(str(exc))
@@ -56,6 +60,7 @@ def worker_fence(worker: Any) -> dict[str, Any] | None:
     return _engine_call(worker, "gate_status")
 
 
-def worker_state(worker: Any) -> dict[str, Any] | None:
-    """Run on each worker: its no-drain update's progress, or None without a refitflow engine."""
-    return _engine_call(worker, "drain_state")
+def worker_state(worker: Any, adapter: bool = False) -> dict[str, Any] | None:
+    """Run on each worker: its no-drain update's (or adapter update's) progress, or None without a refitflow
+    engine."""
+    return _engine_call(worker, "adapter_state" if adapter else "drain_state")

@@ -33,11 +33,12 @@ import anyio
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
-from refitflow.integrations.http import ServerError, each_server, named_servers, settle
+from refitflow.integrations.http import ServerError, each_server, named_servers, server_result, settle
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
 from refitflow.integrations.http import step as post_step
-from refitflow.integrations.vllm.info import RefitflowInitInfo
+from refitflow.integrations.lora.adapter import adapter_identity, lora_name
+from refitflow.integrations.vllm.info import LORA_ROOT, RefitflowInitInfo
 
 __all__ = ["ServerError", "VllmFleet"]
 
@@ -53,6 +54,7 @@ class VllmFleet:
         self.mode, self.pause_mode, self.request_timeout_s = mode, pause_mode, request_timeout_s
         self.vote_timeout_s = vote_timeout_s  # the backend's: an update's vote may take this long after its pull
         self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
+        self.adapters: dict[str, dict[str, list[int]]] = {}  # server -> adapter -> the versions it serves by name
 
     @classmethod
     def for_backend(cls, servers: Mapping[str, str] | Sequence[str], init_info: RefitflowInitInfo) -> VllmFleet:
@@ -72,6 +74,18 @@ class VllmFleet:
         if info.get("no_drain") and self.mode != "shadow":
             raise ConfigError("no_drain updates need mode='shadow' (the previous version serves while one prepares)")
         return await each_server(self.servers, lambda name, url: self._refit_one(name, url, info, timeout_s))
+
+    async def refit_adapter(self, adapter: str, version: int, *, max_staleness: int = 1, timeout_s: float = 120.0,
+                            lora_root: str = LORA_ROOT) -> dict[str, EngineResult]:  # fmt: skip
+        """Serve LoRA ``adapter`` ``version`` on every server under its own name ``adapter@v<version>`` (vLLM started
+        with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): every worker lands it (verified, its
+        base version checked), then vLLM loads it; generation never stops. The ``max_staleness`` versions
+        before it stay served (requests naming them go on), older ones are unloaded. docs/lora.md."""
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ConfigError(f"max_staleness must be a non-negative number of versions, got {max_staleness!r}")
+        adapter_identity(adapter)  # a plain name, or a ConfigError here
+        return await each_server(self.servers, lambda name, url: self._adapter_one(
+            name, url, adapter, version, f"{lora_root.rstrip('/')}/{name}", max_staleness, timeout_s))  # fmt: skip
 
     async def checksums(self, *, timeout_s: float = 120.0) -> dict[str, dict[str, str]]:
         """Every server's ``/weight_checker`` checksums."""
@@ -118,6 +132,29 @@ class VllmFleet:
                                 in_place=self.mode == "in_place",
                                 resume=None if no_drain else ("resume", None),
                                 timeout_s=self.request_timeout_s)  # fmt: skip
+
+    async def _adapter_one(self, name: str, url: str, adapter: str, version: int, root: str, staleness: int,
+                           timeout_s: float) -> EngineResult:  # fmt: skip
+        served = self.adapters.setdefault(name, {}).setdefault(adapter, [])
+        info = {"version": version, "adapter": adapter, "lora_root": root, "keep": staleness + 1,
+                "timeout_s": timeout_s}  # fmt: skip
+        step, error = "update_weights", None
+        async with _client(url, self.request_timeout_s) as http:
+            try:
+                with anyio.fail_after(timeout_s + 2 * self.request_timeout_s):
+                    await _post(http, step, {"update_info": info}, timeout=timeout_s + self.request_timeout_s)
+                    step = "v1/load_lora_adapter"
+                    await _post(http, step, {"lora_name": lora_name(adapter, version),
+                                             "lora_path": f"{root}/{lora_name(adapter, version)}"})  # fmt: skip
+            except (ServerError, TimeoutError) as exc:
+                error = exc if isinstance(exc, ServerError) else ServerError(step, None, f"deadline of {timeout_s} s")
+            if error is None:
+                served.append(version)
+                for old in [v for v in served if v < version - staleness]:  # past the staleness: no longer named
+                    if await post_step(http, "v1/unload_lora_adapter", {"lora_name": lora_name(adapter, old)},
+                                       self.request_timeout_s) is None:  # fmt: skip
+                        served.remove(old)
+        return server_result(name, version, committed=error is None, fenced=False, error=error)
 
     async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
 

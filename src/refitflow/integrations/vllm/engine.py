@@ -37,6 +37,7 @@ from refitflow.integrations.fused_model import parameters
 from refitflow.integrations.rank_session import RankSession, SessionConfig
 from refitflow.integrations.vllm import kernels, mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
+from refitflow.integrations.vllm.lora import Landing
 from refitflow.integrations.vllm.place import Place, receiver_layout
 from refitflow.integrations.vllm.reload import LayerwiseLoad
 from refitflow.integrations.vllm.reprocessing import Reprocessing, reprocessing
@@ -54,6 +55,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.session: RankSession | None = None
+        self.landing: Landing | None = None  # LoRA adapter versions (lora.py)
         self.loader: str | None = None  # "direct" or "load_weights", chosen at init
         self.why = ""  # why that loader
         self.mode = "in_place"
@@ -83,6 +85,8 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
             init_timeout_s=init_info.init_timeout_s, receiver_options=dict(init_info.receiver_options),
         )  # fmt: skip
         self.session = RankSession.open(config, build, gloo_group=gloo)
+        self.landing = Landing(self.session, registry=init_info.registry, transport=init_info.transport,
+                               receiver_id=f"{config.receiver_id}-lora")  # fmt: skip
         self.watch = kernels.StorageWatch(self.model)
         log.info("refitflow: %s loader on %s, vote %s, mode %s", self.loader, self.place.name, vote, init_info.mode)
 
@@ -116,6 +120,20 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         pending = self._open().pending
         return {"phase": phase, "error": error, "version": None if pending is None else pending.version}
 
+    def begin_adapter(self, update_info: dict[str, Any]) -> None:
+        """Start landing a LoRA adapter version (``update_info.adapter``); the engine core polls ``adapter_state``."""
+        with self._explained("adapter update"):
+            info = self.parse_update_info(update_info)
+            if info.adapter is None:
+                raise ConfigError("begin_adapter needs update_info.adapter")
+            self._landing().begin(info)
+
+    def adapter_state(self) -> dict[str, Any]:
+        state = self._landing().state()
+        if state["error"] is not None:
+            state["error"] = self._explain("adapter update", state["error"])
+        return state
+
     def finish_weight_update(self) -> None:
         with self._explained("finish"):
             session = self._open()
@@ -146,6 +164,9 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
 
     def shutdown(self) -> None:
         session, self.session = self.session, None
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.close()
         if session is not None:
             session.close()
 
@@ -166,6 +187,11 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
     def _dtype(self) -> Any:
         """The model's activation dtype (vLLM resolves ``model_config.dtype`` to a torch dtype)."""
         return getattr(self.model_config, "dtype", None)
+
+    def _landing(self) -> Landing:
+        self._open()
+        assert self.landing is not None
+        return self.landing
 
     def _open(self) -> RankSession:
         if self.session is None:

@@ -117,7 +117,8 @@ def _patch_core(cls: type) -> None:
             try:
                 if nodrain.wanted(method, kwargs):
                     return nodrain.begin(self, timeout, args, kwargs)  # answered once prepared: steps go on
-                if method == "finish_weight_update" and nodrain.active(self) is not None:
+                drain = nodrain.active(self)
+                if method == "finish_weight_update" and drain is not None and not drain.adapter:
                     return nodrain.finish(self)  # answered once swapped in between two steps
                 return call(self, method, timeout, args, kwargs)
             finally:

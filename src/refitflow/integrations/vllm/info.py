@@ -17,6 +17,7 @@ LOADERS = ("auto", "direct", "load_weights")
 VOTES = ("auto", "none", "zmq", "gloo")
 TRANSPORTS = ("auto", "nixl")
 KV_POLICIES = ("keep", "reset_prefix", "recompute")  # what a no-drain swap does with the KV cache
+LORA_ROOT = "/dev/shm/refitflow-lora"  # tmpfs: an adapter version never touches a disk (one root per server on a host)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,9 @@ class RefitflowUpdateInfo:
     no_drain: bool = False  # shadow mode: prepare while the engine keeps generating, swap between two steps
     weight_version: str | None = None  # no_drain: the label from the swap on (default: the committed version)
     kv: str = "keep"  # no_drain, at the swap: keep the KV cache, reset the prefix cache, or recompute in flight
+    adapter: str | None = None  # a LoRA adapter's name: land exactly ``version`` of it (docs/lora.md), not weights
+    lora_root: str = LORA_ROOT  # adapter: where each worker writes it (vLLM's loader reads it from there)
+    keep: int = 2  # adapter: its newest versions kept on disk (serve no older one: vLLM may reload from disk)
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0:
@@ -82,6 +86,10 @@ class RefitflowUpdateInfo:
             raise ConfigError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
         if not isinstance(self.no_drain, bool):
             raise ConfigError(f"no_drain must be true or false, got {self.no_drain!r}")
+        if self.adapter is not None and self.no_drain:
+            raise ConfigError("an adapter update never drains: drop no_drain (it is for the base weights)")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise ConfigError(f"keep must be a positive number of adapter versions, got {self.keep!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,10 @@ The driver's sequence is vLLM's own — ``start_weight_update`` → ``update_wei
   and sets vLLM's weight-version label in the same moment: every token after it is labelled with the new
   version, every token before it with the old one (vLLM attaches the label per step).
 
+A LoRA adapter's ``update_weights`` (``"adapter"`` in the update info, ``lora.py``) takes the same path without
+vLLM's session: each worker lands the version in the background, the core answers once every worker did
+(or with the first failure), and there is no swap: the driver then names it to vLLM.
+
 While an update is in flight the core polls its workers every ``POLL_S`` between steps (idle, it does not
 block on its input queue, so the swap happens without a request to step). KV policies (``kv``): ``keep``
 (in-flight requests go on with their KV cache, computed by the old weights: the async-RL default),
@@ -26,6 +30,7 @@ with the new weights; the prefix cache is reset).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -54,6 +59,7 @@ class Drain:
     finished: Future[Any] | None = None  # the driver's finish_weight_update
     next_poll: float = 0.0
     reset_pending: bool = False  # kv="reset_prefix": a reset vLLM refused (blocks in use), retried each step
+    adapter: bool = False  # a LoRA adapter landing on every worker (``lora.py``): answered once landed, no swap
 
 
 def _info(kwargs: Any) -> dict[str, Any]:
@@ -64,8 +70,9 @@ def _info(kwargs: Any) -> dict[str, Any]:
 
 
 def wanted(method: Any, kwargs: Any) -> bool:
-    """Whether this call is a no-drain ``update_weights``."""
-    return method == "update_weights" and bool(_info(kwargs).get("no_drain"))
+    """Whether this call is a no-drain ``update_weights`` (or an adapter's, which never drains either)."""
+    info = _info(kwargs)
+    return method == "update_weights" and bool(info.get("no_drain") or info.get("adapter"))
 
 
 def active(core: Any) -> Drain | None:
@@ -76,9 +83,11 @@ def begin(core: Any, timeout: Any, args: tuple, kwargs: Any) -> Future[Any]:
     """Start a no-drain update on every worker; the future the driver's ``update_weights`` waits on."""
     if active(core) is not None:
         raise RuntimeError("refitflow: a no-drain update is already in flight: finish it first")
-    call(core, "update_weights", timeout, args, kwargs)  # each worker begins in the background, answers at once
     info = _info(kwargs)
-    drain = Drain(label=info.get("weight_version"), kv=str(info.get("kv", "keep")))
+    adapter = bool(info.get("adapter"))
+    # each worker begins in the background and answers at once
+    call(core, "engine.begin_adapter" if adapter else "update_weights", timeout, args, kwargs)
+    drain = Drain(label=info.get("weight_version"), kv=str(info.get("kv", "keep")), adapter=adapter)
     setattr(core, _ATTR, drain)
     return drain.prepared
 
@@ -107,7 +116,8 @@ def tick(core: Any, idle: bool, settled: Callable[[Any], None]) -> None:
         return
     drain.next_poll = now + POLL_S
     try:
-        states = [s or {} for s in core.model_executor.collective_rpc(worker_state, 30.0)]
+        poll = functools.partial(worker_state, adapter=drain.adapter)
+        states = [s or {} for s in core.model_executor.collective_rpc(poll, 30.0)]
     except Exception as exc:
         _fail(core, drain, f"the workers' update state could not be read: {type(exc).__name__}: {exc}")
         return
@@ -117,6 +127,11 @@ def tick(core: Any, idle: bool, settled: Callable[[Any], None]) -> None:
         settled(core)
         return
     if not all(s.get("phase") == "prepared" for s in states):
+        return
+    if drain.adapter:  # landed on every worker: the driver may name it to vLLM now
+        setattr(core, _ATTR, None)
+        log.info("refitflow: adapter version %s landed on every worker", states[0].get("version"))
+        drain.prepared.set_result([None] * len(states))
         return
     if not drain.prepared.done():
         drain.prepared.set_result([None] * len(states))
@@ -130,14 +145,16 @@ def _fail(core: Any, drain: Drain, message: str) -> None:
     worker (as vLLM closes it when ``update_weights`` raises), so the next update can start at once."""
     setattr(core, _ATTR, None)
     try:
-        call(core, "finish_weight_update", 60.0)  # nothing prepared: it only closes vLLM's session
+        if not drain.adapter:  # an adapter update opened no session
+            call(core, "finish_weight_update", 60.0)  # nothing prepared: it only closes vLLM's session
     except Exception as exc:
         log.warning("refitflow: closing vLLM's update session after the failure: %s", exc)
     error = RuntimeError(message)
     for future in (drain.prepared, drain.finished):
         if future is not None and not future.done():
             future.set_exception(error)
-    log.error("refitflow: the no-drain update failed; the previous version serves on: %s", message)
+    what = "adapter update failed (nothing was named to vLLM)" if drain.adapter else "no-drain update failed"
+    log.error("refitflow: the %s; the previous version serves on: %s", what, message)
 
 
 def _swap(core: Any, drain: Drain, states: list[dict[str, Any]]) -> None:
