@@ -2,13 +2,12 @@
 
     python bench/lora_bench.py [--rounds 5] [--hidden 512] [--layers 4]
 
-A transformers Llama saved locally boots two servers of the same model, one after the other (refitflow's
-backend; the second with ``--enable-lora``); one trainer process publishes over NIXL. Same run, ``--rounds``
-each:
+A transformers Llama saved locally boots the server (``--enable-lora``, refitflow's backend); a trainer process
+publishes over NIXL. Same server, same run, alternating, ``--rounds`` each:
 
-- **full refit** (first server): the base model's next version through ``VllmFleet.refit`` (pause(keep) →
+- **full refit**: the base model's next version through ``VllmFleet.refit`` (pause(keep) →
   start → update → finish → resume; in place);
-- **adapter refit** (second server): the next version of a PEFT adapter (r 8, alpha 32, every linear layer) through
+- **adapter refit**: the next version of a PEFT adapter (r 8, alpha 32, every linear layer) through
   ``VllmFleet.refit_adapter`` (every worker pulls it, verifies it and writes it as a PEFT directory, then
   vLLM's ``/v1/load_lora_adapter`` loads it; generation is never paused).
 
@@ -58,30 +57,27 @@ async def run(args: argparse.Namespace) -> None:
         save(model, root / "model")
         del model
         times: dict[str, list[float]] = {"full": [], "adapter": []}
-        async with HfTrainer(root / "model") as trainer:
-            # the full refits on a server without LoRA: vLLM's LoRA wrappers hide the base layers' loading layout
-            # from refitflow's reprocessing (docs/lora.md, Limits); the adapters on one started --enable-lora
-            for way, flags, env in (("full", (), {}), ("adapter", ("--enable-lora",),
-                                                        {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})):  # fmt: skip
-                lora = {"max_loras": "2", "max_lora_rank": "8"} if way == "adapter" else {}
-                server = VllmServer(root / "model", dtype="float32", log_path=root / f"vllm-{way}.log", flags=flags,
-                                    env=env, max_model_len=512, **lora)  # fmt: skip
-                async with server:
-                    init = trainer.init_info(budget_bytes=64 << 20)
-                    assert (await server.post("/init_weight_transfer_engine", init)).status_code == 200
-                    fleet = VllmFleet({"a": server.url})
-                    for version in range(1, args.rounds + 1):
-                        if way == "full":
-                            await trainer.publish(version, seed=version)
-                            t0 = time.perf_counter()
-                            assert (await fleet.refit(version))["a"].committed
-                        else:
-                            await trainer.publish_adapter("policy", version, seed=version)
-                            t0 = time.perf_counter()
-                            result = (await fleet.refit_adapter("policy", version, lora_root=str(root / "lora")))["a"]
-                            assert result.committed, result
-                        times[way].append(time.perf_counter() - t0)
-                        print(f"{way} refit {version}: {times[way][-1]:.3f} s", flush=True)
+        server = VllmServer(root / "model", dtype="float32", log_path=root / "vllm.log", flags=("--enable-lora",),
+                            env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, max_loras="2", max_lora_rank="8",
+                            max_model_len=512)  # fmt: skip
+        async with HfTrainer(root / "model") as trainer, server:
+            init = trainer.init_info(budget_bytes=64 << 20)
+            assert (await server.post("/init_weight_transfer_engine", init)).status_code == 200
+            fleet = VllmFleet({"a": server.url})
+            for version in range(1, args.rounds + 1):
+                await trainer.publish(version, seed=version)
+                t0 = time.perf_counter()
+                assert (await fleet.refit(version))["a"].committed
+                times["full"].append(time.perf_counter() - t0)
+                # an adapter trained on the base version the server now serves
+                await trainer.publish_adapter("policy", version, seed=version, base_version=version,
+                                              base_seed=version)  # fmt: skip
+                t0 = time.perf_counter()
+                result = (await fleet.refit_adapter("policy", version, lora_root=str(root / "lora")))["a"]
+                assert result.committed, result
+                times["adapter"].append(time.perf_counter() - t0)
+                print(f"round {version}: full {times['full'][-1]:.3f} s, adapter {times['adapter'][-1]:.3f} s",
+                      flush=True)  # fmt: skip
         lora_bytes = adapter_bytes(config)
         full, lora_s = statistics.median(times["full"]), statistics.median(times["adapter"])
         print(f"full refit: {full_bytes / 1e6:.1f} MB, median {full:.3f} s ({full_bytes / full / 1e9:.2f} GB/s), "

@@ -13,7 +13,7 @@ import pytest
 
 from refitflow.integrations.vllm import VllmFleet
 from tests.integrations._vllm_cpu import VllmServer
-from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, llama_checkpoint
+from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, llama_checkpoint, update
 
 DEADLINE_S = 600.0
 ADAPTER = "policy"
@@ -86,3 +86,15 @@ async def test_adapter_versions_are_served_by_name_while_the_older_ones_serve_on
             assert "trained on base version 7; this rank serves base version 0" in str(failed.ranks[0].error)
             assert (await lora_tokens(server, "policy@v4"))[0] == 404 == (await lora_tokens(server, "policy@v5"))[0]
             assert await lora_tokens(server, "policy@v3") == (200, got3)
+
+            # the base model refit to version 1 (vLLM's LoRA wrappers hold its layers): adapters trained on base 1
+            # are taken, those on base 0 refused
+            await trainer.publish(1, seed=1)
+            assert (await update(server, 1))[0] == 200
+            await trainer.publish_adapter(ADAPTER, 6, seed=6, base_version=0)
+            failed = (await fleet.refit_adapter(ADAPTER, 6, lora_root=root))["a"]
+            assert "trained on base version 0; this rank serves base version 1" in str(failed.ranks[0].error)
+            v7, _ = await trainer.publish_adapter(ADAPTER, 7, seed=7, base_version=1, base_seed=1)
+            assert (await fleet.refit_adapter(ADAPTER, 7, lora_root=root))["a"].committed
+            status, got7 = await lora_tokens(server, "policy@v7")
+            assert status == 200 and v7.matches(got7, "float32"), (got7, v7)

@@ -117,6 +117,9 @@ def _platform() -> str:
     return str(getattr(current_platform, "device_type", "") or "unknown")
 
 
+LORA_BASE = ".base_layer"
+
+
 def _method(module: torch.nn.Module) -> Any:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -164,8 +167,9 @@ def split(model: torch.nn.Module, *, reprocess_all: bool = False) -> Split:
     direct: list[tuple[str, torch.Tensor]] = []
     layers: list[KernelLayer] = []
     unloadable: dict[str, str] = {}
-    for name, module in model.named_modules():
-        method = _method(module)
+    for module_name, module in model.named_modules():
+        name = module_name.removesuffix(LORA_BASE)  # a LoRA wrapper's base layer, under the layer's own name
+        method = None if _lora_wrapper(module) else _method(module)
         own = [(f"{name}.{n}" if name else n, p) for n, p in module.named_parameters(recurse=False)]
         if method is None or (not reprocess_all and reads_as_written(method, platform)):
             direct += own
@@ -199,8 +203,16 @@ def as_at_load(methods: Iterable[Any]) -> Iterator[None]:
 
 
 def quantised_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, Any]]:
-    """Every layer with a quantisation method (what vLLM processes after loading), with it."""
-    return [(n, m, method) for n, m in model.named_modules() if (method := _method(m)) is not None]
+    """Every layer with a quantisation method (what vLLM processes after loading), with it; a LoRA wrapper's base
+    layer, not the wrapper (which answers with its base layer's method)."""
+    return [(n, m, method) for n, m in model.named_modules()
+            if not _lora_wrapper(m) and (method := _method(m)) is not None]  # fmt: skip
+
+
+def _lora_wrapper(module: torch.nn.Module) -> bool:
+    """vLLM's LoRA wrappers (``--enable-lora``) hold the layer they replaced as ``base_layer``: that one holds
+    the weights and vLLM's recorded loading layout."""
+    return isinstance(getattr(module, "base_layer", None), torch.nn.Module)
 
 
 def recorded(model: torch.nn.Module) -> bool:
@@ -321,10 +333,11 @@ class StorageWatch:
         self.at = dict(self._now())
 
     def _now(self) -> Iterator[tuple[str, int]]:
+        """Every tensor's place, named as ``split`` names them (a LoRA wrapper's base layer under the layer's name)."""
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            yield name, p.data_ptr()
+            yield name.replace(LORA_BASE + ".", "."), p.data_ptr()
         for name, b in self.model.named_buffers(remove_duplicate=False):
-            yield name, b.data_ptr()
+            yield name.replace(LORA_BASE + ".", "."), b.data_ptr()
 
     def moved(self, swapped: Mapping[str, int] | None = None) -> list[str]:
         """Names whose storage is not where it should be; ``swapped``: where refitflow's own shadow swap put
