@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import anyio
-import torch
 import transformers as tf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from refitflow.integrations.vllm import VllmFleet  # noqa: E402
 from tests.integrations._hf_trainer import LORA  # noqa: E402
 from tests.integrations._vllm_cpu import VllmServer  # noqa: E402
-from tests.integrations._vllm_real import HfTrainer, save  # noqa: E402
+from tests.integrations._vllm_real import HfTrainer, bench_llama  # noqa: E402
 
 
 def adapter_bytes(config: tf.LlamaConfig) -> int:
@@ -47,15 +46,7 @@ def adapter_bytes(config: tf.LlamaConfig) -> int:
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        torch.manual_seed(0)
-        config = tf.LlamaConfig(vocab_size=8000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                                num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                num_key_value_heads=args.hidden // 128, max_position_embeddings=512,
-                                tie_word_embeddings=False)  # fmt: skip
-        model = tf.LlamaForCausalLM(config)
-        full_bytes = sum(p.numel() for p in model.parameters()) * 4
-        save(model, root / "model")
-        del model
+        config, full_bytes = bench_llama(root / "model", hidden=args.hidden, layers=args.layers)
         times: dict[str, list[float]] = {"full": [], "adapter": []}
         server = VllmServer(root / "model", dtype="float32", log_path=root / "vllm.log", flags=("--enable-lora",),
                             env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, max_loras="2", max_lora_rank="8",

@@ -36,13 +36,11 @@ from typing import Any
 
 import anyio
 import httpx
-import torch
-import transformers as tf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.integrations._vllm_cpu import VllmServer  # noqa: E402
-from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, save  # noqa: E402
+from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, bench_llama  # noqa: E402
 
 STREAM_TOKENS = 200
 
@@ -119,15 +117,7 @@ async def ok(server: VllmServer, route: str, body: Any = None) -> float:
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        torch.manual_seed(0)
-        config = tf.LlamaConfig(vocab_size=8000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                                num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                num_key_value_heads=args.hidden // 128, max_position_embeddings=512,
-                                tie_word_embeddings=False)  # fmt: skip
-        model = tf.LlamaForCausalLM(config)
-        nbytes = sum(p.numel() for p in model.parameters()) * 4
-        save(model, root / "model")
-        del model
+        _, nbytes = bench_llama(root / "model", hidden=args.hidden, layers=args.layers)
         server = VllmServer(root / "model", dtype="float32", log_path=root / "vllm.log", flags=("--enable-scale-out",),
                             max_model_len=512)  # fmt: skip
         async with HfTrainer(root / "model") as trainer, server:

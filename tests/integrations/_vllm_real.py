@@ -16,8 +16,8 @@ from refitflow.integrations.vllm.info import RefitflowInitInfo
 from tests.integrations._vllm_cpu import VllmServer
 from tests.transports._nixl_peer import LineChild
 
-__all__ = ["PROMPT", "TIE", "TOKENS", "Greedy", "HfTrainer", "llama_checkpoint", "mixtral_checkpoint", "save",
-           "update"]  # fmt: skip
+__all__ = ["PROMPT", "TIE", "TOKENS", "Greedy", "HfTrainer", "bench_llama", "llama_checkpoint", "mixtral_checkpoint",
+           "save", "update"]  # fmt: skip
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 PROMPT, TOKENS = [1, 17, 42, 99, 7], 12
@@ -94,6 +94,19 @@ async def update(server: VllmServer, version: int, **info: Any) -> tuple[int, st
         assert finish.status_code == 200, finish.text
     await server.post("/resume")
     return answer.status_code, answer.text
+
+
+def bench_llama(path: pathlib.Path, *, hidden: int, layers: int) -> tuple[tf.LlamaConfig, int]:
+    """The benches' Llama (vocabulary 8,000, GQA, untied head; hidden 512 and 4 layers: 80 MB fp32), seed 0,
+    saved at ``path``: its config and its bytes in fp32."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=8000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                            num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                            num_key_value_heads=hidden // 128, max_position_embeddings=512,
+                            tie_word_embeddings=False)  # fmt: skip
+    model = tf.LlamaForCausalLM(config)
+    save(model, path)
+    return config, sum(p.numel() for p in model.parameters()) * 4
 
 
 def llama_checkpoint(path: pathlib.Path) -> pathlib.Path:
