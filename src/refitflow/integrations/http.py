@@ -46,8 +46,9 @@ async def post(http: Any, route: str, body: dict[str, Any] | None, *, params: di
     try:
         return response.json() if response.content else None
     except ValueError as exc:  # an answer that is not JSON (a proxy's error page, a truncated body)
-        if "json" not in response.headers.get("content-type", ""):
-            return response.text  # not meant as JSON (vLLM's LoRA routes answer in plain text)
+        kind = response.headers.get("content-type", "")
+        if "json" not in kind and "html" not in kind:
+            return response.text  # not meant as JSON (vLLM's LoRA routes answer a bare sentence)
         raise ServerError(route, response.status_code, f"not JSON: {response.text[:200]!r}") from exc
 
 
