@@ -104,10 +104,14 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
         try:
             engine.loop.run(engine._open, timeout=120.0, what="opening the refitflow publisher")
             if engine.is_sender:
+                fields = {
+                    "identity": {"layout": "hf"},
+                    "mode": init_info.mode,
+                    "shadow_commit": "swap" if init_info.mode == "shadow" else "copy",
+                    **init_info.worker_init,
+                }
                 worker = RefitflowInitInfo(registry=engine.registry_address or "", model=init_info.model,
-                                           identity={"layout": "hf"}, mode=init_info.mode,
-                                           shadow_commit="swap" if init_info.mode == "shadow" else "copy",
-                                           **init_info.worker_init)  # fmt: skip
+                                           **fields)  # fmt: skip
                 engine._call("init_weight_transfer_engine", worker.to_dict())
         except BaseException:
             engine.shutdown()
