@@ -7,6 +7,7 @@ and drives start → update (no drain) → finish; the server's greedy tokens ar
 
 from __future__ import annotations
 
+import multiprocessing
 import pathlib
 import threading
 from typing import Any
@@ -22,8 +23,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 import refitflow as rf
 from refitflow.integrations.vllm.trainer import RefitflowTrainerEngine, RefitflowTrainerInitInfo
+from tests.integrations import _trainer_api_rank
 from tests.integrations._hf_trainer import expected
-from tests.integrations._vllm_cpu import VllmServer
+from tests.integrations._vllm_cpu import VllmServer, free_ports
 from tests.integrations._vllm_real import PROMPT, TOKENS, Greedy, llama_checkpoint
 
 DEADLINE_S = 600.0
@@ -116,3 +118,39 @@ def test_the_trainer_init_info_refuses_what_cannot_work() -> None:
         RefitflowTrainerInitInfo(rank=0, mode="in_place")
     with pytest.raises(rf.ConfigError, match="pass source="):
         WeightTransferTrainerFactory.trainer_init(RefitflowTrainerInitInfo(rank=0), client=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_two_fsdp2_trainer_processes_send_their_shards_through_vllms_trainer_api(
+    llama: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Two trainer processes in a gloo group, the model ``fully_shard``-ed over them: each publishes its DTensor
+    shards (``ModuleSource``, no gather); rank 0 serves the registry and shares its address over the group."""
+    with anyio.fail_after(DEADLINE_S):
+        server = VllmServer(llama, dtype="float32", log_path=tmp_path / "vllm.log", flags=("--enable-scale-out",),
+                            max_model_len=512)  # fmt: skip
+        async with server:
+            ctx = multiprocessing.get_context("spawn")
+            queue, go = ctx.Queue(), ctx.Queue()
+            init = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+            ranks = [ctx.Process(target=_trainer_api_rank.main, args=(r, init, str(llama), server.url, queue, go))
+                     for r in range(2)]  # fmt: skip
+            for p in ranks:
+                p.start()
+            try:
+                for version in _trainer_api_rank.VERSIONS:
+                    event = await anyio.to_thread.run_sync(queue.get, True, 240)
+                    assert event[0] == "sent" and event[1] == version, event
+                    want = Greedy(event[2], event[3])
+                    got = await server.tokens(PROMPT, TOKENS)
+                    assert want.matches(got, "float32"), (version, got, want)
+                    assert (await server.http.get("/weight_info")).json() == {"weight_version": str(version)}
+                    go.put(True)
+                for p in ranks:
+                    await anyio.to_thread.run_sync(p.join, 60)
+                    assert p.exitcode == 0, p.exitcode
+                assert queue.empty()  # no rank reported a failure
+            finally:
+                for p in ranks:
+                    if p.is_alive():
+                        p.kill()

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 import torch
+from torch.distributed.tensor import Shard as TorchShard
 from vllm.distributed.weight_transfer.base import (
     ModuleSource,
     Shard,
@@ -132,7 +133,7 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
             registry = self.registry_address
         self.publisher = await self._stack.enter_async_context(rf.Publisher(
             registry, identity=rf.Identity(model=self.info.model, layout="hf"), rank=self.info.rank,
-            world_size=self.info.world_size, transport="nixl", metadata=_layout(self.source, self.info)))  # fmt: skip
+            world_size=self.info.world_size, transport="nixl"))  # fmt: skip
 
     def send_weights(self) -> None:
         version = next(self.versions)
@@ -180,7 +181,10 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
     async def _publish(self, version: int, tensors: dict[str, Any]) -> None:
         assert self.publisher is not None
         self._held[version] = [getattr(t, "tensor", t) for t in tensors.values()]  # alive until released
-        await self.publisher.publish(version, tensors)
+        # whole tensors name their HF layout (the servers map HF names through it); parts of tensors (DTensor
+        # shards, pieces) go as canonical tensors, which for HF names are the same (a layout takes whole tensors)
+        whole = not any(isinstance(t, rf.Sharded) or _sharded(t) for t in tensors.values())
+        await self.publisher.publish(version, tensors, metadata=_layout(self.source, self.info) if whole else None)
 
     async def _released(self, version: int) -> None:
         assert self.publisher is not None
@@ -220,6 +224,11 @@ def _layout(source: Any, info: RefitflowTrainerInitInfo) -> dict[str, str]:
         raise ConfigError("the servers map HF names by the model's dimensions: pass hf_config= (the model's "
                           "transformers config), or a ModuleSource over a transformers model")  # fmt: skip
     return layout_metadata("hf", hf.dims_from_config(config), Parallel())
+
+
+def _sharded(tensor: Any) -> bool:
+    """A DTensor sharded over its mesh (published as this rank's part)."""
+    return any(isinstance(p, TorchShard) for p in getattr(tensor, "placements", ()) or ())
 
 
 def _one_axis(meta: Any) -> bool:
