@@ -5,7 +5,9 @@ as local shards, never gathered for the transfer), ``HTTPVLLMWeightSyncClient`` 
 
 Per version: a step that changes every local shard in place, the gathered model's greedy tokens (rank 0, for the
 test's comparison only), ``send_weights`` on both ranks, then ``("sent", version, tokens, gaps)`` on ``queue``;
-the next version waits for the test's ``go``. A failed ``send_weights`` puts ``("failed", rank, message)``.
+the next version waits for the test's ``go``. A failed ``send_weights`` puts ``("failed", rank, message)``. After
+the last version and one more ``go`` (the test shut the server's backend down), one more ``send_weights``: it
+fails on every rank, each reports it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ def main(rank: int, init_method: str, checkpoint: str, url: str, queue: Any, go:
                     queue.put(("sent", version, tokens, gaps))
                     go.get(timeout=120)
                 dist.barrier()
+            if rank == 0:
+                go.get(timeout=120)  # the test has shut the server's refitflow backend down
+            dist.barrier()
+            try:  # the sender's failure reaches every rank over the group
+                engine.send_weights()
+                queue.put(("sent", rank, "a version the server could not take"))
+            except Exception as exc:
+                queue.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
         finally:
             engine.shutdown()
     finally:

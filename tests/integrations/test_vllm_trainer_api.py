@@ -125,7 +125,8 @@ async def test_two_fsdp2_trainer_processes_send_their_shards_through_vllms_train
     llama: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     """Two trainer processes in a gloo group, the model ``fully_shard``-ed over them: each publishes its DTensor
-    shards (``ModuleSource``, no gather); rank 0 serves the registry and shares its address over the group."""
+    shards (``ModuleSource``, no gather); rank 0 serves the registry and shares its address over the group, and
+    a server's refusal reaches both ranks."""
     with anyio.fail_after(DEADLINE_S):
         server = VllmServer(llama, dtype="float32", log_path=tmp_path / "vllm.log", flags=("--enable-scale-out",),
                             max_model_len=512)  # fmt: skip
@@ -146,10 +147,15 @@ async def test_two_fsdp2_trainer_processes_send_their_shards_through_vllms_train
                     assert want.matches(got, "float32"), (version, got, want)
                     assert (await server.http.get("/weight_info")).json() == {"weight_version": str(version)}
                     go.put(True)
+                # a server that cannot take the next version: the sender's failure reaches both ranks over the group
+                assert (await server.post("/shutdown_weight_transfer_engine")).status_code == 200
+                go.put(True)
+                failed = sorted([await anyio.to_thread.run_sync(queue.get, True, 240) for _ in range(2)])
+                assert [(e[0], e[1]) for e in failed] == [("failed", 0), ("failed", 1)], failed
+                assert all("RefitError" in e[2] and "start_weight_update failed" in e[2] for e in failed), failed
                 for p in ranks:
                     await anyio.to_thread.run_sync(p.join, 60)
                     assert p.exitcode == 0, p.exitcode
-                assert queue.empty()  # no rank reported a failure
             finally:
                 for p in ranks:
                     if p.is_alive():
