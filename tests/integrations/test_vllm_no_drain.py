@@ -110,21 +110,23 @@ async def test_a_version_swaps_in_between_two_steps_of_a_stream_and_every_token_
             assert stream.status == 200 and stream.spans == [("1", 0, STREAM)]
             assert await server.tokens(PROMPT, TOKENS) == served
 
-            # refitflow's driver, kv="recompute": the stream in flight is preempted and recomputes its KV with v3
+            # kv="recompute": the stream in flight is preempted and recomputes its KV with version 3
             v3 = await trainer.publish(3, seed=3)
-            fleet = VllmFleet({"a": server.url}, mode="shadow")
-            stream = Stream(server)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stream.run)
-                await stream.started.wait()
-                result = (await fleet.refit(3, timeout_s=60, no_drain=True, kv="recompute"))["a"]
-                assert result.committed and result.version == 3 and not fleet.paused, result
-            assert stream.status == 200 and [s[0] for s in stream.spans] == ["1", "3"], stream.spans
+            stream = await swapped_mid_stream(server, 3, kv="recompute")
+            assert [s[0] for s in stream.spans] == ["1", "3"], stream.spans
             assert v3.matches(await server.tokens(PROMPT, TOKENS), "float32")
             # what an RL loop training version 3 keeps of that stream: the tokens version 3 generated
             mask = policy_mask(stream.last["choices"][0]["weight_versions"], {"3"}, tokens=stream.count)
             swap_at = stream.spans[1][1]
             assert mask == [False] * swap_at + [True] * (STREAM - swap_at) and 20 <= swap_at < STREAM
+
+            # refitflow's driver: no pause, no resume, the version committed and labelled
+            v4 = await trainer.publish(4, seed=4)
+            fleet = VllmFleet({"a": server.url}, mode="shadow")
+            result = (await fleet.refit(4, timeout_s=60, no_drain=True))["a"]
+            assert result.committed and result.version == 4 and not fleet.paused, result
+            assert v4.matches(await server.tokens(PROMPT, TOKENS), "float32")
+            assert (await server.http.get("/weight_info")).json() == {"weight_version": "4"}
             assert swapped.spans[1][0] == "1"
 
 
