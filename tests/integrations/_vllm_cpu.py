@@ -98,8 +98,9 @@ class VllmServer:
     async def post(self, route: str, body: Any = None) -> httpx.Response:
         return await self.http.post(route, json=body)
 
-    async def completion(self, prompt: list[int], tokens: int) -> httpx.Response:
-        body = {"model": str(self.model_dir), "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
+    async def completion(self, prompt: list[int], tokens: int, model: str | None = None) -> httpx.Response:
+        """Greedy ``/v1/completions`` of ``tokens`` tokens; ``model``: a LoRA adapter's name (default: the base)."""
+        body = {"model": model or str(self.model_dir), "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
                 "temperature": 0.0, "return_token_ids": True}  # fmt: skip
         return await self.http.post("/v1/completions", json=body)
 

@@ -26,9 +26,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 async def lora_tokens(server: VllmServer, name: str) -> tuple[int, list[int]]:
     """The greedy tokens of ``PROMPT`` from the adapter served as ``name`` (status, tokens)."""
-    body = {"model": name, "prompt": PROMPT, "max_tokens": TOKENS, "min_tokens": TOKENS, "temperature": 0.0,
-            "return_token_ids": True}  # fmt: skip
-    answer = await server.http.post("/v1/completions", json=body)
+    answer = await server.completion(PROMPT, TOKENS, model=name)
     return answer.status_code, (answer.json()["choices"][0]["token_ids"] if answer.status_code == 200 else [])
 
 
