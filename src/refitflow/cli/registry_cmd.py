@@ -1,13 +1,15 @@
 """CLI entries for the registry: ``refitflow registry`` (serve until SIGINT/SIGTERM) and ``refitflow keys``.
 
 Both take the arguments that follow their sub-command. Environment variables are read here only:
-``REFITFLOW_REGISTRY_BIND``, ``REFITFLOW_REGISTRY_LEASE_S``, ``REFITFLOW_CURVE_SECRET`` (the
+``REFITFLOW_REGISTRY_BIND``, ``REFITFLOW_REGISTRY_LEASE_S``, ``REFITFLOW_REGISTRY_STORE`` (``memory`` or
+``etcd://h1:2379,h2:2379,h3:2379``), ``REFITFLOW_REGISTRY_NAMESPACE``, ``REFITFLOW_CURVE_SECRET`` (the
 server's ``.key_secret``) and ``REFITFLOW_CURVE_AUTHORIZED`` (folder of allowed clients' ``.key``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -19,6 +21,7 @@ from refitflow.cli.args import OneLineParser, positive
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.registry.address import check_address
 from refitflow.registry.embedded import Registry
+from refitflow.registry.etcd.keys import endpoints_of
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 
@@ -26,8 +29,8 @@ __all__ = ["keys_main", "registry_main"]
 
 
 def registry_main(argv: Sequence[str] | None = None) -> int:
-    """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--curve-secret F --curve-authorized D]
-    [--max-message-bytes N]``."""
+    """``refitflow registry [--bind tcp://127.0.0.1:7100] [--lease-s 10] [--store memory|etcd://h:2379,…]
+    [--namespace NAME] [--curve-secret F --curve-authorized D] [--max-message-bytes N]``."""
     env = os.environ
     parser = OneLineParser(prog="refitflow registry", description="Serve a refitflow registry over ZMQ.")
     parser.add_argument(
@@ -42,6 +45,17 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         default=env.get("REFITFLOW_REGISTRY_LEASE_S", "10"),
         help="seconds without a heartbeat before a publisher's versions stop being offered; "
         "env REFITFLOW_REGISTRY_LEASE_S",
+    )
+    parser.add_argument(
+        "--store",
+        default=env.get("REFITFLOW_REGISTRY_STORE", "memory"),
+        help="where the state lives: memory (this process; the default) or etcd://h1:2379,h2:2379,h3:2379 "
+        "(a stateless replica: run two or more on one etcd cluster); env REFITFLOW_REGISTRY_STORE",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=env.get("REFITFLOW_REGISTRY_NAMESPACE", "default"),
+        help="with --store etcd: the deployment's keys in etcd (/refitflow/NAME/); env REFITFLOW_REGISTRY_NAMESPACE",
     )
     parser.add_argument(
         "--curve-secret",
@@ -62,13 +76,18 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         check_address(args.bind)
     except ConfigError as exc:
         parser.error(f"argument --bind: {exc}")
+    if args.store != "memory":
+        try:
+            endpoints_of(args.store)
+        except ConfigError as exc:
+            parser.error(f"argument --store: memory or etcd://host:port,…: {exc}")
     try:
         security = None
         if args.curve_secret is not None:
             security = ServerSecurity(secret_key_file=Path(args.curve_secret),
                                       authorized_dir=Path(args.curve_authorized))  # fmt: skip
         limits = RegistryLimits(max_message_bytes=args.max_message_bytes)
-        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security, limits))
+        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security, limits, args.store, args.namespace))
     except RefitError as exc:
         print(f"refitflow registry: {exc}", file=sys.stderr)
         return 2
@@ -76,14 +95,26 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve_until_signalled(
-    bind: str, lease_s: float, security: ServerSecurity | None, limits: RegistryLimits
+    bind: str, lease_s: float, security: ServerSecurity | None, limits: RegistryLimits, store: str, namespace: str
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Registry.serve(bind, lease_s=lease_s, security=security, limits=limits) as server:
-        print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address})", flush=True)
+    async with contextlib.AsyncExitStack() as stack:
+        registry = None
+        if store != "memory":
+            from refitflow.registry.etcd.store import EtcdStore
+
+            registry = await stack.enter_async_context(
+                EtcdStore.open(store, namespace=namespace, lease_s=lease_s, limits=limits)
+            )
+        server = await stack.enter_async_context(
+            Registry.serve(bind, registry=registry, lease_s=lease_s, security=security, limits=limits)
+        )
+        kept = "in memory" if registry is None else f"in etcd ({store}, namespace {namespace})"
+        print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address}); "
+              f"state {kept}", flush=True)  # fmt: skip
         await stop.wait()
 
 

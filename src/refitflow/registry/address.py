@@ -11,7 +11,7 @@ import zmq
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["SCHEMES", "attach", "check_address", "no_answer_hint"]
+__all__ = ["SCHEMES", "attach", "check_address", "check_addresses", "no_answer_hint"]
 
 SCHEMES = ("tcp", "ipc", "inproc")
 _ADDRESS = re.compile(r"^(?P<scheme>[a-z]+)://(?P<rest>.+)$")
@@ -36,6 +36,19 @@ def check_address(address: object) -> str:
             raise ConfigError(f"registry address {address!r} needs a port from 1 to 65535: tcp://host:port, "
                               f"e.g. 'tcp://127.0.0.1:7100' (or port * to bind any free one)")  # fmt: skip
     return address
+
+
+def check_addresses(spec: object) -> list[str]:
+    """The replicas of one registry: ``"tcp://h1:7100,tcp://h2:7100"`` (or a list), each checked."""
+    if isinstance(spec, list | tuple):
+        found = [check_address(a) for a in spec]
+    elif isinstance(spec, str):
+        found = [check_address(a.strip()) for a in spec.split(",") if a.strip()]
+    else:
+        found = [check_address(spec)]
+    if not found:
+        raise ConfigError(f"no registry address in {spec!r}")
+    return found
 
 
 def no_answer_hint(address: str, *, curve: bool) -> str:

@@ -3,7 +3,8 @@
 The registry announces a version on the identity's topic when it becomes the newest complete (or laid
 out) one; waiters wake on ``event`` and ask again. The SUB socket is connected on first use, to the
 address the registry's ``hello`` names (reached the way the client reaches the registry), moved when a
-restarted registry announces elsewhere (subscriptions carry over).
+restarted registry announces elsewhere (subscriptions carry over). With replicas, it is connected to each
+replica the client has used (every replica announces every version: its store's watch).
 """
 
 from __future__ import annotations
@@ -21,27 +22,27 @@ __all__ = ["Announcements"]
 
 
 class Announcements:
-    def __init__(self, channel: Channel, address: str) -> None:
-        self._channel = channel
-        self._address = address
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel  # whose context and tasks the SUB socket shares
         self._sub: zmq.asyncio.Socket | None = None
-        self._sub_at = ""
+        self._sub_at: dict[str, str] = {}  # replica address -> where it announces
         self._subscribed: set[bytes] = set()
         self.event = asyncio.Event()  # set at the next announcement (a fresh one after each)
         self.count = 0  # announcements received
 
-    def subscribe(self, pub: str, identities: list[Identity]) -> None:
-        """Listen on ``pub`` (the registry's ``hello``) for ``identities``' announcements."""
-        if self._address.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
-            pub = f"{self._address.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
+    def subscribe(self, pub: str, identities: list[Identity], via: str) -> None:
+        """Listen on ``pub`` (the ``hello`` of the registry at ``via``) for ``identities``' announcements."""
+        if via.startswith("tcp://") and pub.startswith("tcp://"):  # reach it the way we reach the ROUTER
+            pub = f"{via.rsplit(':', 1)[0]}:{pub.rsplit(':', 1)[1]}"
         if self._sub is None:
             self._sub = self._channel.socket(zmq.SUB)
-            self._sub.connect(pub)
             self._channel.spawn(self._read(self._sub))
-        elif pub != self._sub_at:  # a restarted registry announcing elsewhere (subscriptions carry over)
-            self._sub.disconnect(self._sub_at)
+        old = self._sub_at.get(via)
+        if pub != old:  # a replica new to us, or a restarted one announcing elsewhere (subscriptions carry over)
+            if old is not None:
+                self._sub.disconnect(old)
             self._sub.connect(pub)
-        self._sub_at = pub
+            self._sub_at[via] = pub
         for identity in identities:
             if topic(identity) not in self._subscribed:
                 self._sub.setsockopt(zmq.SUBSCRIBE, topic(identity))

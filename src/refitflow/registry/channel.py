@@ -38,7 +38,7 @@ from refitflow.registry.address import attach, no_answer_hint
 from refitflow.registry.messages import decode_message, error_from_reply
 from refitflow.registry.security import ClientSecurity
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "NoAnswer"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,10 @@ _HANDSHAKE_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+
+class NoAnswer(RefitTimeoutError):
+    """The registry did not answer in time (as opposed to a timeout it reported): another replica may."""
 
 
 class Channel:
@@ -223,9 +227,7 @@ class Channel:
         except TimeoutError:
             self.answering = False
             hint = no_answer_hint(self.address, curve=self._security is not None)
-            raise RefitTimeoutError(
-                f"registry at {self.address} did not answer {op!r} within {deadline} s; {hint}"
-            ) from None
+            raise NoAnswer(f"registry at {self.address} did not answer {op!r} within {deadline} s; {hint}") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"registry at {self.address}: sending {op!r} failed: {exc}") from exc
         finally:

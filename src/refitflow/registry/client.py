@@ -1,7 +1,9 @@
 """A remote registry: the same coroutines as :class:`Registry`, over ZMQ (asyncio only).
 
-Requests go over one ``Channel`` (a DEALER socket with request ids: concurrent requests share it;
-every request has a deadline, and a registry that doesn't answer raises ``RefitTimeoutError``).
+Requests go over one ``Channel`` per registry replica (a DEALER socket with request ids: concurrent requests
+share it; every request has a deadline, and a registry that doesn't answer raises ``RefitTimeoutError``);
+``address`` may name several replicas of one store (``"tcp://h1:7100,tcp://h2:7100"``): a request fails
+over to the next within its deadline (``replicas``).
 ``wait_complete`` wakes on the registry's PUB announcement (SUB socket, ``announcements``) and re-asks
 every ``requery_s`` in case one was missed. Manifests are fetched once per version and cached (``fetched``).
 
@@ -30,12 +32,12 @@ from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError,
 from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import manifest_to_dict, offer_from_dict, offer_to_dict
-from refitflow.registry.address import check_address
+from refitflow.registry.address import check_addresses
 from refitflow.registry.announcements import Announcements
-from refitflow.registry.channel import Channel
 from refitflow.registry.fetched import Fetched
 from refitflow.registry.messages import identity_to_dict
 from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.replicas import Replicas
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["RegistryClient"]
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 class RegistryClient:
     def __init__(
         self,
-        address: str,
+        address: str | list[str],
         *,
         request_timeout_s: float = 5.0,
         requery_s: float = 1.0,
@@ -63,21 +65,24 @@ class RegistryClient:
             raise ConfigError("request_timeout_s, requery_s, report_wait_s and heartbeat_s must be positive seconds")
         if max_held_versions < 1:
             raise ConfigError(f"max_held_versions must be at least 1, got {max_held_versions}")
-        self.address = check_address(address)
+        addresses = check_addresses(address)
+        self.address = ",".join(addresses)
         self.request_timeout_s = request_timeout_s
         self.requery_s = requery_s
         self.heartbeat_s = heartbeat_s
         self.report_wait_s = report_wait_s
         self.max_held_versions = max_held_versions
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self._channel = Channel(address, request_timeout_s=request_timeout_s, security=security, context=context,
-                                on_restart=self._restarted)  # fmt: skip
+        self._channel = Replicas(addresses, request_timeout_s=request_timeout_s, security=security, context=context,
+                                 on_restart=self._restarted)  # fmt: skip
+        self._channel.on_failover = self._failed_over
         self._request = self._channel.request
         self._heartbeat: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # the heartbeat task has work now (a restart, a report to deliver)
         self._stale = False  # the registry may have forgotten what this client holds
-        self._announcements = Announcements(self._channel, self.address)
+        self._announcements = Announcements(self._channel.channels[0])
         self._hello: dict[str, Any] | None = None
+        self._hello_via = addresses[0]  # the replica that answered ``hello``
         self._fetched = Fetched(self._request, cache_size)
         self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
@@ -106,7 +111,12 @@ class RegistryClient:
         """The registry's ``hello`` (asked again after it restarted)."""
         if self._hello is None:
             self._hello = await self._request("hello")
+            self._hello_via = self._channel.answered_by.address
         return self._hello
+
+    def _failed_over(self) -> None:
+        """Another replica answers now: learn where it announces (``wait_complete`` subscribes there too)."""
+        self._hello = None
 
     def _restarted(self) -> None:
         """The registry restarted: re-announce what we hold, re-learn where it announces."""
@@ -263,7 +273,8 @@ class RegistryClient:
                 while True:
                     announced = self._announcements.event
                     try:  # subscribe (once) inside the loop: a registry down at first is asked again
-                        self._announcements.subscribe(str((await self.hello())["pub"]), topics)
+                        hello = await self.hello()
+                        self._announcements.subscribe(str(hello["pub"]), topics, self._hello_via)
                         pub = await self.latest(identity, min_version, compile_targets=compile_targets,
                                                 metadata=metadata, early=early)  # fmt: skip
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer

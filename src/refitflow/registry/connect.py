@@ -5,17 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from refitflow.core.errors import ConfigError
-from refitflow.registry.address import check_address
+from refitflow.registry.address import check_addresses
 
 __all__ = ["connect_registry"]
 
 
 def connect_registry(spec: Any) -> Any:
-    """An address string (``tcp://…``) becomes a ``RegistryClient``; a registry object is used as it is."""
+    """An address string (``tcp://…``; replicas: ``tcp://h1:7100,tcp://h2:7100``) becomes a ``RegistryClient``;
+    a registry object is used as it is."""
     if isinstance(spec, str):
         from refitflow.registry.client import RegistryClient
 
-        return RegistryClient(check_address(spec))
+        return RegistryClient(check_addresses(spec))
     if not callable(getattr(spec, "publish", None)) and not callable(getattr(spec, "wait_complete", None)):
         raise ConfigError(
             f"registry must be an rf.Registry, an rf.RegistryClient or an address such as 'tcp://127.0.0.1:7100', "

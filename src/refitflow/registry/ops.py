@@ -15,7 +15,7 @@ from refitflow.core.wire import manifest_from_dict, manifest_to_dict, offer_from
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.store import RegistryStore
+from refitflow.registry.store_api import Store
 
 __all__ = ["MAX_WAIT_S", "OFF_LOOP_SHARDS", "Handler"]
 
@@ -43,7 +43,7 @@ def _filters(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 class Handler:
-    def __init__(self, registry: RegistryStore, *, hello: dict[str, Any], limits: RegistryLimits,
+    def __init__(self, registry: Store, *, hello: dict[str, Any], limits: RegistryLimits,
                  announce: Callable[[dict[str, str], int], Awaitable[None]]) -> None:  # fmt: skip
         self.registry = registry
         self._hello = hello
@@ -84,7 +84,8 @@ class Handler:
     async def op_publish(self, msg: dict[str, Any]) -> Any:
         manifest = await self._manifest(msg)
         await self.registry.publish(manifest, owner=_arg(msg, "owner", str, None))
-        if self.registry.is_newest(manifest.identity, manifest.version):  # complete, or laid out (early readers)
+        # complete, or laid out (early readers); a store that announces itself does (etcd: from its watch)
+        if not self.registry.announces and self.registry.is_newest(manifest.identity, manifest.version):
             await self._announce(identity_to_dict(manifest.identity), manifest.version)
         return None
 

@@ -1,6 +1,6 @@
 """The registry as a ZMQ service: a ROUTER answers requests, a PUB announces complete versions.
 
-State and rules live in the wrapped :class:`RegistryStore`; this module only speaks the
+State and rules live in the wrapped store (``store_api.Store``: in memory, or etcd); this module only speaks the
 protocol (``messages``), admits requests (``admission``: size, requests in flight, staleness), runs
 one task per request (so long waits don't block others), expires stale leases, and never lets one
 bad message stop it serving everyone else. Every answer carries the service's *incarnation* (new at
@@ -33,6 +33,7 @@ from refitflow.registry.messages import decode_message, error_reply, identity_fr
 from refitflow.registry.ops import Handler
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.store import RegistryStore
+from refitflow.registry.store_api import Store
 
 __all__ = ["RegistryServer", "serve"]
 
@@ -45,7 +46,7 @@ _DECODE_OFF_LOOP_BYTES = 1 << 20  # a request frame larger than this is decoded 
 class RegistryServer:
     address: str  # the bound request endpoint (a ``*`` port resolved)
     pub_address: str  # where announcements are published
-    registry: RegistryStore
+    registry: Store
     incarnation: str  # new at every start: clients that see it change re-announce what they hold
 
 
@@ -68,7 +69,7 @@ def _bind_pub(pub: zmq.asyncio.Socket, address: str) -> None:
 async def serve(
     address: str = "tcp://127.0.0.1:7100",
     *,
-    registry: RegistryStore | None = None,
+    registry: Store | None = None,
     lease_s: float = 10.0,
     security: ServerSecurity | None = None,
     pub_address: str | None = None,
@@ -83,6 +84,8 @@ async def serve(
     """
     check_address(address)
     registry = registry or RegistryStore(lease_s=lease_s, limits=limits)
+    # a replicated store's replicas share one incarnation: a client failing over to another is no restart
+    incarnation = getattr(registry, "incarnation", "") or uuid.uuid4().hex
     limits = limits or registry.limits
     ctx = zmq.asyncio.Context()
     auth = None
@@ -116,11 +119,14 @@ async def serve(
             address=bound,
             pub_address=pub.getsockopt_string(zmq.LAST_ENDPOINT),
             registry=registry,
-            incarnation=uuid.uuid4().hex,
+            incarnation=incarnation,
         )
         hello = {"lease_s": registry.lease_s, "pub": server.pub_address, "protocol": PROTOCOL_VERSION,
                  "incarnation": server.incarnation, "max_message_bytes": limits.max_message_bytes}  # fmt: skip
-        handler = Handler(registry, hello=hello, limits=limits, announce=_announcer(pub))
+        announce = _announcer(pub)
+        if registry.announces:
+            registry.on_announce = announce  # type: ignore[attr-defined]
+        handler = Handler(registry, hello=hello, limits=limits, announce=announce)
         service = _Service(router, handler, Gate(limits), server.incarnation)
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
         tasks = [
@@ -216,7 +222,7 @@ def _log_crash(task: asyncio.Task[None]) -> None:
         log.error("registry: a service task failed", exc_info=task.exception())
 
 
-async def _expire_leases(registry: RegistryStore) -> None:
+async def _expire_leases(registry: Store) -> None:
     while True:
         await anyio.sleep(registry.lease_s / 4)
         stale = registry.expire()

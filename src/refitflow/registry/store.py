@@ -47,6 +47,8 @@ _EMPTY = Model()  # what a query about an unknown identity sees (queries never c
 class RegistryStore:
     """In one process. All methods are coroutines, as they are on a remote registry client."""
 
+    announces = False  # the service announces what is published through it
+
     def __init__(
         self,
         *,
@@ -90,13 +92,18 @@ class RegistryStore:
         Two-phase: a pending manifest (no digest values yet) is completed by the same manifest with its
         digests; the version is *laid out* once every rank announced it, *complete* once every rank's
         digests are in. A pending manifest after the complete one changes nothing (a late retry)."""
-        model = self._model(manifest.identity)
+        if self.admit(manifest):
+            self.record(manifest, owner=owner)
+
+    def admit(self, manifest: Manifest) -> bool:
+        """Raise if ``manifest`` is refused here; False when it changes nothing (a late retry)."""
+        model = self._peek(manifest.identity)
         version, rank = manifest.version, manifest.rank
         known = model.versions.get(version, {})
         old = known.get(rank)
         if old is not None and (manifest.pending or old.pending):
             if manifest.pending and not old.pending and old.completes(manifest):
-                return  # the pending announcement again, after its digests: a late retry
+                return False  # the pending announcement again, after its digests: a late retry
             again = manifest.pending and old.pending and old.shards == manifest.shards  # a retry (or a new address)
             if not (again or manifest.completes(old)):
                 raise VersionError(f"rank {rank} already announced this version with another layout", version=version)
@@ -108,8 +115,16 @@ class RegistryStore:
             if not known and ahead is not None and newest is not None and version > newest + ahead:
                 raise VersionError(f"more than {ahead} versions above the newest complete version {newest}",
                                    version=version)  # fmt: skip
+            (model.index.get(version) or VersionIndex()).check(manifest)
+        return True
+
+    def record(self, manifest: Manifest, *, owner: str | None = None) -> None:
+        """Hold ``manifest`` (``admit`` said yes; a replicated store's mirror applies what was admitted)."""
+        model = self._model(manifest.identity)
+        version, rank = manifest.version, manifest.rank
+        known = model.versions.get(version, {})
+        if rank not in known:
             index = model.index.get(version) or VersionIndex()
-            index.check(manifest)
             index.add(manifest)
             if not known:
                 model.versions[version], model.index[version] = known, index

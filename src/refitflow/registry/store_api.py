@@ -1,0 +1,43 @@
+"""What the registry service needs of a store: the in-memory ``RegistryStore`` or the etcd-backed ``EtcdStore``."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Protocol
+
+from refitflow.core.relay import RelayOffer
+from refitflow.core.types import Identity, Manifest, Publication
+from refitflow.registry.limits import RegistryLimits
+from refitflow.registry.release import ReleasePolicy
+
+__all__ = ["Store"]
+
+
+class Store(Protocol):
+    lease_s: float
+    limits: RegistryLimits
+    announces: bool  # True: the store announces complete versions itself (etcd: from its watch)
+
+    async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None: ...
+    def is_newest(self, identity: Identity, version: int) -> bool: ...
+    async def latest(self, identity: Identity, min_version: int = 0, *,
+                     compile_targets: Collection[str] | None = None, metadata: Mapping[str, str] | None = None,
+                     early: bool = False) -> Publication | None: ...  # fmt: skip
+    async def wait_complete(self, identity: Identity, min_version: int, timeout: float, *,
+                            compile_targets: Collection[str] | None = None, metadata: Mapping[str, str] | None = None,
+                            early: bool = False) -> Publication: ...  # fmt: skip
+    async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None: ...
+    async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
+    async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
+    async def relay_join(self, identity: Identity, version: int, receiver_id: str, *, layout: str = "",
+                         offer: RelayOffer | None = None) -> RelayOffer | None: ...  # fmt: skip
+    async def relay_leave(self, identity: Identity, receiver_id: str) -> None: ...
+    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool: ...
+    async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
+    async def wait_released(self, identity: Identity, version: int, timeout: float | None, *,
+                            policy: ReleasePolicy | None = None) -> None: ...  # fmt: skip
+    async def versions(self, identity: Identity) -> list[int]: ...
+    async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]: ...
+    async def heartbeat(self, owner: str) -> bool: ...
+    def hold_releases(self, seconds: float) -> None: ...
+    def expire(self) -> list[str]: ...

@@ -1,0 +1,174 @@
+"""The registry's state in a real etcd (one member on loopback): two replicas agree, writes are
+compare-and-set, leases live in etcd, heartbeats rewrite nothing, large manifests go in chunks, released
+versions leave etcd, and a client fails over between replicas within its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import refitflow as rf
+from refitflow.core.types import Manifest, ShardSpec, SourceAddress
+from refitflow.registry.client import RegistryClient
+from refitflow.registry.etcd.keys import CHUNK_BYTES, Keys
+from refitflow.registry.etcd.store import EtcdStore
+from tests.registry._etcd import Cluster, loopback
+from tests.registry.test_registry_client import ID, manifest
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    cluster = loopback(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield cluster  # type: ignore[misc]
+    finally:
+        cluster.close()
+
+
+@contextlib.asynccontextmanager
+async def replicas(url: str, n: int = 2, *, lease_s: float = 10.0) -> AsyncIterator[list[Any]]:
+    ns = uuid.uuid4().hex[:10]
+    async with contextlib.AsyncExitStack() as stack:
+        servers = []
+        for _ in range(n):
+            store = await stack.enter_async_context(EtcdStore.open(url, namespace=ns, lease_s=lease_s))
+            servers.append(await stack.enter_async_context(rf.Registry.serve("tcp://127.0.0.1:*", registry=store)))
+        yield servers
+
+
+def big_manifest(version: int, tensors: int) -> Manifest:
+    shards = tuple(ShardSpec(name=f"layers.{i}.weight", dtype="bfloat16", global_shape=(64, 64), axis=0, start=0,
+                             stop=64, digest="0123456789abcdef", region=0) for i in range(tensors))  # fmt: skip
+    return Manifest(identity=ID, version=version, rank=0, world_size=1, shards=shards,
+                    source=SourceAddress(transport="loopback", agent="big"))  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_two_replicas_agree_and_a_version_is_never_published_twice(etcd: Cluster) -> None:
+    with anyio.fail_after(60):
+        async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
+            assert a.incarnation == b.incarnation  # one store: moving between replicas is no restart
+            waiting = asyncio.create_task(cb.wait_complete(ID, 1, 10))  # woken by b's watch, not b's own publish
+            await asyncio.gather(ca.publish(manifest(1, 0)), cb.publish(manifest(1, 1)))  # two ranks, two replicas
+            pub = await waiting
+            assert pub.version == 1 and [m.rank for m in pub.manifests] == [0, 1]
+            assert cb.announcements >= 1
+            with pytest.raises(rf.VersionError, match="other content"):
+                await cb.publish(manifest(1, 0, digest="f" * 16))  # a's rank 0, other bytes, through b
+            with pytest.raises(rf.ManifestError, match="overlaps"):
+                bad = manifest(2, 1)
+                shard = ShardSpec(name="w", dtype="float32", global_shape=(4, 2), axis=0, start=1, stop=3,
+                                  digest="0" * 16, region=0)  # fmt: skip
+                await ca.publish(manifest(2, 0))
+                await cb.publish(Manifest(identity=ID, version=2, rank=1, world_size=2, shards=(shard,),
+                                          source=bad.source))  # fmt: skip
+            assert await ca.versions(ID) == await cb.versions(ID) == [1, 2]
+
+
+@pytest.mark.asyncio
+async def test_concurrent_publishes_through_both_replicas_lose_nothing(etcd: Cluster) -> None:
+    """Compare-and-set on the version's key: 16 versions × 2 ranks, each rank through another replica, all at
+    once; every version complete with both ranks' manifests, on both replicas."""
+    with anyio.fail_after(90):
+        async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
+            await ca.register_receiver(ID, "holder")  # never reports: every version is kept
+            await asyncio.gather(*(c.publish(manifest(v, r)) for v in range(1, 17)
+                                   for r, c in ((0, ca), (1, cb))))  # fmt: skip
+            for server in (a, b):
+                store = server.registry
+                assert await store.versions(ID) == list(range(1, 17))
+                held = store.mirror._peek(ID)
+                assert held.complete == list(range(1, 17)), server.address
+                assert all(sorted(held.versions[v]) == [0, 1] for v in range(1, 17))
+
+
+@pytest.mark.asyncio
+async def test_leases_live_in_etcd_and_heartbeats_rewrite_no_manifest(etcd: Cluster) -> None:
+    with anyio.fail_after(60):
+        async with replicas(etcd.url, lease_s=3.0) as (a, b):
+            store: EtcdStore = a.registry  # type: ignore[assignment]
+            keys = store.keys
+            client = RegistryClient(a.address, heartbeat_s=0.5)
+            await client.publish(manifest(1, 0, world=1))
+            key = keys.manifest(ID, 1, 0)
+            _, before = await store.etcd.get_prefix(key)
+            await anyio.sleep(2.0)  # four heartbeats
+            _, after = await store.etcd.get_prefix(key)
+            assert [kv.mod_revision for kv in after] == [kv.mod_revision for kv in before]  # not rewritten
+            assert before[0].lease != 0 and before[0].lease == store._owners[client.client_id]
+            assert (await b.registry.latest(ID)) is not None
+            await client.aclose()  # no more heartbeats: etcd expires the lease, every replica drops the version
+            with anyio.fail_after(15):
+                while (await b.registry.latest(ID)) is not None or (await a.registry.latest(ID)) is not None:
+                    await anyio.sleep(0.2)
+            _, left = await store.etcd.get_prefix(keys.version(ID, 1))
+            with anyio.fail_after(10):  # the version key, with no manifest left, is cleaned up too
+                while left:
+                    await anyio.sleep(0.5)
+                    _, left = await store.etcd.get_prefix(keys.version(ID, 1))
+
+
+@pytest.mark.asyncio
+async def test_a_large_manifest_is_written_once_in_chunks_below_etcds_request_limit(etcd: Cluster) -> None:
+    with anyio.fail_after(120):
+        async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
+            big = big_manifest(1, 30_000)
+            await ca.publish(big)
+            got = await cb.wait_complete(ID, 1, 30)
+            assert got.manifests[0] == big
+            store: EtcdStore = a.registry  # type: ignore[assignment]
+            _, kvs = await store.etcd.get_prefix(store.keys.manifest(ID, 1, 0))
+            assert len(kvs) > 2 and all(len(kv.value) <= CHUNK_BYTES for kv in kvs)  # a head and its chunks
+
+
+@pytest.mark.asyncio
+async def test_released_versions_leave_etcd_and_receivers_and_relays_are_shared(etcd: Cluster) -> None:
+    with anyio.fail_after(60):
+        async with replicas(etcd.url, lease_s=2.0) as (a, b), RegistryClient(a.address) as ca, \
+                RegistryClient(b.address) as cb:  # fmt: skip
+            await cb.register_receiver(ID, "r1")
+            await ca.publish(manifest(1, 0, world=1))
+            assert await ca.acked(ID, 1) == (0, 1)  # registered through b, seen through a
+            assert await ca.relay_join(ID, 1, "r1") is None  # a reader with no upstream: the trainer
+            await cb.report(ID, "r1", 1)
+            await ca.publish(manifest(2, 0, world=1))
+            await ca.wait_released(ID, 1, 10)
+            store: EtcdStore = b.registry  # type: ignore[assignment]
+            with anyio.fail_after(15):  # released and superseded: deleted from etcd by a replica's clean-up
+                while (await store.etcd.get_prefix(store.keys.version(ID, 1)))[1]:
+                    await anyio.sleep(0.2)
+            assert await cb.versions(ID) == [2]
+
+
+@pytest.mark.asyncio
+async def test_a_client_fails_over_to_the_other_replica_within_its_deadline(etcd: Cluster) -> None:
+    with anyio.fail_after(60):
+        ns = uuid.uuid4().hex[:10]
+        async with contextlib.AsyncExitStack() as stack:
+            store_b = await stack.enter_async_context(EtcdStore.open(etcd.url, namespace=ns))
+            b = await stack.enter_async_context(rf.Registry.serve("tcp://127.0.0.1:*", registry=store_b))
+            a_stack = contextlib.AsyncExitStack()
+            store_a = await a_stack.enter_async_context(EtcdStore.open(etcd.url, namespace=ns))
+            a = await a_stack.enter_async_context(rf.Registry.serve("tcp://127.0.0.1:*", registry=store_a))
+            client = await stack.enter_async_context(RegistryClient(f"{a.address},{b.address}", request_timeout_s=2.0))
+            await client.publish(manifest(1, 0))
+            await a_stack.aclose()  # replica a is gone
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await client.publish(manifest(1, 1))  # within one request's deadline, through b
+            assert loop.time() - started < 2.0 + 1.0
+            assert (await client.latest(ID)) is not None and (await store_b.latest(ID)) is not None
+            with pytest.raises(rf.ConfigError):
+                RegistryClient("tcp://127.0.0.1:1,nonsense")
+
+
+def test_keys_refuse_a_namespace_with_a_slash(tmp_path: Path) -> None:
+    with pytest.raises(rf.ManifestError):
+        Keys("a/b")
