@@ -19,6 +19,7 @@ from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.registry.client import RegistryClient
 from refitflow.registry.etcd.keys import CHUNK_BYTES, Keys
 from refitflow.registry.etcd.store import EtcdStore
+from tests.faults._util import until
 from tests.registry._etcd import Cluster, loopback
 from tests.registry.test_registry_client import ID, manifest
 
@@ -105,14 +106,16 @@ async def test_leases_live_in_etcd_and_heartbeats_rewrite_no_manifest(etcd: Clus
             assert before[0].lease != 0 and before[0].lease == store._owners[client.client_id]
             assert (await b.registry.latest(ID)) is not None
             await client.aclose()  # no more heartbeats: etcd expires the lease, every replica drops the version
-            with anyio.fail_after(15):
-                while (await b.registry.latest(ID)) is not None or (await a.registry.latest(ID)) is not None:
-                    await anyio.sleep(0.2)
-            _, left = await store.etcd.get_prefix(keys.version(ID, 1))
-            with anyio.fail_after(10):  # the version key, with no manifest left, is cleaned up too
-                while left:
-                    await anyio.sleep(0.5)
-                    _, left = await store.etcd.get_prefix(keys.version(ID, 1))
+
+            async def dropped() -> bool:
+                return (await b.registry.latest(ID)) is None and (await a.registry.latest(ID)) is None
+
+            await until(dropped, 15, "every replica drops the version of an expired lease")
+
+            async def cleaned() -> bool:  # the version key, with no manifest left, is cleaned up too
+                return not (await store.etcd.get_prefix(keys.version(ID, 1)))[1]
+
+            await until(cleaned, 10, "the version's keys leave etcd")
 
 
 @pytest.mark.asyncio
@@ -141,9 +144,11 @@ async def test_released_versions_leave_etcd_and_receivers_and_relays_are_shared(
             await ca.publish(manifest(2, 0, world=1))
             await ca.wait_released(ID, 1, 10)
             store: EtcdStore = b.registry  # type: ignore[assignment]
-            with anyio.fail_after(15):  # released and superseded: deleted from etcd by a replica's clean-up
-                while (await store.etcd.get_prefix(store.keys.version(ID, 1)))[1]:
-                    await anyio.sleep(0.2)
+
+            async def cleaned() -> bool:  # released and superseded: deleted from etcd by a replica's clean-up
+                return not (await store.etcd.get_prefix(store.keys.version(ID, 1)))[1]
+
+            await until(cleaned, 15, "the released version's keys leave etcd")
             assert await cb.versions(ID) == [2]
 
 
