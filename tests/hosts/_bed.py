@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 from typing import Any, Self
@@ -21,6 +22,7 @@ from typing import Any, Self
 import anyio
 
 from tests.hosts._netns import Host, Network
+from tests.registry._etcd import Cluster
 from tests.transports._nixl_peer import LineChild
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -49,28 +51,54 @@ class Role(LineChild):
 
 
 class Bed:
-    def __init__(self, log_dir: pathlib.Path, hosts: list[str]) -> None:
+    """``etcd``: that many etcd members, each on a host of its own (``etcd1``…), and ``replicas`` registry
+    replicas on them (hosts ``reg``, ``reg2``…; ``registry`` names them all); else one in-memory registry."""
+
+    def __init__(self, log_dir: pathlib.Path, hosts: list[str], *, etcd: int = 0, replicas: int = 1) -> None:
         self.log_dir = log_dir
         self.net = Network()
-        self.hosts = {name: self.net.host(name) for name in ["reg", *hosts]}
-        self.registry = self.hosts["reg"].tcp(REGISTRY_PORT)
+        regs = ["reg"] + [f"reg{i}" for i in range(2, replicas + 1)]
+        members = [f"etcd{i}" for i in range(1, etcd + 1)]
+        self.hosts = {name: self.net.host(name) for name in [*regs, *members, *hosts]}
+        self.replicas = [self.hosts[r].tcp(REGISTRY_PORT) for r in regs]
+        self.registry = ",".join(self.replicas)
+        self.registry_procs: list[subprocess.Popen[bytes]] = []
+        self.etcd = Cluster(log_dir, [(self.hosts[m].address, self.hosts[m].argv) for m in members]) if etcd else None
         self.roles: list[Role] = []
 
     async def __aenter__(self) -> Self:
+        if self.etcd is not None:
+            self.etcd.start()
+            await anyio.to_thread.run_sync(self.etcd.leader)
+        for i in range(len(self.replicas)):
+            await self.start_registry(i)
+        return self
+
+    async def start_registry(self, i: int) -> None:
+        """Start replica ``i`` (again) on its host."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-        proc = self.hosts["reg"].spawn([sys.executable, "-m", "refitflow", "registry", "--bind", self.registry],
-                                       stdout=subprocess.PIPE, env=env)  # fmt: skip
+        host = self.hosts["reg" if i == 0 else f"reg{i + 1}"]
+        argv = [sys.executable, "-m", "refitflow", "registry", "--bind", self.replicas[i]]
+        if self.etcd is not None:
+            argv += ["--store", self.etcd.url, "--lease-s", "5"]
+        proc = host.spawn(argv, stdout=subprocess.PIPE, env=env)
         assert proc.stdout is not None
         with anyio.fail_after(60):
             line = await anyio.to_thread.run_sync(proc.stdout.readline)
         assert b"serving at" in line, line
-        return self
+        self.registry_procs[i : i + 1] = [proc]
+
+    def kill_registry(self, i: int) -> None:
+        os.killpg(self.registry_procs[i].pid, signal.SIGKILL)
+        self.registry_procs[i].wait(10)
 
     async def __aexit__(self, *exc: object) -> None:
         with anyio.CancelScope(shield=True):
             for role in reversed(self.roles):
                 with anyio.move_on_after(15):
                     await role.__aexit__(*exc)
+            if self.etcd is not None:
+                self.etcd.close()
             self.net.close()
         assert not self.net.namespaces(), "a namespace of the test bed is left"
 
