@@ -59,7 +59,7 @@ from bench.baselines import GLOO, SHM, best_gbps, gloo_rows, memcpy_gbps, shm_ro
 from refitflow.cli.demo import run_processes
 from refitflow.cli.demo_roles import RoleConfig, publisher_role, receiver_role
 from refitflow.cli.synthetic import synthetic_nbytes, synthetic_shapes
-from refitflow.registry.embedded import Registry
+from refitflow.registry.service.embedded import Registry
 
 RAW = "raw NIXL READ into the parameters (no pipeline)"
 # row name -> (receiver mode, the trainer announces each version before its digests: two-phase publication)

@@ -30,7 +30,7 @@ import torch
 
 import refitflow as rf
 from refitflow.cli.synthetic import synthetic_model
-from refitflow.registry.connect import connect_registry
+from refitflow.registry.client.connect import connect_registry
 from refitflow.transports.base import Read, as_bytes
 from refitflow.transports.nixl import NixlTransport
 

@@ -14,7 +14,7 @@ import torch
 from refitflow.cli.demo_roles import IDENTITY, Report, RoleConfig, peak_rss_bytes, weights_digest
 from refitflow.cli.synthetic import synthetic_shapes
 from refitflow.core.types import ShardSpec
-from refitflow.registry.connect import connect_registry
+from refitflow.registry.client.connect import connect_registry
 from refitflow.transports.base import Read, as_bytes
 from refitflow.transports.nixl import NixlTransport
 

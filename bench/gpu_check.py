@@ -40,7 +40,7 @@ from bench._raw_reader import raw_reader_role  # noqa: E402
 from refitflow.api.publisher import Publisher  # noqa: E402
 from refitflow.cli.demo_roles import IDENTITY, RoleConfig, receiver_role  # noqa: E402
 from refitflow.cli.synthetic import synthetic_model, synthetic_nbytes  # noqa: E402
-from refitflow.registry.embedded import Registry  # noqa: E402
+from refitflow.registry.service.embedded import Registry  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

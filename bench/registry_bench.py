@@ -26,7 +26,7 @@ import refitflow as rf
 from refitflow.api.publisher import digest
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.core.wire import PROTOCOL_VERSION, manifest_to_dict
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 
 
 async def spawn_registry() -> tuple[asyncio.subprocess.Process, str]:

@@ -16,7 +16,7 @@ import gc
 import time
 
 import refitflow as rf
-from refitflow.registry.store import RegistryStore
+from refitflow.registry.service.store import RegistryStore
 
 ID = rf.Identity(model="bench")
 

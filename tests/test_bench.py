@@ -86,6 +86,16 @@ def test_registry_bench_runs_at_a_small_size() -> None:
     assert "cold discovery (fetch 8 manifests, 160 shards)" in done.stdout and "warm discovery" in done.stdout
 
 
+def test_the_etcd_registry_bench_runs_at_a_small_size() -> None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "bench/registry_etcd_bench.py", "--receivers", "8", "--tensors", "10", "--members", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if "ops/s" in line]
+    assert [r[0] for r in rows] == ["join", "fetch", "relay", "release", "heartbeat"] * 2, done.stdout
+    assert "60000 tensors: 5.33 MB in etcd, 6 chunk(s)" in done.stdout, done.stdout
+
+
 def test_digest_bench_runs_at_a_small_size() -> None:
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "bench/digest_bench.py", "--size-mb", "8", "--rounds", "1", "--ranks", "2"]

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 import refitflow as rf
-from refitflow.registry.ops import Handler
+from refitflow.registry.service.ops import Handler
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 

@@ -33,11 +33,11 @@ from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
-from refitflow.registry.client import RegistryClient
-from refitflow.registry.embedded import Registry
+from refitflow.registry.client.client import RegistryClient
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity, ServerSecurity
+from refitflow.registry.service.embedded import Registry
 from refitflow.stream.group import StreamGroup, stream_group
 from refitflow.stream.receiver import StreamReceiver
 from refitflow.stream.sender import StreamSender

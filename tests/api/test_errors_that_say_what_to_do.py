@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 
 
 @pytest.mark.asyncio

@@ -27,7 +27,7 @@ import anyio.to_thread
 import torch
 
 import refitflow as rf
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 from tests.transports._nixl_peer import PREFIX, LineChild
 
 IDENTITY = rf.Identity(model="faults-registry")

@@ -12,7 +12,7 @@ import pytest
 
 import refitflow as rf
 from refitflow.cli.registry_cmd import keys_main
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 from tests.registry.test_registry_client import ID, manifest
 
 

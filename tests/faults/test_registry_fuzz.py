@@ -17,7 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from refitflow.core import errors
 from refitflow.core.wire import PROTOCOL_VERSION
-from refitflow.registry.ops import Handler
+from refitflow.registry.service.ops import Handler
 from tests.registry._procs import spawn_registry, stop, sync_dealer
 from tests.registry.test_registry_hostile import ask, hostile, junk
 

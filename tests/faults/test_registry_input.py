@@ -20,9 +20,9 @@ import zmq.asyncio
 
 import refitflow as rf
 from refitflow.core.wire import PROTOCOL_VERSION
-from refitflow.registry import checks
-from refitflow.registry.client import RegistryClient
-from refitflow.registry.store import RegistryStore
+from refitflow.registry.client.client import RegistryClient
+from refitflow.registry.service import checks
+from refitflow.registry.service.store import RegistryStore
 from tests.faults._util import free_address, spawn_registry
 from tests.registry._procs import stop
 from tests.registry.test_registry_client import ID, manifest

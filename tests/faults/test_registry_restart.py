@@ -17,8 +17,8 @@ import torch
 
 import refitflow as rf
 from refitflow.core.wire import manifest_to_dict
-from refitflow.registry.channel import Channel
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.channel import Channel
+from refitflow.registry.client.client import RegistryClient
 from tests.faults._registry_children import IDENTITY, RegistryChild
 from tests.faults._util import free_address, spawn_registry, until
 from tests.registry._procs import stop

@@ -13,7 +13,7 @@ import time
 import torch
 
 import refitflow as rf
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 
 IDENTITY = rf.Identity(model="tiny-cross-process")
 

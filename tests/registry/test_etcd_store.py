@@ -16,9 +16,9 @@ import pytest
 
 import refitflow as rf
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
-from refitflow.registry.client import RegistryClient
-from refitflow.registry.etcd.keys import CHUNK_BYTES, Keys
-from refitflow.registry.etcd.store import EtcdStore
+from refitflow.registry.client.client import RegistryClient
+from refitflow.registry.service.etcd.keys import CHUNK_BYTES, Keys
+from refitflow.registry.service.etcd.store import EtcdStore
 from tests.faults._util import until
 from tests.registry._etcd import Cluster, loopback
 from tests.registry.test_registry_client import ID, manifest
@@ -177,3 +177,13 @@ async def test_a_client_fails_over_to_the_other_replica_within_its_deadline(etcd
 def test_keys_refuse_a_namespace_with_a_slash(tmp_path: Path) -> None:
     with pytest.raises(rf.ManifestError):
         Keys("a/b")
+
+
+def test_the_cli_refuses_a_store_it_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
+    from refitflow.cli.registry_cmd import registry_main
+
+    for bad in ("etcd://", "etcd://host-without-port", "redis://h:1"):
+        with pytest.raises(SystemExit) as info:
+            registry_main(["--store", bad])
+        assert info.value.code == 2
+        assert "--store" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import zmq.asyncio
 import refitflow as rf
 from refitflow.cli.registry_cmd import keys_main
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 from refitflow.registry.security import ClientSecurity, ServerSecurity
 from tests._procs import ends_within
 

@@ -33,7 +33,7 @@ from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.layouts.boxes import full
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
-from refitflow.registry.connect import connect_registry
+from refitflow.registry.client.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
 from refitflow.transports import Transport, make_transport
 

@@ -36,7 +36,7 @@ from refitflow.pipeline.graph import run_pipeline
 from refitflow.pipeline.rank import RankState
 from refitflow.pipeline.relay import Relaying
 from refitflow.pipeline.transaction import Transaction
-from refitflow.registry.connect import connect_registry
+from refitflow.registry.client.connect import connect_registry
 from refitflow.stages._context import StageContext
 from refitflow.stages.plan import PlanCache
 from refitflow.transports import Transport, make_transport

@@ -30,7 +30,7 @@ from refitflow.cli.demo_roles import RoleConfig, publisher_role, receiver_role, 
 from refitflow.cli.demo_view import DemoView
 from refitflow.cli.synthetic import synthetic_nbytes
 from refitflow.core.errors import ConfigError
-from refitflow.registry.embedded import Registry
+from refitflow.registry.service.embedded import Registry
 
 __all__ = ["MODELS", "TRANSPORTS", "DemoConfig", "run_demo", "run_processes"]
 

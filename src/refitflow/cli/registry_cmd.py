@@ -20,10 +20,10 @@ from pathlib import Path
 from refitflow.cli.args import OneLineParser, positive
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.registry.address import check_address
-from refitflow.registry.embedded import Registry
-from refitflow.registry.etcd.keys import endpoints_of
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
+from refitflow.registry.service.embedded import Registry
+from refitflow.registry.service.etcd.keys import endpoints_of
 
 __all__ = ["keys_main", "registry_main"]
 
@@ -104,7 +104,7 @@ async def _serve_until_signalled(
     async with contextlib.AsyncExitStack() as stack:
         registry = None
         if store != "memory":
-            from refitflow.registry.etcd.store import EtcdStore
+            from refitflow.registry.service.etcd.store import EtcdStore
 
             registry = await stack.enter_async_context(
                 EtcdStore.open(store, namespace=namespace, lease_s=lease_s, limits=limits)

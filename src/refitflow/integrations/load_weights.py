@@ -38,7 +38,7 @@ from refitflow.layouts.wire import resolve
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.pipeline.fence import Fence, FenceState
 from refitflow.pipeline.transaction import Ledger, Transaction
-from refitflow.registry.client import RegistryClient
+from refitflow.registry.client.client import RegistryClient
 from refitflow.transports import Read, Transport, make_transport
 
 __all__ = ["EXPERT_NAMES", "BucketLoader", "checkpoint_names", "load_weights_writer", "published_tensors"]

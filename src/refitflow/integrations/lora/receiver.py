@@ -24,7 +24,7 @@ from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import VersionError
 from refitflow.integrations.lora.adapter import adapter_identity, decode, lora_name
 from refitflow.integrations.lora.files import prune, write
-from refitflow.registry.connect import connect_registry
+from refitflow.registry.client.connect import connect_registry
 
 __all__ = ["AdapterReceiver", "Landed"]
 

@@ -28,8 +28,8 @@ from refitflow.api.publisher import Publisher, Sharded
 from refitflow.core.errors import ConfigError
 from refitflow.integrations.loop_thread import LoopThread
 from refitflow.integrations.verl.config import VerlBackendConfig
-from refitflow.registry.embedded import Registry
 from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.service.embedded import Registry
 
 __all__ = ["TrainerSide", "collect"]
 

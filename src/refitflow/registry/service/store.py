@@ -29,12 +29,12 @@ import anyio
 from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.registry.checks import VersionIndex
 from refitflow.registry.limits import RegistryLimits
-from refitflow.registry.model import Model, mark
-from refitflow.registry.near_misses import near_misses
-from refitflow.registry.relays import Relays, check_offer
 from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.service.checks import VersionIndex
+from refitflow.registry.service.model import Model, mark
+from refitflow.registry.service.near_misses import near_misses
+from refitflow.registry.service.relays import Relays, check_offer
 
 __all__ = ["RegistryStore"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from refitflow.registry.service import RegistryServer, serve
-from refitflow.registry.store import RegistryStore
+from refitflow.registry.service.server import RegistryServer, serve
+from refitflow.registry.service.store import RegistryStore
 
 __all__ = ["Registry"]
 

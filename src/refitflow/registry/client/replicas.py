@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError
-from refitflow.registry.channel import Channel, NoAnswer
+from refitflow.registry.client.channel import Channel, NoAnswer
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["Replicas"]

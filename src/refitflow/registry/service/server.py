@@ -27,13 +27,13 @@ import zmq.asyncio
 from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
 from refitflow.registry.address import check_address
-from refitflow.registry.admission import Gate, check_fresh, request_id_of
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import decode_message, error_reply, identity_from_dict, ok_reply, topic
-from refitflow.registry.ops import Handler
 from refitflow.registry.security import ServerSecurity
-from refitflow.registry.store import RegistryStore
-from refitflow.registry.store_api import Store
+from refitflow.registry.service.admission import Gate, check_fresh, request_id_of
+from refitflow.registry.service.ops import Handler
+from refitflow.registry.service.store import RegistryStore
+from refitflow.registry.service.store_api import Store
 
 __all__ = ["RegistryServer", "serve"]
 

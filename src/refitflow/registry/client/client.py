@@ -33,11 +33,11 @@ from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.address import check_addresses
-from refitflow.registry.announcements import Announcements
-from refitflow.registry.fetched import Fetched
+from refitflow.registry.client.announcements import Announcements
+from refitflow.registry.client.fetched import Fetched
+from refitflow.registry.client.replicas import Replicas
 from refitflow.registry.messages import identity_to_dict
 from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.replicas import Replicas
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["RegistryClient"]

@@ -175,17 +175,20 @@ class Etcd:
 
     # -- watch --------------------------------------------------------------------------------------
 
-    async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, list[Any]]]:
+    async def watch(self, prefix: bytes, start_revision: int, progress: asyncio.Queue[None]
+                    ) -> AsyncIterator[tuple[int, list[Any]]]:  # fmt: skip
         """(revision, events) for every change under ``prefix`` from ``start_revision`` on, from the member in
-        use; ends with ``TransportError`` when that member fails or loses its leader (watch again, elsewhere).
-        ``RevisionCompacted`` when ``start_revision`` is gone (reload, then watch from the revision read)."""
+        use; each item put in ``progress`` asks the member for a progress answer (no events: every event up to
+        that revision was delivered). Ends with ``TransportError`` when that member fails or loses its leader
+        (watch again, elsewhere); ``RevisionCompacted`` when ``start_revision`` is gone (reload)."""
         create = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, progress_notify=True))  # fmt: skip
-        stop = asyncio.Event()
+            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision))  # fmt: skip
 
         async def requests() -> AsyncIterator[Any]:
             yield create
-            await stop.wait()
+            while True:
+                await progress.get()
+                yield rpc.WatchRequest(progress_request=rpc.WatchProgressRequest())
 
         endpoint = self.current
         call = rpc.WatchStub(self._channels[self._at]).Watch(requests(), metadata=META)
@@ -199,7 +202,6 @@ class Etcd:
         except grpc.aio.AioRpcError as exc:
             raise TransportError(f"etcd {endpoint}: watch: {exc.code().name}: {exc.details()}") from exc
         finally:
-            stop.set()
             call.cancel()
         raise TransportError(f"etcd {endpoint}: the watch stream ended")
 

@@ -10,8 +10,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from refitflow.core.types import Manifest
-from refitflow.registry.checks import VersionIndex
-from refitflow.registry.relays import Relays
+from refitflow.registry.service.checks import VersionIndex
+from refitflow.registry.service.relays import Relays
 
 __all__ = ["Model", "mark", "unmark"]
 

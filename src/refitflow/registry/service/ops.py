@@ -15,7 +15,7 @@ from refitflow.core.wire import manifest_from_dict, manifest_to_dict, offer_from
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.store_api import Store
+from refitflow.registry.service.store_api import Store
 
 __all__ = ["MAX_WAIT_S", "OFF_LOOP_SHARDS", "Handler"]
 

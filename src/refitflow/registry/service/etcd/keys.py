@@ -37,6 +37,8 @@ CHUNK_BYTES = 1 << 20  # etcd refuses a request over 1.5 MiB (its default --max-
 
 def endpoints_of(url: str) -> list[str]:
     """``etcd://h1:2379,h2:2379`` → ``["h1:2379", "h2:2379"]`` (a bare ``h:p,…`` list too)."""
+    if "://" in url and not url.startswith("etcd://"):
+        raise ConfigError(f"an etcd store is etcd://host:port,host:port,…, got {url!r}")
     rest = url.removeprefix("etcd://").strip("/")
     found = [e.strip() for e in rest.split(",") if e.strip()]
     for e in found:

@@ -41,14 +41,14 @@ from refitflow.core.errors import ManifestError, RefitTimeoutError, TransportErr
 from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import decode, encode, manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
-from refitflow.registry.etcd import kv
-from refitflow.registry.etcd.keys import Keys, blob_value, chunked, endpoints_of, join_chunks
-from refitflow.registry.etcd.kv import KV, Etcd, RevisionCompacted
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
-from refitflow.registry.relays import check_offer
 from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.store import RegistryStore
+from refitflow.registry.service.etcd import kv
+from refitflow.registry.service.etcd.keys import Keys, blob_value, chunked, endpoints_of, join_chunks
+from refitflow.registry.service.etcd.kv import KV, Etcd, RevisionCompacted
+from refitflow.registry.service.relays import check_offer
+from refitflow.registry.service.store import RegistryStore
 
 __all__ = ["EtcdStore"]
 
@@ -82,6 +82,8 @@ class EtcdStore:
         self._decoding = anyio.CapacityLimiter(2)
         self._tasks: list[asyncio.Task[None]] = []
         self._watch: asyncio.Task[None] | None = None
+        self._progress: asyncio.Queue[None] = asyncio.Queue()  # progress requests to the watch
+        self._heard = 0.0  # when the watch last said anything
 
     @classmethod
     @asynccontextmanager
@@ -131,32 +133,28 @@ class EtcdStore:
             self._advanced = asyncio.Event()
 
     async def _supervise(self) -> None:
-        """Keep one watch running, and restart it on another member when it falls behind the cluster."""
-        behind_since: float | None = None
+        """Keep one watch running; ask it for progress every 0.5 s, and restart it on another member when it
+        has said nothing (no event, no progress) for 2 s: a member cut off from the majority, or stuck."""
         while True:
             if self._watch is None or self._watch.done():
+                self._heard = time.monotonic()
                 self._watch = asyncio.create_task(self._follow())
             await asyncio.sleep(0.5)
-            try:
-                current = await self.etcd.revision()
-            except RefitTimeoutError as exc:
-                log.warning("registry (etcd): no member answers: %s", exc)
-                continue
-            if self._applied >= current:
-                behind_since = None
-            elif behind_since is None:
-                behind_since = time.monotonic()
-            elif time.monotonic() - behind_since > 2.0:  # a member that serves no events (cut off): another one
-                log.warning("registry (etcd): the watch on %s is behind (%d < %d); moving it", self.etcd.current,
-                            self._applied, current)  # fmt: skip
+            self._progress.put_nowait(None)
+            if time.monotonic() - self._heard > 2.0:
+                log.warning("registry (etcd): the watch on %s is silent (at revision %d); moving it",
+                            self.etcd.current, self._applied)  # fmt: skip
                 self._watch.cancel()
                 with contextlib.suppress(BaseException):
                     await self._watch
-                self._watch, behind_since = None, None
+                self.etcd.skip()
+                self._watch = None
 
     async def _follow(self) -> None:
+        self._progress = asyncio.Queue()
         try:
-            async for revision, events in self.etcd.watch(self.keys.root, self._applied + 1):
+            async for revision, events in self.etcd.watch(self.keys.root, self._applied + 1, self._progress):
+                self._heard = time.monotonic()
                 if events:
                     for event in events:
                         item = KV.of(event.kv)
@@ -274,8 +272,10 @@ class EtcdStore:
 
     async def _write(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None
                      ) -> tuple[bool, Any]:  # fmt: skip
+        """One transaction; when it succeeded, answered once this replica's mirror applied it."""
         ok, revision, responses = await self.etcd.txn(compare, success, failure or [])
-        await self._caught_up(revision)
+        if ok:
+            await self._caught_up(revision)
         return ok, responses
 
     # -- owners and their leases ----------------------------------------------------------------------
@@ -331,10 +331,12 @@ class EtcdStore:
                 if not self.mirror.admit(manifest):
                     return
                 seen = self._vrev.get((identity, version), 0)
-                ok, _ = await self._write([kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)])
+                ok, found = await self._write([kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)],
+                                              [kv.get(vkey)])  # fmt: skip
                 if ok:
                     return
-                await self._caught_up(await self.etcd.revision())  # another replica changed the version: again
+                now = found[0].response_range.kvs  # another replica changed the version: see that, try again
+                await self._caught_up(now[0].mod_revision if now else 0)
             raise RefitTimeoutError(f"version {version}: {_CAS_TRIES} compare-and-set rounds lost", version=version)
 
         await self._with_lease(owner, write)

@@ -14,7 +14,7 @@ def connect_registry(spec: Any) -> Any:
     """An address string (``tcp://…``; replicas: ``tcp://h1:7100,tcp://h2:7100``) becomes a ``RegistryClient``;
     a registry object is used as it is."""
     if isinstance(spec, str):
-        from refitflow.registry.client import RegistryClient
+        from refitflow.registry.client.client import RegistryClient
 
         return RegistryClient(check_addresses(spec))
     if not callable(getattr(spec, "publish", None)) and not callable(getattr(spec, "wait_complete", None)):

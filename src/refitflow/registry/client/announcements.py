@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.types import Identity
-from refitflow.registry.channel import Channel
+from refitflow.registry.client.channel import Channel
 from refitflow.registry.messages import topic
 
 __all__ = ["Announcements"]
