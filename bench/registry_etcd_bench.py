@@ -25,12 +25,12 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from refitflow.registry.service.etcd.keys import CHUNK_BYTES
 
 import refitflow as rf
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.core.wire import encode, manifest_to_dict
 from refitflow.registry.client import RegistryClient
+from refitflow.registry.service.etcd.keys import CHUNK_BYTES
 from tests.registry._etcd import loopback
 
 ID = rf.Identity(model="bench")
