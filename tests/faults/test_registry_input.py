@@ -68,7 +68,11 @@ async def test_an_empty_manifest_at_a_huge_version_is_refused_and_receivers_keep
     with anyio.fail_after(60):
         async with rf.Registry.serve("tcp://127.0.0.1:*") as server, raw(server.address) as attacker:
             poison = manifest_dict(0, [], version=2**62, world_size=1)
-            assert refused(await attacker.request("publish", manifest=poison), "ManifestError", "at least one shard")
+            assert refused(
+                await attacker.request("publish", manifest=poison, owner="attacker"),
+                "ManifestError",
+                "at least one shard",
+            )
             weights, model = {"w": torch.ones(4, 3)}, {"w": torch.zeros(4, 3)}
             async with (
                 rf.Publisher(server.address, identity=identity) as pub,
@@ -95,7 +99,7 @@ async def test_an_empty_manifest_at_a_huge_version_is_refused_and_receivers_keep
 async def test_absurd_sizes_are_refused(over: dict[str, Any], words: str) -> None:
     with anyio.fail_after(30):
         async with rf.Registry.serve("tcp://127.0.0.1:*") as server, raw(server.address) as client:
-            reply = await client.request("publish", manifest=manifest_dict(0, **over))
+            reply = await client.request("publish", manifest=manifest_dict(0, **over), owner="c")
             assert refused(reply, "ManifestError", words), reply
             assert (await client.request("hello"))["ok"]
 
@@ -157,9 +161,9 @@ async def test_too_many_shards_are_refused_before_any_is_built() -> None:
     limits = rf.RegistryLimits(max_shards=1000)
     with anyio.fail_after(30):
         async with rf.Registry.serve("tcp://127.0.0.1:*", limits=limits) as server, raw(server.address) as client:
-            reply = await client.request("publish", manifest=manifest_dict(0, shards, world_size=1))
+            reply = await client.request("publish", manifest=manifest_dict(0, shards, world_size=1), owner="c")
             assert refused(reply, "ManifestError", "1001 shard specs"), reply
-            assert await client.request("publish", manifest=manifest_dict(0, shards[:1000], world_size=1))
+            assert await client.request("publish", manifest=manifest_dict(0, shards[:1000], world_size=1), owner="c")
 
 
 @pytest.mark.asyncio

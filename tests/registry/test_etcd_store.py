@@ -62,7 +62,9 @@ async def test_two_replicas_agree_and_a_version_is_never_published_twice(etcd: C
             assert pub.version == 1 and [m.rank for m in pub.manifests] == [0, 1]
             assert cb.announcements >= 1
             with pytest.raises(rf.VersionError, match="other content"):
-                await cb.publish(manifest(1, 0, digest="f" * 16))  # a's rank 0, other bytes, through b
+                await ca.publish(manifest(1, 0, digest="f" * 16))  # rank 0 again, other bytes
+            with pytest.raises(rf.VersionError, match="published by another client"):
+                await cb.publish(manifest(3, 0))  # a's rank, through b, by another client: its claim is in etcd
             with pytest.raises(rf.ManifestError, match="overlaps"):
                 bad = manifest(2, 1)
                 shard = ShardSpec(name="w", dtype="float32", global_shape=(4, 2), axis=0, start=1, stop=3,

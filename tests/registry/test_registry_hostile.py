@@ -98,7 +98,7 @@ def test_an_old_peer_and_an_old_manifest_are_refused_with_a_clear_error(dealer: 
         reply["error"] == "ManifestError"
         and f"protocol version 1 not supported (we speak {PROTOCOL_VERSION})" in (reply["message"])
     )
-    reply = request(dealer, "publish", manifest=old)  # today's envelope around a format-1 manifest
+    reply = request(dealer, "publish", owner="hostile", manifest=old)  # today's envelope around a format-1 manifest
     assert reply["error"] == "ManifestError" and "manifest format 1 is not supported" in reply["message"]
 
 
@@ -109,21 +109,33 @@ def test_extra_frames_get_a_typed_answer_and_the_registry_keeps_serving(dealer: 
 
 
 def test_overlapping_and_disagreeing_ranks_are_refused_by_name(dealer: zmq.Socket[bytes]) -> None:
-    assert request(dealer, "publish", manifest=manifest(0))["ok"]
+    assert request(dealer, "publish", owner="hostile", manifest=manifest(0))["ok"]
     overlap = request(
-        dealer, "publish", manifest=manifest(1, [["w", "float32", [8, 3], 0, 2, 6, "0" * 16, 0, 0, *NO_TILES]])
+        dealer,
+        "publish",
+        owner="hostile",
+        manifest=manifest(1, [["w", "float32", [8, 3], 0, 2, 6, "0" * 16, 0, 0, *NO_TILES]]),
     )
     assert overlap["error"] == "ManifestError" and "overlaps" in overlap["message"] and overlap["tensor"] == "w"
     shape = request(
-        dealer, "publish", manifest=manifest(1, [["w", "float32", [9, 3], 0, 4, 8, "0" * 16, 0, 0, *NO_TILES]])
+        dealer,
+        "publish",
+        owner="hostile",
+        manifest=manifest(1, [["w", "float32", [9, 3], 0, 4, 8, "0" * 16, 0, 0, *NO_TILES]]),
     )
     assert shape["error"] == "ManifestError" and "global_shape" in shape["message"]
     dtype = request(
-        dealer, "publish", manifest=manifest(1, [["w", "bfloat16", [8, 3], 0, 4, 8, "0" * 16, 0, 0, *NO_TILES]])
+        dealer,
+        "publish",
+        owner="hostile",
+        manifest=manifest(1, [["w", "bfloat16", [8, 3], 0, 4, 8, "0" * 16, 0, 0, *NO_TILES]]),
     )
     assert dtype["error"] == "ManifestError" and "dtype" in dtype["message"]
     other = request(
-        dealer, "publish", manifest=manifest(0, [["w", "float32", [8, 3], 0, 0, 4, "f" * 16, 0, 0, *NO_TILES]])
+        dealer,
+        "publish",
+        owner="hostile",
+        manifest=manifest(0, [["w", "float32", [8, 3], 0, 0, 4, "f" * 16, 0, 0, *NO_TILES]]),
     )
     assert other["error"] == "VersionError"
 
@@ -147,7 +159,7 @@ hostile = st.fixed_dictionaries({"format": st.one_of(st.just(PROTOCOL_VERSION), 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=hostile, raw=st.binary(max_size=64))
 def test_hostile_manifests_never_crash_the_registry(dealer: zmq.Socket[bytes], body: Any, raw: bytes) -> None:
-    reply = request(dealer, "publish", manifest=body)
+    reply = request(dealer, "publish", owner="hostile", manifest=body)
     assert reply["ok"] or reply["error"] in {"ManifestError", "VersionError"}, reply
     assert ask(dealer, raw)["ok"] is False
     assert request(dealer, "hello")["ok"]

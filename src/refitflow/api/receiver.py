@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 class ReceiveRegistry(Protocol):
     async def wait_complete(
         self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None,
-        early: bool = False,
+        early: bool = False, skip: Collection[int] = (),
     ) -> Publication: ...  # fmt: skip
     async def register_receiver(self, identity: Identity, receiver_id: str) -> None: ...
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
@@ -132,6 +132,7 @@ class Receiver:
         self.devices: DeviceLane = rank.devices  # refit streams and events (pipeline/device.py)
         observer.budget(0, 0, self.config.budget_bytes)  # the capacity is known before anything is staged
         self._plans = PlanCache()
+        self._unreadable: set[int] = set()  # versions whose sources this rank could not reach: passed over
         self._transport_spec = transport
         self._transport: Transport | None = None
         self._arena: StagingArenas | None = None
@@ -274,6 +275,7 @@ class Receiver:
         ctx = StageContext(
             transport=self._transport, staging=self._arena, landing=self.destination,
             limits=self.limits, devices=self.devices, observer=self.observer, fanout=self._relaying,
+            unreadable=self._unreadable,
         )  # fmt: skip
         misses = self._plans.misses
         self.budget.reset_peak()

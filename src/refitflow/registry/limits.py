@@ -17,7 +17,7 @@ __all__ = ["RegistryLimits"]
 @dataclass(frozen=True, kw_only=True)
 class RegistryLimits:
     # a request frame over this is answered ManifestError (ZMQ drops the connection of one over twice it)
-    max_message_bytes: int = 1 << 28
+    max_message_bytes: int = 1 << 26
     # requests worked on at once (long waits included); beyond it a request is answered "busy" at once
     max_in_flight: int = 1024
     # of which one client (one connection, or one CURVE key) may hold this many

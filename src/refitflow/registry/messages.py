@@ -18,6 +18,7 @@ from refitflow.core.types import Identity
 from refitflow.core.wire import PROTOCOL_VERSION, decode, encode
 
 __all__ = [
+    "check_message",
     "decode_message",
     "error_from_reply",
     "error_reply",
@@ -76,7 +77,11 @@ def error_from_reply(reply: dict[str, Any]) -> RefitError:
 
 
 def decode_message(frame: bytes) -> dict[str, Any]:
-    msg = decode(frame)
+    return check_message(decode(frame))
+
+
+def check_message(msg: Any) -> dict[str, Any]:
+    """``msg`` if it is a message of our protocol, else ``ManifestError``."""
     if not isinstance(msg, dict):
         raise ManifestError(f"a message must be a JSON object, got {type(msg).__name__}")
     v = msg.get("v")

@@ -104,7 +104,7 @@ class Fanout(Protocol):
 class Discovery(Protocol):
     async def wait_complete(
         self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None,
-        early: bool = False,
+        early: bool = False, skip: Collection[int] = (),
     ) -> Publication: ...  # fmt: skip
 
 
@@ -160,6 +160,7 @@ class StageContext:
     counts: Counts = field(default_factory=Counts)
     stats: dict[str, list[float]] = field(default_factory=dict)  # stage -> [items, bytes, busy seconds]
     unverified_bytes: int = 0  # pulled bytes no whole digest block covered
+    unreadable: set[int] = field(default_factory=set)  # versions whose sources this receiver cannot reach (kept)
 
     def connect_sources(self, pub: Publication) -> None:
         assert self.transport is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -9,7 +10,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import ObjectSendStream
 
-from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, VersionError
+from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, TransportError, VersionError
 from refitflow.core.gil import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.stages._context import Discovery, StageContext
@@ -18,6 +19,9 @@ from refitflow.stages._filter import check_compile
 __all__ = ["run"]
 
 NEAR_MISS_S = 2.0  # how long a timed-out discovery asks the registry what it holds instead
+MAX_UNREADABLE = 64  # versions a receiver remembers it cannot read (the registry's limit on ``skip``)
+
+log = logging.getLogger(__name__)
 
 
 async def run(
@@ -41,17 +45,25 @@ async def run(
         targets = ctx.limits.compile_targets
         # a version announced before its digests is read at once, except by a relay (it serves verified bytes)
         early = ctx.limits.read_early and not (ctx.fanout is not None and ctx.fanout.serve)
-        try:
-            pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=targets, early=early)
-        except RefitTimeoutError as exc:
-            raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
+        while True:
+            try:
+                pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=targets,
+                                                   early=early, skip=ctx.unreadable)  # fmt: skip
+            except RefitTimeoutError as exc:
+                raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
+            check_compile(pub, ctx.limits)
+            try:
+                if sum(len(m.shards) for m in pub.manifests) > 1000:  # an address of many regions takes ms to read
+                    await off_loop(ctx.connect_sources, pub)
+                else:
+                    ctx.connect_sources(pub)
+                break
+            except TransportError as exc:  # a source this rank cannot reach (a forged address): the next version
+                _unreadable(ctx.unreadable, pub.version)
+                log.warning("version %d is passed over: its sources cannot be reached from here: %s", pub.version,
+                            exc)  # fmt: skip
         t0 = ctx.discovered_at = time.perf_counter()
         ctx.waited_s = t0 - t_wait
-        check_compile(pub, ctx.limits)
-        if sum(len(m.shards) for m in pub.manifests) > 1000:  # an address of many regions takes ms to read
-            await off_loop(ctx.connect_sources, pub)
-        else:
-            ctx.connect_sources(pub)
         if pub.pending:  # announced before its digests: verify asks for them when it needs them
             ctx.complete = lambda: _complete(registry, pub, ctx.limits.read_timeout_s)
         begin(pub)
@@ -60,6 +72,13 @@ async def run(
         ctx.publication = pub
         ctx.note("discover", 1, 0, time.perf_counter() - t0)
         await send.send(pub)
+
+
+def _unreadable(versions: set[int], version: int) -> None:
+    """Remember ``version`` as unreadable (the newest ``MAX_UNREADABLE``: what the registry is told to skip)."""
+    versions.add(version)
+    while len(versions) > MAX_UNREADABLE:
+        versions.discard(min(versions))
 
 
 async def _complete(registry: Discovery, pending: Publication, timeout: float) -> Publication:

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
+from refitflow.core.errors import ConfigError, ManifestError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import manifest_to_dict, offer_from_dict, offer_to_dict
@@ -125,11 +125,18 @@ class RegistryClient:
         self._wake.set()
 
     async def aclose(self) -> None:
-        """Stop heartbeating, close the sockets; what this client held expires with its lease."""
+        """Stop heartbeating, close the sockets; what this client held expires with its lease. A client that
+        published says goodbye (within a second, if the registry answers): its ranks may be published by
+        another client at once."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
             self._heartbeat = None
+        if self._held and self._channel.answering and not self._channel.closed:
+            try:
+                await self._request("goodbye", timeout=min(1.0, self.request_timeout_s), owner=self.client_id)
+            except RefitError as exc:
+                log.info("registry client: goodbye not delivered (%s): the lease runs out instead", exc)
         self._fetched.cancel()
         await self._channel.aclose()
 
@@ -229,11 +236,12 @@ class RegistryClient:
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
         early: bool = False,
+        skip: Collection[int] = (),
     ) -> Publication | None:
         found = await self._request(
             "latest", identity=identity_to_dict(identity), min_version=min_version,
             compile_targets=None if compile_targets is None else list(compile_targets),
-            metadata=None if metadata is None else dict(metadata), early=early,
+            metadata=None if metadata is None else dict(metadata), early=early, skip=sorted(skip)[-64:],
         )  # fmt: skip
         return None if found is None else await self._fetched.get(found)
 
@@ -262,6 +270,7 @@ class RegistryClient:
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
         early: bool = False,
+        skip: Collection[int] = (),
     ) -> Publication:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -276,7 +285,7 @@ class RegistryClient:
                         hello = await self.hello()
                         self._announcements.subscribe(str(hello["pub"]), topics, self._hello_via)
                         pub = await self.latest(identity, min_version, compile_targets=compile_targets,
-                                                metadata=metadata, early=early)  # fmt: skip
+                                                metadata=metadata, early=early, skip=skip)  # fmt: skip
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer
                         pub, last = None, exc
                     if pub is not None:

@@ -39,7 +39,11 @@ def _filters(msg: dict[str, Any]) -> dict[str, Any]:
         raise ManifestError("compile_targets must be a list of strings")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise ManifestError("metadata filter values must be strings")
-    return {"compile_targets": targets, "metadata": metadata, "early": _arg(msg, "early", bool, False)}
+    skip = _arg(msg, "skip", list, [])
+    if len(skip) > 64 or not all(type(v) is int for v in skip):
+        raise ManifestError("skip is a list of at most 64 version numbers")
+    return {"compile_targets": targets, "metadata": metadata, "early": _arg(msg, "early", bool, False),
+            "skip": skip}  # fmt: skip
 
 
 class Handler:
@@ -47,7 +51,7 @@ class Handler:
                  announce: Callable[[dict[str, str], int], Awaitable[None]]) -> None:  # fmt: skip
         self.registry = registry
         self._hello = hello
-        self._limits = limits
+        self.limits = limits
         self._announce = announce
         self._checking = anyio.CapacityLimiter(2)  # large manifests checked at once (CPU and memory)
 
@@ -60,9 +64,9 @@ class Handler:
     async def _decode(self, d: dict[str, Any], parts: tuple[str, ...], decode: Callable[[Any], Any]) -> Any:
         """Decode a manifest or relay offer within ``max_shards`` rows; a large one in a worker thread."""
         count = sum(len(d[k]) if isinstance(d.get(k), list) else 0 for k in parts)
-        if count > self._limits.max_shards:
+        if count > self.limits.max_shards:
             raise ManifestError(f"{count} shard specs in one manifest, over the registry's limit of "
-                                f"{self._limits.max_shards}")  # fmt: skip
+                                f"{self.limits.max_shards}")  # fmt: skip
         if count <= OFF_LOOP_SHARDS:
             return decode(d)
         return await anyio.to_thread.run_sync(decode, d, limiter=self._checking)
@@ -77,13 +81,17 @@ class Handler:
     async def op_hello(self, msg: dict[str, Any]) -> Any:
         return self._hello
 
+    async def op_goodbye(self, msg: dict[str, Any]) -> Any:
+        await self.registry.goodbye(_arg(msg, "owner", str))
+
     async def op_heartbeat(self, msg: dict[str, Any]) -> Any:
         known = await self.registry.heartbeat(_arg(msg, "owner", str))
         return {"known": known, "lease_s": self.registry.lease_s}
 
     async def op_publish(self, msg: dict[str, Any]) -> Any:
+        owner = _arg(msg, "owner", str)  # a remote publish is lease-bound: it ends with its client
         manifest = await self._manifest(msg)
-        await self.registry.publish(manifest, owner=_arg(msg, "owner", str, None))
+        await self.registry.publish(manifest, owner=owner)
         # complete, or laid out (early readers); a store that announces itself does (etcd: from its watch)
         if not self.registry.announces and self.registry.is_newest(manifest.identity, manifest.version):
             await self._announce(identity_to_dict(manifest.identity), manifest.version)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import zmq
 import zmq.asyncio
 
@@ -28,9 +27,10 @@ from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.core.wire import PROTOCOL_VERSION, encode
 from refitflow.registry.address import check_address
 from refitflow.registry.limits import RegistryLimits
-from refitflow.registry.messages import decode_message, error_reply, identity_from_dict, ok_reply, topic
+from refitflow.registry.messages import error_reply, identity_from_dict, ok_reply, topic
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.admission import Gate, check_fresh, request_id_of
+from refitflow.registry.service.frames import decode_request
 from refitflow.registry.service.ops import Handler
 from refitflow.registry.service.store import RegistryStore
 from refitflow.registry.service.store_api import Store
@@ -39,7 +39,6 @@ __all__ = ["RegistryServer", "serve"]
 
 log = logging.getLogger(__name__)
 
-_DECODE_OFF_LOOP_BYTES = 1 << 20  # a request frame larger than this is decoded in a worker thread
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,10 +187,7 @@ class _Service:
     async def _answer(self, peer: bytes, client: bytes, body: bytes) -> None:
         request_id: Any = None
         try:
-            if len(body) > _DECODE_OFF_LOOP_BYTES:
-                msg = await anyio.to_thread.run_sync(decode_message, body)
-            else:
-                msg = decode_message(body)
+            msg = await decode_request(body, self.handler.limits.max_shards)
             request_id = msg.get("id")
             check_fresh(msg, self.incarnation, self._returning)
             reply = ok_reply(request_id, await self.handler.handle(msg), self._stamp())
@@ -223,8 +219,17 @@ def _log_crash(task: asyncio.Task[None]) -> None:
 
 
 async def _expire_leases(registry: Store) -> None:
+    """Every ``lease_s / 4``: expire stale leases; a tick late by more than a tenth of a lease (the registry
+    stalled: a huge frame, a paused process) first extends every lease by the delay, since heartbeats sent
+    meanwhile are still queued, unread: a lease never expires because the registry was busy."""
+    period = registry.lease_s / 4
     while True:
-        await anyio.sleep(registry.lease_s / 4)
+        before = time.monotonic()
+        await anyio.sleep(period)
+        late = time.monotonic() - before - period
+        if late > registry.lease_s / 10:
+            log.warning("registry: stalled for %.1f s; leases extended by as much", late)
+            registry.extend_leases(late)
         stale = registry.expire()
         if stale:
             log.info("registry: leases expired for %d owner(s)", len(stale))

@@ -36,9 +36,18 @@ from refitflow.registry.service.model import Model, mark
 from refitflow.registry.service.near_misses import near_misses
 from refitflow.registry.service.relays import Relays, check_offer
 
-__all__ = ["RegistryStore"]
+__all__ = ["RegistryStore", "claimed"]
 
 _DEFAULT_POLICY = ReleasePolicy()
+
+
+def claimed(manifest: Manifest, lease_s: float) -> VersionError:
+    """A publish of a rank another live client publishes: refused (a forged or a second publisher)."""
+    return VersionError(
+        f"rank {manifest.rank} of {manifest.identity.model!r} is published by another client whose lease lives: "
+        f"one publisher per rank; the other must close (or stop heartbeating for {lease_s} s) first",
+        version=manifest.version,
+    )
 
 
 _EMPTY = Model()  # what a query about an unknown identity sees (queries never create models)
@@ -66,6 +75,7 @@ class RegistryStore:
         self._leases: dict[str, float] = {}  # owner -> last heartbeat
         self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
         self._hold_until = float("-inf")
+        self._claims: dict[tuple[Identity, int], str] = {}  # (identity, rank) -> the owner publishing it
 
     def _notify(self) -> None:
         self._changed.set()
@@ -92,13 +102,16 @@ class RegistryStore:
         Two-phase: a pending manifest (no digest values yet) is completed by the same manifest with its
         digests; the version is *laid out* once every rank announced it, *complete* once every rank's
         digests are in. A pending manifest after the complete one changes nothing (a late retry)."""
-        if self.admit(manifest):
+        if self.admit(manifest, owner=owner):
             self.record(manifest, owner=owner)
 
-    def admit(self, manifest: Manifest) -> bool:
+    def admit(self, manifest: Manifest, *, owner: str | None = None) -> bool:
         """Raise if ``manifest`` is refused here; False when it changes nothing (a late retry)."""
         model = self._peek(manifest.identity)
         version, rank = manifest.version, manifest.rank
+        holder = self._claims.get((manifest.identity, rank))
+        if owner is not None and holder not in (None, owner) and holder in self._leases:
+            raise claimed(manifest, self.lease_s)
         known = model.versions.get(version, {})
         old = known.get(rank)
         if old is not None and (manifest.pending or old.pending):
@@ -134,6 +147,7 @@ class RegistryStore:
         ranks[rank] = manifest  # the same content again: its newest source address wins
         if owner is not None:
             model.owner[(version, rank)] = owner
+            self._claims[(manifest.identity, rank)] = owner
         if len(ranks) == manifest.world_size:
             mark(model.laid_out, version)
             if version not in model.completed_at and not any(m.pending for m in ranks.values()):
@@ -154,7 +168,7 @@ class RegistryStore:
 
     def _complete(
         self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None,
-        early: bool = False,
+        early: bool = False, skip: Collection[int] = (),
     ) -> Publication | None:  # fmt: skip
         best: Publication | None = None
         names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
@@ -165,6 +179,8 @@ class RegistryStore:
             for version in reversed(model.laid_out if early else model.complete):
                 if version < min_version or (best is not None and version <= best.version):
                     break
+                if version in skip:
+                    continue
                 ranks = model.versions[version]
                 manifests = tuple(ranks[r] for r in range(len(ranks)))
                 if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
@@ -181,14 +197,16 @@ class RegistryStore:
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
         early: bool = False,
+        skip: Collection[int] = (),
     ) -> Publication | None:
         """The newest complete version ≥ ``min_version``, or None.
 
         ``compile_targets``: accept any of these compile targets instead of ``identity.compile_target``;
         ``metadata``: only versions whose every manifest's metadata contains these items; ``early``: also
-        versions laid out but not complete (some rank's digests pending: ``Publication.pending``).
+        versions laid out but not complete (some rank's digests pending: ``Publication.pending``); ``skip``:
+        versions the asker cannot use (their sources unreadable to it), passed over for older ones.
         """
-        return self._complete(identity, min_version, compile_targets, metadata, early)
+        return self._complete(identity, min_version, compile_targets, metadata, early, skip)
 
     async def wait_complete(
         self,
@@ -199,13 +217,14 @@ class RegistryStore:
         compile_targets: Collection[str] | None = None,
         metadata: Mapping[str, str] | None = None,
         early: bool = False,
+        skip: Collection[int] = (),
     ) -> Publication:
         """The newest complete version ≥ ``min_version``, waiting up to ``timeout`` seconds for one
-        (``early``: or laid out, as ``latest``)."""
+        (``early``, ``skip``: as ``latest``)."""
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                pub = self._complete(identity, min_version, compile_targets, metadata, early)
+                pub = self._complete(identity, min_version, compile_targets, metadata, early, skip)
                 if pub is not None:
                     return pub
                 await changed.wait()
@@ -313,17 +332,29 @@ class RegistryStore:
         """What this registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
         return near_misses({i: m.versions for i, m in self._models.items()}, identity, min_version)
 
+    async def goodbye(self, owner: str) -> None:
+        """``owner`` closed: the ranks it published may be published by another client at once (what it
+        published stays until its lease runs out, for receivers reading it)."""
+        self._claims = {k: o for k, o in self._claims.items() if o != owner}
+
     async def heartbeat(self, owner: str) -> bool:
         """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""
         known = owner in self._leases
         self._leases[owner] = self._clock()
         return known
 
+    def extend_leases(self, seconds: float) -> None:
+        """Every lease lives ``seconds`` longer (the registry could not read heartbeats for that long)."""
+        self._leases = {o: t + seconds for o, t in self._leases.items()}
+
     def expire(self) -> list[str]:
         """Drop every owner whose lease ran out, with the manifests and receivers it held, and every
         incomplete version no owner holds once ``limits.incomplete_ttl_s`` has passed since it appeared."""
         now = self._clock()
         stale = [o for o, t in self._leases.items() if now - t > self.lease_s]
+        if stale:
+            gone = set(stale)
+            self._claims = {k: o for k, o in self._claims.items() if o not in gone}
         for owner in stale:
             del self._leases[owner]
             for identity, key, rank in self._owned.pop(owner, set()):

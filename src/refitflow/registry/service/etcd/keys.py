@@ -11,6 +11,7 @@ key                                value                                        
                                    state change of the version sets it (compare-and-set)
 ``m/<id>/<version>/r<rank>``       that rank's manifest (or the head of its chunks)    the publisher's
 ``m/<id>/<version>/r<rank>/c/…``   the chunks of a large manifest                      the publisher's
+``c/<id>/<rank>``                  the client publishing that rank (one per rank)      the publisher's
 ``r/<id>/<receiver>``              identity, the newest version the receiver is done   the receiver's
 ``x/<id>/<receiver>``              its relay join: version, layout, offer (or chunks)  the receiver's
 =================================  ==================================================  ====================
@@ -71,6 +72,9 @@ class Keys:
 
     def manifest(self, identity: Identity, version: int, rank: int) -> bytes:
         return self.version(identity, version) + f"/r{rank:06d}".encode()
+
+    def claim(self, identity: Identity, rank: int) -> bytes:
+        return self.root + f"c/{id_hash(identity)}/{rank:06d}".encode()
 
     def receiver(self, identity: Identity, receiver_id: str) -> bytes:
         return self.root + f"r/{id_hash(identity)}/".encode() + receiver_id.encode()

@@ -36,6 +36,7 @@ __all__ = [
     "mod_is",
     "prefix_end",
     "put",
+    "value_is",
 ]
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,10 @@ def get(key: bytes) -> Any:
 def mod_is(key: bytes, revision: int) -> Any:
     """The key was last changed at ``revision`` (0: it does not exist)."""
     return rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=revision)
+
+
+def value_is(key: bytes, value: bytes) -> Any:
+    return rpc.Compare(key=key, target=rpc.Compare.VALUE, result=rpc.Compare.EQUAL, value=value)
 
 
 def exists(key: bytes) -> Any:

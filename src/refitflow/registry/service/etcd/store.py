@@ -48,7 +48,7 @@ from refitflow.registry.service.etcd import kv
 from refitflow.registry.service.etcd.keys import Keys, blob_value, chunked, endpoints_of, join_chunks
 from refitflow.registry.service.etcd.kv import KV, Etcd, RevisionCompacted
 from refitflow.registry.service.relays import check_offer
-from refitflow.registry.service.store import RegistryStore
+from refitflow.registry.service.store import RegistryStore, claimed
 
 __all__ = ["EtcdStore"]
 
@@ -79,6 +79,7 @@ class EtcdStore:
         self._leases: dict[bytes, int] = {}  # manifest and receiver keys -> their lease
         self._joined: dict[tuple[Identity, str], tuple[int, Any]] = {}  # a relay join's revision and outcome
         self._announced: dict[Identity, tuple[int | None, int | None]] = {}
+        self._claims: dict[tuple[Identity, int], str] = {}  # (identity, rank) -> the owner publishing it (c/ keys)
         self._decoding = anyio.CapacityLimiter(2)
         self._tasks: list[asyncio.Task[None]] = []
         self._watch: asyncio.Task[None] | None = None
@@ -120,7 +121,7 @@ class EtcdStore:
         """Rebuild the mirror from what etcd holds now (at start, or after a compacted watch)."""
         revision, kvs = await self.etcd.get_prefix(self.keys.root)
         self.mirror._models.clear()  # the same mirror object: its waiters wake on what is loaded
-        self._owners, self._meaning, self._vrev, self._leases = {}, {}, {}, {}
+        self._owners, self._meaning, self._vrev, self._leases, self._claims = {}, {}, {}, {}, {}
         for item in sorted(kvs, key=lambda k: k.mod_revision):  # relays join in the order they joined
             await self._put(item, revision)
         self.mirror._notify()
@@ -201,6 +202,11 @@ class EtcdStore:
                 self._leases[item.key] = item.lease
                 self._meaning[item.key] = ("m", manifest.identity, (manifest.version, manifest.rank))
                 self.mirror.record(manifest)
+            elif kind == "c":
+                doc = decode(item.value)
+                claim = (identity_from_dict(doc["identity"]), int(doc["rank"]))
+                self._claims[claim] = str(doc["owner"])
+                self._meaning[item.key] = ("c", claim[0], claim[1])
             elif kind == "r":
                 doc = decode(item.value)
                 identity, rid = identity_from_dict(doc["identity"]), str(doc["receiver"])
@@ -234,6 +240,8 @@ class EtcdStore:
         model = self.mirror._peek(identity)
         if what == "o":
             self._owners.pop(detail, None)
+        elif what == "c":
+            self._claims.pop((identity, detail), None)
         elif what == "v":
             self._vrev.pop((identity, detail), None)
         elif what == "m":
@@ -306,6 +314,12 @@ class EtcdStore:
                 self._owners.pop(owner, None)
         raise AssertionError("unreachable")
 
+    async def goodbye(self, owner: str) -> None:
+        """``owner`` closed: its ranks may be published by another client at once."""
+        mine = [self.keys.claim(i, r) for (i, r), o in self._claims.items() if o == owner]
+        if mine:
+            await self._write([], [kv.delete(k) for k in mine])
+
     async def heartbeat(self, owner: str) -> bool:
         """Keep ``owner``'s lease alive; False when it had none (expired, or never held): it re-announces."""
         lease = self._owners.get(owner)
@@ -323,16 +337,24 @@ class EtcdStore:
         d = manifest_to_dict(manifest)
         head, chunks = await anyio.to_thread.run_sync(blob_value, mkey, {"manifest": d})
         vdoc = encode({"identity": identity_to_dict(identity), "version": version})
+        ckey = self.keys.claim(identity, manifest.rank)
+        cdoc = encode({"identity": identity_to_dict(identity), "rank": manifest.rank, "owner": owner})
 
         async def write(lease: int) -> None:
             for chunk_key, chunk in chunks:  # a large manifest: its chunks first (under the lease), then its head
                 await self.etcd.txn([], [kv.put(chunk_key, chunk, lease)])
             for _ in range(_CAS_TRIES):
+                holder = self._claims.get((identity, manifest.rank))
+                if owner is not None and holder not in (None, owner):
+                    raise claimed(manifest, self.lease_s)
                 if not self.mirror.admit(manifest):
                     return
                 seen = self._vrev.get((identity, version), 0)
-                ok, found = await self._write([kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)],
-                                              [kv.get(vkey)])  # fmt: skip
+                compare, success = [kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)]
+                if owner is not None:  # the rank's claim: taken now, or still this owner's (one transaction)
+                    compare.append(kv.missing(ckey) if holder is None else kv.value_is(ckey, cdoc))
+                    success.append(kv.put(ckey, cdoc, lease))
+                ok, found = await self._write(compare, success, [kv.get(vkey)])
                 if ok:
                     return
                 now = found[0].response_range.kvs  # another replica changed the version: see that, try again
@@ -394,6 +416,9 @@ class EtcdStore:
     def hold_releases(self, seconds: float) -> None:
         self.mirror.hold_releases(seconds)
 
+    def extend_leases(self, seconds: float) -> None:
+        """Nothing to do: etcd keeps the leases, and clients of a stalled replica fail over to another."""
+
     def expire(self) -> list[str]:
         """Leases expire in etcd itself (their keys go, the watch tells every replica)."""
         return []
@@ -425,15 +450,16 @@ class EtcdStore:
         return self.mirror.is_newest(identity, version)
 
     async def latest(self, identity: Identity, min_version: int = 0, *, compile_targets: Collection[str] | None = None,
-                     metadata: Mapping[str, str] | None = None, early: bool = False) -> Publication | None:  # fmt: skip
+                     metadata: Mapping[str, str] | None = None, early: bool = False,
+                     skip: Collection[int] = ()) -> Publication | None:  # fmt: skip
         return await self.mirror.latest(identity, min_version, compile_targets=compile_targets, metadata=metadata,
-                                        early=early)  # fmt: skip
+                                        early=early, skip=skip)  # fmt: skip
 
     async def wait_complete(self, identity: Identity, min_version: int, timeout: float, *,
                             compile_targets: Collection[str] | None = None, metadata: Mapping[str, str] | None = None,
-                            early: bool = False) -> Publication:  # fmt: skip
+                            early: bool = False, skip: Collection[int] = ()) -> Publication:  # fmt: skip
         return await self.mirror.wait_complete(identity, min_version, timeout, compile_targets=compile_targets,
-                                               metadata=metadata, early=early)  # fmt: skip
+                                               metadata=metadata, early=early, skip=skip)  # fmt: skip
 
     async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
         return await self.mirror.is_released(identity, version, policy=policy)
