@@ -40,7 +40,6 @@ __all__ = ["RegistryServer", "serve"]
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class RegistryServer:
     address: str  # the bound request endpoint (a ``*`` port resolved)
