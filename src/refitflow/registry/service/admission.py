@@ -39,8 +39,9 @@ class Gate:
         self._count = 0
         self._bytes = 0
         self._per_client: dict[bytes, int] = {}
+        self._per_host: dict[bytes, int] = {}
 
-    def admit(self, client: bytes, nbytes: int) -> RefitError | None:
+    def admit(self, client: bytes, host: bytes, nbytes: int) -> RefitError | None:
         """None and counted (call ``done`` later), or the error to answer at once."""
         limits = self._limits
         if nbytes > limits.max_message_bytes:
@@ -49,21 +50,26 @@ class Gate:
         held = self._per_client.get(client, 0)
         if held >= limits.max_in_flight_per_client:
             return RefitTimeoutError(f"registry busy: this client has {held} requests in flight, try again")
+        on_host = self._per_host.get(host, 0)
+        if on_host >= limits.per_host:
+            return RefitTimeoutError(f"registry busy: this client's host has {on_host} requests in flight, try again")
         if self._count >= limits.max_in_flight or self._bytes + nbytes > limits.max_in_flight_bytes:
             return RefitTimeoutError("registry busy: too many requests in flight, try again")
         self._count += 1
         self._bytes += nbytes
         self._per_client[client] = held + 1
+        self._per_host[host] = on_host + 1
         return None
 
-    def done(self, client: bytes, nbytes: int) -> None:
+    def done(self, client: bytes, host: bytes, nbytes: int) -> None:
         self._count -= 1
         self._bytes -= nbytes
-        left = self._per_client[client] - 1
-        if left:
-            self._per_client[client] = left
-        else:
-            del self._per_client[client]
+        for counts, key in ((self._per_client, client), (self._per_host, host)):
+            left = counts[key] - 1
+            if left:
+                counts[key] = left
+            else:
+                del counts[key]
 
 
 def check_fresh(msg: dict[str, Any], incarnation: str, on_returning: Callable[[], None]) -> None:

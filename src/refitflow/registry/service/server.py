@@ -11,6 +11,7 @@ its requests in this registry's time.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 import uuid
@@ -176,14 +177,14 @@ class _Service:
                     tg.start_soon(self._send, peer, error_reply(None, why, self._stamp()))
                     continue
                 body = frames[1].bytes
-                client = _client_key(frames[1]) or peer
-                refused = self.gate.admit(client, len(body))
+                client, host = _sender(frames[1], peer)
+                refused = self.gate.admit(client, host, len(body))
                 if refused is not None:
                     tg.start_soon(self._send, peer, error_reply(request_id_of(body), refused, self._stamp()))
                     continue
-                tg.start_soon(self._answer, peer, client, body)
+                tg.start_soon(self._answer, peer, client, host, body)
 
-    async def _answer(self, peer: bytes, client: bytes, body: bytes) -> None:
+    async def _answer(self, peer: bytes, client: bytes, host: bytes, body: bytes) -> None:
         request_id: Any = None
         try:
             msg = await decode_request(body, self.handler.limits.max_shards)
@@ -193,7 +194,7 @@ class _Service:
         except Exception as exc:  # every failure becomes an error reply; the service keeps serving
             reply = error_reply(request_id, exc, self._stamp())
         finally:
-            self.gate.done(client, len(body))
+            self.gate.done(client, host, len(body))
         await self._send(peer, reply)
 
     async def _send(self, peer: bytes, reply: bytes) -> None:
@@ -203,13 +204,29 @@ class _Service:
             log.info("registry: reply to a departed peer dropped: %s", exc)
 
 
-def _client_key(frame: zmq.Frame) -> bytes | None:
-    """Who sent a frame, for the per-client limit: its CURVE public key where CURVE is on."""
+def _sender(frame: zmq.Frame, peer: bytes) -> tuple[bytes, bytes]:
+    """Who sent a frame, for the limits: (client, host). The client is its connection, or its CURVE key and
+    host where CURVE is on (one key may serve many processes); the host, the IP address it came from (many
+    sockets from one host share the per-host quota)."""
+
+    def prop(name: str) -> str:
+        try:
+            value = frame.get(name)
+        except zmq.ZMQError:
+            return ""
+        return value if isinstance(value, str) else ""
+
+    key, address = prop("User-Id"), prop("Peer-Address")
+    # loopback: the registry's own machine (whoever is there can do worse): each connection its own "host"
+    host = b"host:" + address.encode() if address and not _loopback(address) else peer
+    return (b"key:" + key.encode() + b"|" + host if key else peer), host
+
+
+def _loopback(address: str) -> bool:
     try:
-        user = frame.get("User-Id")
-    except zmq.ZMQError:
-        return None
-    return b"key:" + user.encode() if isinstance(user, str) and user else None
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

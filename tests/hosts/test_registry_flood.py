@@ -1,0 +1,39 @@
+"""Fair slots: nine flooding sockets from one host (each up to its 128 requests in flight: 1,152, more than
+the registry's 1,024) leave a client on another host served at once — the host's sockets share one quota of
+half the slots. The registry, the flooder and the client each run on a simulated host of their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import anyio
+import pytest
+
+from tests.hosts._netns import network
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.asyncio
+async def test_many_sockets_from_one_host_leave_the_other_hosts_served() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    with anyio.fail_after(120), network() as net:
+        reg, evil, good = net.host("reg"), net.host("evil"), net.host("good")
+        address = reg.tcp(7100)
+        registry = reg.spawn([sys.executable, "-m", "refitflow", "registry", "--bind", address],
+                             stdout=subprocess.PIPE, env=env)  # fmt: skip
+        assert registry.stdout is not None
+        assert b"serving at" in await anyio.to_thread.run_sync(registry.stdout.readline)
+        flooder = evil.spawn([sys.executable, "-m", "tests.hosts._flood", "flood", address, "9"],
+                             stdout=subprocess.PIPE, env=env)  # fmt: skip
+        assert flooder.stdout is not None
+        assert json.loads(await anyio.to_thread.run_sync(flooder.stdout.readline)) == {"flooding": True}
+        asker = good.spawn([sys.executable, "-m", "tests.hosts._flood", "ask", address], stdout=subprocess.PIPE,
+                           env=env)  # fmt: skip
+        assert asker.stdout is not None
+        answer = json.loads(await anyio.to_thread.run_sync(asker.stdout.readline))
+        assert answer == {"served": True}, answer
