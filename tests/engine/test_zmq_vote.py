@@ -36,7 +36,7 @@ async def test_every_rank_learns_the_one_verdict_and_a_silent_peer_aborts_the_at
             assert {(v.decision, v.version) for v in got.values()} == {(Decision.COMMIT, 4)}
             got = await _vote(channels, {0: Ballot(True, True, 5), 1: Ballot(True, True, 5)}, 0.5)  # 2 silent
             assert {v.decision for v in got.values()} == {Decision.ABORT}
-            assert "ranks [2] did not vote" in got[0].reason
+            assert "no ballot of ranks [2] had been read" in got[0].reason
             late = await channels[2].vote(Ballot(True, True, 5), 5)  # rank 2 votes late: the verdict stands
             assert late.decision is Decision.ABORT and late.attempt == got[0].attempt
     finally:

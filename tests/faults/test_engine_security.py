@@ -76,7 +76,7 @@ async def test_a_forged_ballot_or_verdict_is_never_counted(tmp_path: Path) -> No
                 tg.start_soon(vote, 0)
                 tg.start_soon(vote, 1)
             assert {v.decision for v in verdicts.values()} == {Decision.ABORT}, verdicts
-            assert "ranks [2] did not vote" in verdicts[0].reason
+            assert "no ballot of ranks [2] had been read" in verdicts[0].reason
             assert all(r.dropped == 0 for r in ranks)  # nothing even reached the decoder
             # the deployment's own keys still work: rank 2 votes late and learns the verdict
             assert (await ranks[2].vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT

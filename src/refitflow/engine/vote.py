@@ -64,7 +64,7 @@ def why(ballots: Sequence[Ballot | None]) -> str:
     versions = sorted({b.version for b in ballots if b is not None and b.ready})
     parts = []
     if missing:
-        parts.append(f"ranks {missing} did not vote")
+        parts.append(f"no ballot of ranks {missing} had been read by the coordinator by its deadline")  # sent or not
     if not_ready:
         parts.append(f"ranks {not_ready} not ready")
     if len(versions) > 1:
