@@ -188,3 +188,10 @@ class LockedAgent:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
             self._thread = None
+
+    def close(self) -> None:
+        """Drop the agent now (its UCX workers, sockets and event fds go with it), not whenever the last
+        reference to this object is collected (a traceback held by a caught error kept ten fds alive)."""
+        self.stop_progress()
+        with self.lock:
+            self.agent = None

@@ -364,3 +364,5 @@ class NixlTransport(Transport):
             except TransportError:
                 pass
         self._closed = True
+        for nx in self._agents:
+            nx.close()
