@@ -110,7 +110,7 @@ async def _serve_until_signalled(
                 EtcdStore.open(store, namespace=namespace, lease_s=lease_s, limits=limits)
             )
         server = await stack.enter_async_context(
-            Registry.serve(bind, registry=registry, lease_s=lease_s, security=security, limits=limits)
+            Registry.serve(bind, registry=registry, lease_s=lease_s, security=security, limits=limits, freeze_gc=True)
         )
         kept = "in memory" if registry is None else f"in etcd ({store}, namespace {namespace})"
         print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address}); "

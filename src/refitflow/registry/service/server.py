@@ -73,6 +73,7 @@ async def serve(
     security: ServerSecurity | None = None,
     pub_address: str | None = None,
     limits: RegistryLimits | None = None,
+    freeze_gc: bool = False,
 ) -> AsyncIterator[RegistryServer]:
     """Serve ``registry`` (a new one by default, with ``lease_s`` and ``limits``) at ``address`` until the
     context exits (asyncio only).
@@ -80,6 +81,8 @@ async def serve(
     ``limits`` (``RegistryLimits``) bound what one request and all requests in flight may hold; a
     request beyond them is answered at once with a typed error (``RefitTimeoutError`` "busy" for a full
     house), so a flood cannot pile up tasks or memory. A given ``registry`` keeps its own store limits.
+    ``freeze_gc``: the process is the registry's own (``refitflow registry``): large manifests are frozen out
+    of Python's cyclic collector (``gc.freeze``), whose full passes otherwise stop the loop for long.
     """
     check_address(address)
     registry = registry or RegistryStore(lease_s=lease_s, limits=limits)
@@ -125,7 +128,7 @@ async def serve(
         announce = _announcer(pub)
         if registry.announces:
             registry.on_announce = announce  # type: ignore[attr-defined]
-        handler = Handler(registry, hello=hello, limits=limits, announce=announce)
+        handler = Handler(registry, hello=hello, limits=limits, announce=announce, freeze_gc=freeze_gc)
         service = _Service(router, handler, Gate(limits), server.incarnation)
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
         tasks = [
