@@ -29,10 +29,12 @@ from refitflow.core.wire import PROTOCOL_VERSION, manifest_to_dict
 from refitflow.registry.client.client import RegistryClient
 
 
-async def spawn_registry() -> tuple[asyncio.subprocess.Process, str]:
+async def spawn_registry(*flags: str, **options: Any) -> tuple[asyncio.subprocess.Process, str]:
+    """``refitflow registry`` on a free loopback port (lease 600 s unless ``flags`` say otherwise); its address."""
     code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, "--bind", "tcp://127.0.0.1:*",
-                                                "--lease-s", "600", stdout=asyncio.subprocess.PIPE)  # fmt: skip
+                                                "--lease-s", "600", *flags, stdout=asyncio.subprocess.PIPE,
+                                                **options)  # fmt: skip
     assert proc.stdout is not None
     line = (await proc.stdout.readline()).decode()
     return proc, line.split(" serving at ")[1].split()[0]

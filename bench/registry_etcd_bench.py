@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 import refitflow as rf
+from bench.registry_bench import spawn_registry
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.core.wire import encode, manifest_to_dict
 from refitflow.registry.client import RegistryClient
@@ -50,16 +50,6 @@ def more_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
 
 
-async def spawn(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
-    code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, "--bind", "tcp://127.0.0.1:*",
-                                                "--lease-s", "60", *flags, stdout=asyncio.subprocess.PIPE,
-                                                preexec_fn=more_files)  # fmt: skip
-    assert proc.stdout is not None
-    line = (await proc.stdout.readline()).decode()
-    return proc, line.split(" serving at ")[1].split()[0]
-
-
 async def phase(name: str, clients: list[RegistryClient], op: Callable[[int, RegistryClient], Awaitable[object]],
                 rounds: int = 1) -> None:  # fmt: skip
     took: list[float] = []
@@ -79,7 +69,7 @@ async def phase(name: str, clients: list[RegistryClient], op: Callable[[int, Reg
 
 
 async def run(store: str, flags: list[str], receivers: int, tensors: int) -> None:
-    proc, address = await spawn(*flags)
+    proc, address = await spawn_registry("--lease-s", "60", *flags, preexec_fn=more_files)
     ctx = zmq.asyncio.Context()
     ctx.set(zmq.MAX_SOCKETS, 16 * receivers + 1024)
     clients = [RegistryClient(address, context=ctx, request_timeout_s=60, heartbeat_s=3600) for _ in range(receivers)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 
 import orjson
@@ -22,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 import refitflow as rf
+from bench.registry_bench import spawn_registry
 from refitflow.core.wire import PROTOCOL_VERSION
 from refitflow.registry.client.client import RegistryClient
 from tests.registry.test_registry_client import manifest
@@ -33,15 +33,6 @@ ID = rf.Identity(model="m")
 
 def rows(n: int) -> list[list[object]]:
     return [[f"layers.{i}.weight", "bfloat16", [64, 64], None, 0, 64, f"{i:016x}", i, 0, *NO_TILES] for i in range(n)]
-
-
-async def spawn() -> tuple[asyncio.subprocess.Process, str]:
-    code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, "--bind", "tcp://127.0.0.1:*",
-                                                "--lease-s", "2", stdout=asyncio.subprocess.PIPE)  # fmt: skip
-    assert proc.stdout is not None
-    line = (await proc.stdout.readline()).decode()
-    return proc, line.split(" serving at ")[1].split()[0]
 
 
 async def probe(client: RegistryClient, until: asyncio.Task[object] | None, seconds: float = 1.0) -> list[float]:
@@ -66,7 +57,7 @@ async def main() -> None:
     parser.add_argument("--rows", type=int, default=700_000)
     parser.add_argument("--specs", type=int, default=100_000)
     args = parser.parse_args()
-    proc, address = await spawn()
+    proc, address = await spawn_registry("--lease-s", "2")
     ctx = zmq.asyncio.Context()
     sender = ctx.socket(zmq.DEALER)
     sender.connect(address)
