@@ -23,7 +23,7 @@ from refitflow.registry.address import check_address
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.embedded import Registry
-from refitflow.registry.service.etcd.keys import endpoints_of
+from refitflow.registry.service.etcd.keys import EtcdTLS, endpoints_of
 
 __all__ = ["keys_main", "registry_main"]
 
@@ -57,6 +57,13 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         default=env.get("REFITFLOW_REGISTRY_NAMESPACE", "default"),
         help="with --store etcd: the deployment's keys in etcd (/refitflow/NAME/); env REFITFLOW_REGISTRY_NAMESPACE",
     )
+    for name, what in (
+        ("ca", "the CA file that signed the etcd members' certificates (enables TLS)"),
+        ("cert", "this replica's client certificate for etcd"),
+        ("key", "its private key"),
+    ):
+        parser.add_argument(f"--etcd-{name}", default=env.get(f"REFITFLOW_ETCD_{name.upper()}"),
+                            help=f"with --store etcd: {what}; env REFITFLOW_ETCD_{name.upper()}")  # fmt: skip
     parser.add_argument(
         "--curve-secret",
         default=env.get("REFITFLOW_CURVE_SECRET"),
@@ -87,7 +94,14 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
             security = ServerSecurity(secret_key_file=Path(args.curve_secret),
                                       authorized_dir=Path(args.curve_authorized))  # fmt: skip
         limits = RegistryLimits(max_message_bytes=args.max_message_bytes)
-        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security, limits, args.store, args.namespace))
+        tls = None
+        if args.etcd_ca is not None:
+            tls = EtcdTLS(ca_file=Path(args.etcd_ca), cert_file=args.etcd_cert and Path(args.etcd_cert),
+                          key_file=args.etcd_key and Path(args.etcd_key))  # fmt: skip
+        elif args.etcd_cert is not None or args.etcd_key is not None:
+            parser.error("--etcd-cert and --etcd-key need --etcd-ca")
+        asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security, limits, args.store, args.namespace,
+                                           tls))  # fmt: skip
     except RefitError as exc:
         print(f"refitflow registry: {exc}", file=sys.stderr)
         return 2
@@ -95,7 +109,13 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve_until_signalled(
-    bind: str, lease_s: float, security: ServerSecurity | None, limits: RegistryLimits, store: str, namespace: str
+    bind: str,
+    lease_s: float,
+    security: ServerSecurity | None,
+    limits: RegistryLimits,
+    store: str,
+    namespace: str,
+    tls: EtcdTLS | None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -107,7 +127,7 @@ async def _serve_until_signalled(
             from refitflow.registry.service.etcd.store import EtcdStore
 
             registry = await stack.enter_async_context(
-                EtcdStore.open(store, namespace=namespace, lease_s=lease_s, limits=limits)
+                EtcdStore.open(store, namespace=namespace, lease_s=lease_s, limits=limits, tls=tls)
             )
         server = await stack.enter_async_context(
             Registry.serve(bind, registry=registry, lease_s=lease_s, security=security, limits=limits, freeze_gc=True)

@@ -23,6 +23,8 @@ width, so a version's keys are one prefix (deleted with one request) and sort in
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -31,9 +33,26 @@ from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.core.types import Identity
 from refitflow.core.wire import decode, encode
 
-__all__ = ["CHUNK_BYTES", "Keys", "blob_value", "endpoints_of", "id_hash"]
+__all__ = ["CHUNK_BYTES", "EtcdTLS", "Keys", "blob_value", "endpoints_of", "id_hash"]
 
 CHUNK_BYTES = 1 << 20  # etcd refuses a request over 1.5 MiB (its default --max-request-bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdTLS:
+    """TLS to etcd (as etcd's ``--trusted-ca-file``/``--client-cert-auth`` want): the CA that signed the
+    members' certificates, and this replica's client certificate and key (both, or neither)."""
+
+    ca_file: Path
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError("an etcd client certificate and its key go together")
+        for path in (self.ca_file, self.cert_file, self.key_file):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"etcd TLS file {path} does not exist")
 
 
 def endpoints_of(url: str) -> list[str]:

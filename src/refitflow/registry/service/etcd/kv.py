@@ -23,6 +23,7 @@ import grpc.aio
 from aetcd import rpc
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError, TransportError
+from refitflow.registry.service.etcd.keys import EtcdTLS
 
 __all__ = [
     "KV",
@@ -74,12 +75,21 @@ class KV:
 class Etcd:
     """A cluster's members; ``call`` runs one RPC on the member that answered last, failing over."""
 
-    def __init__(self, endpoints: Sequence[str], *, call_timeout_s: float = 1.0, op_timeout_s: float = 4.0) -> None:
+    def __init__(self, endpoints: Sequence[str], *, call_timeout_s: float = 1.0, op_timeout_s: float = 4.0,
+                 tls: EtcdTLS | None = None) -> None:  # fmt: skip
         if not endpoints:
             raise ConfigError("an etcd cluster needs at least one endpoint")
         self.endpoints = list(endpoints)
         self.call_timeout_s, self.op_timeout_s = call_timeout_s, op_timeout_s
-        self._channels = [grpc.aio.insecure_channel(e) for e in self.endpoints]
+        if tls is None:
+            self._channels = [grpc.aio.insecure_channel(e) for e in self.endpoints]
+        else:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca_file.read_bytes(),
+                private_key=None if tls.key_file is None else tls.key_file.read_bytes(),
+                certificate_chain=None if tls.cert_file is None else tls.cert_file.read_bytes(),
+            )
+            self._channels = [grpc.aio.secure_channel(e, creds) for e in self.endpoints]
         self._at = 0
 
     async def aclose(self) -> None:

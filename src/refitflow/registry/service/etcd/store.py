@@ -45,7 +45,7 @@ from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.service.etcd import kv
-from refitflow.registry.service.etcd.keys import Keys, blob_value, chunked, endpoints_of, join_chunks
+from refitflow.registry.service.etcd.keys import EtcdTLS, Keys, blob_value, chunked, endpoints_of, join_chunks
 from refitflow.registry.service.etcd.kv import KV, Etcd, RevisionCompacted
 from refitflow.registry.service.relays import check_offer
 from refitflow.registry.service.store import RegistryStore, claimed
@@ -96,8 +96,10 @@ class EtcdStore:
         lease_s: float = 10.0,
         limits: RegistryLimits | None = None,
         op_timeout_s: float = 4.0,
+        tls: EtcdTLS | None = None,
     ) -> AsyncIterator[EtcdStore]:
-        etcd = Etcd(endpoints_of(url), op_timeout_s=op_timeout_s)
+        """A replica's store on the etcd cluster at ``url`` (``etcd://h1:2379,h2:2379``); ``tls``: speak TLS to it."""
+        etcd = Etcd(endpoints_of(url), op_timeout_s=op_timeout_s, tls=tls)
         store = cls(etcd, namespace=namespace, lease_s=lease_s, limits=limits)
         try:
             await store._start()
