@@ -24,7 +24,7 @@ import torch
 
 import refitflow as rf
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
-from refitflow.core.wire import PROTOCOL_VERSION
+from refitflow.core.wire import PROTOCOL_VERSION, manifest_to_dict
 from refitflow.registry.client.client import RegistryClient
 from tests.faults._util import free_address, spawn_registry, until
 from tests.faults.test_registry_input import raw, refused
@@ -52,11 +52,25 @@ async def test_a_rank_another_live_client_publishes_cannot_be_forged() -> None:
             legit = RegistryClient(server.address)
             await legit.publish(manifest(1, 0, world=1))
             async with RegistryClient(server.address) as forger:
-                for version in (2**62, 2):
+                for version in (2**62, 2):  # asked once (the library would ask again for a lease, then raise this)
                     with pytest.raises(rf.VersionError, match="published by another client"):
-                        await forger.publish(manifest(version, 0, world=1, digest="f" * 16))
+                        await forger._request("publish", manifest=manifest_to_dict(manifest(version, 0, world=1)),
+                                              owner=forger.client_id)  # fmt: skip
                 assert await server.registry.versions(ID) == [1]
             await legit.aclose()  # says goodbye: the rank is free at once (its version stays while its lease lives)
+            async with RegistryClient(server.address) as successor:
+                await successor.publish(manifest(2, 0, world=1))
+                assert (await server.registry.latest(ID)).version == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_a_successor_publishes_once_a_crashed_predecessors_lease_ran_out() -> None:
+    """The predecessor published rank 0 and died (no goodbye, no heartbeat): the successor's publish is asked
+    again until the predecessor's one-second lease ran out, then goes through."""
+    with anyio.fail_after(30):
+        async with rf.Registry.serve("tcp://127.0.0.1:*", lease_s=1.0) as server, raw(server.address) as crashed:
+            old = manifest_to_dict(manifest(1, 0, world=1))
+            assert (await crashed.request("publish", manifest=old, owner="predecessor"))["ok"]
             async with RegistryClient(server.address) as successor:
                 await successor.publish(manifest(2, 0, world=1))
                 assert (await server.registry.latest(ID)).version == 2  # type: ignore[union-attr]

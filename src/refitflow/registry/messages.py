@@ -18,6 +18,7 @@ from refitflow.core.types import Identity
 from refitflow.core.wire import PROTOCOL_VERSION, decode, encode
 
 __all__ = [
+    "CLAIMED",
     "check_message",
     "decode_message",
     "error_from_reply",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _IDENTITY_FIELDS = ("model", "layout", "dtype", "parallelism", "compile_target")
+CLAIMED = "is published by another client whose lease lives"  # a VersionError's words: another client's rank
 _ERRORS: dict[str, type[RefitError]] = {
     name: getattr(errors, name) for name in errors.__all__ if isinstance(getattr(errors, name), type)
 }

@@ -36,7 +36,7 @@ from refitflow.registry.address import check_addresses
 from refitflow.registry.client.announcements import Announcements
 from refitflow.registry.client.fetched import Fetched
 from refitflow.registry.client.replicas import Replicas
-from refitflow.registry.messages import identity_to_dict
+from refitflow.registry.messages import CLAIMED, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
 
@@ -210,10 +210,24 @@ class RegistryClient:
     async def publish(self, manifest: Manifest) -> None:
         """Announce ``manifest``. A registry that does not answer in time (down, or cut off by the network) is
         a ``RefitTimeoutError`` — and the version is held all the same: the lease task announces it as soon as
-        the registry answers again (with every other version held), so receivers get it after the outage."""
+        the registry answers again (with every other version held), so receivers get it after the outage.
+
+        A rank another live client publishes (a predecessor that crashed, whose lease has not run out yet) is
+        asked again until one lease has passed; then the registry's ``VersionError`` is raised."""
+        hello = await self.hello()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + float(hello.get("lease_s", 10.0)) + 1.0
         try:
-            await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
-                                max_bytes=(await self.hello()).get("max_message_bytes"))  # fmt: skip
+            while True:
+                try:
+                    await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
+                                        max_bytes=hello.get("max_message_bytes"))  # fmt: skip
+                    break
+                except VersionError as exc:
+                    if CLAIMED not in exc.reason or loop.time() >= give_up:
+                        raise
+                    log.info("registry client: rank %d is still another client's; asking again", manifest.rank)
+                    await asyncio.sleep(0.25)
         except RefitTimeoutError as exc:
             self._hold(manifest)
             self._stale = True  # announce what is held once the registry answers

@@ -30,6 +30,7 @@ from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
 from refitflow.core.relay import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.limits import RegistryLimits
+from refitflow.registry.messages import CLAIMED
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.service.checks import VersionIndex
 from refitflow.registry.service.model import Model, mark
@@ -44,8 +45,8 @@ _DEFAULT_POLICY = ReleasePolicy()
 def claimed(manifest: Manifest, lease_s: float) -> VersionError:
     """A publish of a rank another live client publishes: refused (a forged or a second publisher)."""
     return VersionError(
-        f"rank {manifest.rank} of {manifest.identity.model!r} is published by another client whose lease lives: "
-        f"one publisher per rank; the other must close (or stop heartbeating for {lease_s} s) first",
+        f"rank {manifest.rank} of {manifest.identity.model!r} {CLAIMED}: one publisher per rank; the other must "
+        f"close (or stop heartbeating for {lease_s} s) first",
         version=manifest.version,
     )
 
