@@ -95,7 +95,7 @@ async def test_concurrent_publishes_through_both_replicas_lose_nothing(etcd: Clu
 
 @pytest.mark.asyncio
 async def test_leases_live_in_etcd_and_heartbeats_rewrite_no_manifest(etcd: Cluster) -> None:
-    with anyio.fail_after(60):
+    with anyio.fail_after(120):
         async with replicas(etcd.url, lease_s=3.0) as (a, b):
             store: EtcdStore = a.registry  # type: ignore[assignment]
             keys = store.keys
@@ -113,12 +113,12 @@ async def test_leases_live_in_etcd_and_heartbeats_rewrite_no_manifest(etcd: Clus
             async def dropped() -> bool:
                 return (await b.registry.latest(ID)) is None and (await a.registry.latest(ID)) is None
 
-            await until(dropped, 15, "every replica drops the version of an expired lease")
+            await until(dropped, 30, "every replica drops the version of an expired lease")
 
             async def cleaned() -> bool:  # the version key, with no manifest left, is cleaned up too
                 return not (await store.etcd.get_prefix(keys.version(ID, 1)))[1]
 
-            await until(cleaned, 10, "the version's keys leave etcd")
+            await until(cleaned, 30, "the version's keys leave etcd")
 
 
 @pytest.mark.asyncio
@@ -136,7 +136,7 @@ async def test_a_large_manifest_is_written_once_in_chunks_below_etcds_request_li
 
 @pytest.mark.asyncio
 async def test_released_versions_leave_etcd_and_receivers_and_relays_are_shared(etcd: Cluster) -> None:
-    with anyio.fail_after(60):
+    with anyio.fail_after(120):
         async with replicas(etcd.url, lease_s=2.0) as (a, b), RegistryClient(a.address) as ca, \
                 RegistryClient(b.address) as cb:  # fmt: skip
             await cb.register_receiver(ID, "r1")
@@ -151,7 +151,7 @@ async def test_released_versions_leave_etcd_and_receivers_and_relays_are_shared(
             async def cleaned() -> bool:  # released and superseded: deleted from etcd by a replica's clean-up
                 return not (await store.etcd.get_prefix(store.keys.version(ID, 1)))[1]
 
-            await until(cleaned, 15, "the released version's keys leave etcd")
+            await until(cleaned, 30, "the released version's keys leave etcd")
             assert await cb.versions(ID) == [2]
 
 

@@ -88,6 +88,31 @@ class RegistryStore:
     def _peek(self, identity: Identity) -> Model:
         return self._models.get(identity, _EMPTY)
 
+    # -- for a replicated store's mirror (``etcd.store``): what it reads, and what it applies ------------
+
+    def model(self, identity: Identity) -> Model:
+        """What is held of exactly ``identity`` (read only; an empty model for an unknown identity)."""
+        return self._peek(identity)
+
+    @property
+    def models(self) -> Mapping[Identity, Model]:
+        return self._models
+
+    def now(self) -> float:
+        return self._clock()
+
+    def withdraw(self, identity: Identity, version: int, rank: int) -> None:
+        """Drop one rank's manifest (its lease ran out elsewhere): the version is incomplete again, or gone."""
+        model = self._peek(identity)
+        if rank in model.versions.get(version, {}):
+            model.drop_rank(version, rank)
+            self._notify()
+
+    def reset(self) -> None:
+        """Forget everything (a mirror about to be loaded again); waiters wake and ask again."""
+        self._models.clear()
+        self._notify()
+
     def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
         if owner is not None:
             self._leases[owner] = self._clock()

@@ -122,11 +122,10 @@ class EtcdStore:
     async def _load(self) -> None:
         """Rebuild the mirror from what etcd holds now (at start, or after a compacted watch)."""
         revision, kvs = await self.etcd.get_prefix(self.keys.root)
-        self.mirror._models.clear()  # the same mirror object: its waiters wake on what is loaded
+        self.mirror.reset()  # the same mirror object: its waiters wake on what is loaded
         self._owners, self._meaning, self._vrev, self._leases, self._claims = {}, {}, {}, {}, {}
         for item in sorted(kvs, key=lambda k: k.mod_revision):  # relays join in the order they joined
             await self._put(item, revision)
-        self.mirror._notify()
         self._advance(revision)
 
     def _advance(self, revision: int) -> None:
@@ -162,7 +161,7 @@ class EtcdStore:
                     for event in events:
                         item = KV.of(event.kv)
                         if event.type == kv.DELETE:
-                            self._delete(item.key)
+                            await self._delete(item.key)
                         else:
                             await self._put(item, item.mod_revision)
                     await self._announce()
@@ -233,13 +232,12 @@ class EtcdStore:
         except (KeyError, TypeError, ValueError, ManifestError) as exc:  # not ours, or damaged: never stop the watch
             log.warning("registry (etcd): ignoring %r: %s", item.key[:120], exc)
 
-    def _delete(self, key: bytes) -> None:
+    async def _delete(self, key: bytes) -> None:
         meaning = self._meaning.pop(key, None)
         self._leases.pop(key, None)
         if meaning is None:
             return
         what, identity, detail = meaning
-        model = self.mirror._peek(identity)
         if what == "o":
             self._owners.pop(detail, None)
         elif what == "c":
@@ -247,20 +245,15 @@ class EtcdStore:
         elif what == "v":
             self._vrev.pop((identity, detail), None)
         elif what == "m":
-            version, rank = detail
-            if rank in model.versions.get(version, {}):
-                model.drop_rank(version, rank)
-                self.mirror._notify()
+            self.mirror.withdraw(identity, *detail)
         elif what == "r":
-            model.receivers.pop(detail, None)
-            self.mirror._collect(model)
-            self.mirror._notify()
+            await self.mirror.unregister_receiver(identity, detail)
         elif what == "x":
-            self.mirror._drop_relays(model, detail)
+            await self.mirror.relay_leave(identity, detail)
 
     async def _announce(self) -> None:
         """Announce every identity whose newest complete or laid-out version changed."""
-        for identity, model in self.mirror._models.items():
+        for identity, model in list(self.mirror.models.items()):  # announcing awaits: a copy
             now = (model.newest, model.laid_out[-1] if model.laid_out else None)
             before = self._announced.get(identity, (None, None))
             if now == before:
@@ -366,13 +359,13 @@ class EtcdStore:
         await self._with_lease(owner, write)
 
     async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None:
-        done = self.mirror._peek(identity).receivers.get(receiver_id, -1)
+        done = self.mirror.model(identity).receivers.get(receiver_id, -1)
         value = encode({"identity": identity_to_dict(identity), "receiver": receiver_id, "done": done})
         key = self.keys.receiver(identity, receiver_id)
         await self._with_lease(owner, lambda lease: self._write([], [kv.put(key, value, lease)]))
 
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
-        done = self.mirror._peek(identity).receivers.get(receiver_id)
+        done = self.mirror.model(identity).receivers.get(receiver_id)
         if done is None or done >= version:
             return  # not registered (as in memory: ignored), or nothing new: nothing rewritten
         key = self.keys.receiver(identity, receiver_id)
@@ -387,7 +380,7 @@ class EtcdStore:
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
     ) -> RelayOffer | None:
-        model = self.mirror._peek(identity)
+        model = self.mirror.model(identity)
         ranks = model.versions.get(version)
         if ranks is None or version not in model.completed_at:
             raise VersionError("relays need their version complete and still offered", version=version)
@@ -429,9 +422,9 @@ class EtcdStore:
         """Delete from etcd what no replica should hold any more (idempotent: every replica does it)."""
         while True:
             await asyncio.sleep(max(0.2, self.lease_s / 4))
-            now = self.mirror._clock()
+            now = self.mirror.now()
             for (identity, version), _ in list(self._vrev.items()):
-                model = self.mirror._peek(identity)
+                model = self.mirror.model(identity)
                 gone = version not in model.versions  # released and superseded, or every rank's lease ran out
                 ranks = model.versions.get(version, {})
                 leased = any(self._leases.get(self.keys.manifest(identity, version, r)) for r in ranks)
