@@ -275,9 +275,12 @@ class EtcdStore:
 
     async def _write(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None
                      ) -> tuple[bool, Any]:  # fmt: skip
-        """One transaction; when it succeeded, answered once this replica's mirror applied it."""
+        """One transaction; when it changed something, answered once this replica's mirror applied it (a
+        transaction that deleted nothing has no event to wait for: its revision is the cluster's, not its own)."""
         ok, revision, responses = await self.etcd.txn(compare, success, failure or [])
-        if ok:
+        changed = any(r.WhichOneof("response") != "response_delete_range" or r.response_delete_range.deleted
+                      for r in responses)  # fmt: skip
+        if ok and changed:
             await self._caught_up(revision)
         return ok, responses
 
@@ -349,11 +352,12 @@ class EtcdStore:
                 if owner is not None:  # the rank's claim: taken now, or still this owner's (one transaction)
                     compare.append(kv.missing(ckey) if holder is None else kv.value_is(ckey, cdoc))
                     success.append(kv.put(ckey, cdoc, lease))
-                ok, found = await self._write(compare, success, [kv.get(vkey)])
+                ok, found = await self._write(compare, success, [kv.get(vkey), kv.get(ckey)])
                 if ok:
                     return
-                now = found[0].response_range.kvs  # another replica changed the version: see that, try again
-                await self._caught_up(now[0].mod_revision if now else 0)
+                # another replica changed the version, or another client took the rank: see that, try again
+                seen_now = [item.mod_revision for r in found for item in r.response_range.kvs]
+                await self._caught_up(max(seen_now, default=0))
             raise RefitTimeoutError(f"version {version}: {_CAS_TRIES} compare-and-set rounds lost", version=version)
 
         await self._with_lease(owner, write)
