@@ -22,7 +22,8 @@ from tests.integrations._vllm_cpu import VllmServer
 from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, llama_checkpoint
 
 DEADLINE_S = 600.0
-STREAM = 400  # tokens a stream generates: long enough to straddle a swap made 20 tokens in, on a loaded machine
+STREAM = 500  # tokens a stream generates (the model holds 512 positions): a swap asked for 5 tokens in lands mid-stream
+AFTER = 5  # tokens into a stream when the swap is asked for (400 tokens after 20 once ended first in CI)
 LONG = [(i * 37 + 11) % 199 + 1 for i in range(40)]  # longer than one KV block (32 tokens: --block-size 32)
 
 
@@ -34,7 +35,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 class Stream:
     """One streaming generation of ``tokens`` tokens; ``started`` is set once ``after`` tokens came."""
 
-    def __init__(self, server: VllmServer, tokens: int = STREAM, after: int = 20, prompt: list[int] = PROMPT) -> None:
+    def __init__(
+        self, server: VllmServer, tokens: int = STREAM, after: int = AFTER, prompt: list[int] = PROMPT
+    ) -> None:
         self.server, self.tokens, self.after, self.prompt = server, tokens, after, prompt
         self.started = anyio.Event()
         self.count = 0
@@ -67,7 +70,7 @@ async def no_drain(server: VllmServer, version: int, **info: Any) -> tuple[int, 
 
 
 async def swapped_mid_stream(server: VllmServer, version: int, **info: Any) -> Stream:
-    """``version`` prepared while idle, then swapped in while a stream is 20 tokens in; the stream ended."""
+    """``version`` prepared while idle, then swapped in while a stream is ``AFTER`` tokens in; the stream ended."""
     assert await no_drain(server, version, **info) == (200, '{"message":"Weights updated"}')
     stream = Stream(server)
     async with anyio.create_task_group() as tg:
@@ -93,7 +96,7 @@ async def test_a_version_swaps_in_between_two_steps_of_a_stream_and_every_token_
             v1 = await trainer.publish(1, seed=1)
             stream = swapped = await swapped_mid_stream(server, 1)
             (old, a, k), (new, k2, end) = stream.spans  # one swap, mid-stream, at a step boundary
-            assert (old, a, new, end) == ("default", 0, "1", STREAM) and k == k2 and 20 <= k < STREAM, stream.spans
+            assert (old, a, new, end) == ("default", 0, "1", STREAM) and k == k2 and AFTER <= k < STREAM, stream.spans
             assert (await server.http.get("/weight_info")).json() == {"weight_version": "1"}
             served = await server.tokens(PROMPT, TOKENS)  # a request started after the swap: version 1's tokens
             assert v1.matches(served, "float32"), (served, v1)
@@ -118,7 +121,7 @@ async def test_a_version_swaps_in_between_two_steps_of_a_stream_and_every_token_
             # what an RL loop training version 3 keeps of that stream: the tokens version 3 generated
             mask = policy_mask(stream.last["choices"][0]["weight_versions"], {"3"}, tokens=stream.count)
             swap_at = stream.spans[1][1]
-            assert mask == [False] * swap_at + [True] * (STREAM - swap_at) and 20 <= swap_at < STREAM
+            assert mask == [False] * swap_at + [True] * (STREAM - swap_at) and AFTER <= swap_at < STREAM
 
             # refitflow's driver: no pause, no resume, the version committed and labelled
             v4 = await trainer.publish(4, seed=4)

@@ -104,15 +104,18 @@ class Etcd:
         """Leave the member in use for the next one (its watch went quiet, say)."""
         self._at = (self._at + 1) % len(self._channels)
 
-    async def call(self, what: str, fn: Callable[[grpc.aio.Channel], Any], timeout: float | None = None) -> Any:
-        """``await fn(channel)`` on one member after another until one answers, within ``timeout``."""
+    async def call(self, what: str, fn: Callable[[grpc.aio.Channel], Any], timeout: float | None = None,
+                   patient: bool = False) -> Any:  # fmt: skip
+        """``await fn(channel)`` on one member after another until one answers, within ``timeout``; ``patient``:
+        a large read, given the whole of it on each member rather than ``call_timeout_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.op_timeout_s if timeout is None else timeout)
         last: BaseException | None = None
         while (left := deadline - loop.time()) > 0:
             at = self._at
             try:
-                return await asyncio.wait_for(fn(self._channels[at]), min(left, self.call_timeout_s))
+                limit = left if patient else min(left, self.call_timeout_s)
+                return await asyncio.wait_for(fn(self._channels[at]), limit)
             except TimeoutError as exc:
                 last = exc
             except grpc.aio.AioRpcError as exc:
@@ -131,9 +134,10 @@ class Etcd:
     # -- KV ---------------------------------------------------------------------------------------
 
     async def get_prefix(self, prefix: bytes, *, revision: int = 0) -> tuple[int, list[KV]]:
-        """Every key under ``prefix``, in key order, as of ``revision`` (0: now); and the revision read at."""
+        """Every key under ``prefix``, in key order, as of ``revision`` (0: now); and the revision read at. Patient:
+        a manifest's chunks are megabytes (one of 4 MB took over a second on a loaded machine)."""
         req = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), revision=revision)
-        resp = await self.call("range", lambda ch: rpc.KVStub(ch).Range(req, metadata=META))
+        resp = await self.call("range", lambda ch: rpc.KVStub(ch).Range(req, metadata=META), patient=True)
         return resp.header.revision, [KV.of(kv) for kv in resp.kvs]
 
     async def revision(self) -> int:

@@ -171,8 +171,8 @@ class EtcdStore:
         except RevisionCompacted as exc:
             log.warning("registry (etcd): %s; reloading", exc)
             await self._load()
-        except TransportError as exc:
-            log.info("registry (etcd): %s; watching from another member", exc)
+        except (TransportError, RefitTimeoutError) as exc:  # the watch, or a read it needed (a manifest's chunks)
+            log.info("registry (etcd): %s; watching again from another member", exc)
             self.etcd.skip()
             await asyncio.sleep(0.1)
 
