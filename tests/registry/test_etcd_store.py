@@ -125,9 +125,9 @@ async def test_leases_live_in_etcd_and_heartbeats_rewrite_no_manifest(etcd: Clus
 async def test_a_large_manifest_is_written_once_in_chunks_below_etcds_request_limit(etcd: Cluster) -> None:
     with anyio.fail_after(120):
         async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
-            big = big_manifest(1, 30_000)
+            big = big_manifest(1, 16_000)  # ≈ 1.4 MB: a head and 2 chunks
             await ca.publish(big)
-            got = await cb.wait_complete(ID, 1, 30)
+            got = await cb.wait_complete(ID, 1, 90)
             assert got.manifests[0] == big
             store: EtcdStore = a.registry  # type: ignore[assignment]
             _, kvs = await store.etcd.get_prefix(store.keys.manifest(ID, 1, 0))
