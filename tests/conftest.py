@@ -20,6 +20,7 @@ import torch
 
 import refitflow as rf
 from refitflow.metrics import NullObserver
+from tests._keys import drop_session_keys
 
 NO_GPU = "no CUDA device is visible"
 
@@ -42,6 +43,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _DESELECTED = pytest.StashKey[list[str]]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    drop_session_keys()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

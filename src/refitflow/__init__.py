@@ -34,6 +34,7 @@ from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode
 from refitflow.pipeline.fence import Fence, FenceState
 from refitflow.registry.client.client import RegistryClient
+from refitflow.registry.keys import DeploymentKeys, find_keys
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity, ServerSecurity
@@ -57,6 +58,7 @@ __all__ = [
     "Controller",
     "CoverageError",
     "Decision",
+    "DeploymentKeys",
     "EngineAgent",
     "EngineMember",
     "EngineOutcome",
@@ -101,5 +103,6 @@ __all__ = [
     "VoteChannel",
     "ZmqVote",
     "__version__",
+    "find_keys",
     "stream_group",
 ]

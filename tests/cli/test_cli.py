@@ -10,6 +10,7 @@ import pytest
 
 import refitflow as rf
 from refitflow.cli.main import main
+from tests._keys import KEYS
 
 
 def _refitflow(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -22,6 +23,8 @@ def test_default_demo_refits_a_real_model_from_megatron_into_fused_engines(trans
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:] + out[-3000:]
     assert "all versions verified and committed on every receiver" in out
+    if transport == "nixl":  # processes around a registry service: CURVE, with the deployment's keys
+        assert f"CURVE on: keys in {KEYS.folder}" in out
     assert "trainer: Megatron layout, TP 2" in out and "engine tp2: vLLM fused layout, TP 2" in out
     for version in (1, 2, 3):
         assert out.count(f"v{version} published") == 1

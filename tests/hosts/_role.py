@@ -37,6 +37,7 @@ from refitflow.layouts import Parallel, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata
 from refitflow.metrics import NullObserver
+from tests._keys import KEYS
 from tests._procs import dumpable
 from tests.integrations._tiny import canonical, dims
 
@@ -60,7 +61,7 @@ async def trainer(spec: dict[str, Any]) -> None:
     async with contextlib.AsyncExitStack() as stack:
         pubs = [
             await stack.enter_async_context(rf.Publisher(
-                spec["registry"], identity=identity, rank=r, world_size=tp, transport="nixl",
+                spec["registry"], identity=identity, rank=r, world_size=tp, transport="nixl", security=KEYS.client,
                 metadata=layout_metadata("megatron", d, p),
             ))
             for r, p in enumerate(places)
@@ -142,9 +143,11 @@ async def rank(spec: dict[str, Any]) -> None:
     slow = SlowPull()
     async with (
         rf.Receiver(params, spec["registry"], identity=identity, mode="shadow", layout=layout, transport="nixl",
+                    security=KEYS.client,
                     receiver_id=f"{spec['engine']}-r{r}", serve_replicas=spec.get("relay", False), budget_bytes=1 << 14,
                     observer=slow, **options) as recv,
-        rf.ZmqVote(r, spec["votes"], group=spec["engine"]) as vote,
+        rf.ZmqVote(r, spec["votes"], group=spec["engine"], server_security=KEYS.server,
+                   client_security=KEYS.client) as vote,
     ):  # fmt: skip
         channel = PauseAfterBallot(vote)
         member = rf.EngineMember(recv, channel, vote_timeout=spec.get("vote_timeout_s", 30.0))  # type: ignore[arg-type]

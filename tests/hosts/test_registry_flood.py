@@ -24,7 +24,7 @@ async def test_many_sockets_from_one_host_leave_the_other_hosts_served() -> None
     with anyio.fail_after(120), network() as net:
         reg, evil, good = net.host("reg"), net.host("evil"), net.host("good")
         address = reg.tcp(7100)
-        registry = reg.spawn([sys.executable, "-m", "refitflow", "registry", "--bind", address],
+        registry = reg.spawn([sys.executable, "-m", "refitflow", "registry", "--bind", address, "--open"],
                              stdout=subprocess.PIPE, env=env)  # fmt: skip
         assert registry.stdout is not None
         assert b"serving at" in await anyio.to_thread.run_sync(registry.stdout.readline)

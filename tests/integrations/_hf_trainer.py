@@ -40,6 +40,7 @@ import refitflow as rf
 from refitflow.layouts import Parallel, canonical_shapes, hf, megatron
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata
+from tests._keys import KEYS
 
 PREFIX = "RF "
 
@@ -141,7 +142,10 @@ async def main() -> None:
     world = 1 if spec["layout"] == "hf" else spec["tp"]
     identity = rf.Identity(model="tiny-real", layout=spec["layout"])
     held: list[dict[str, torch.Tensor]] = []
-    async with rf.Registry.serve("tcp://127.0.0.1:*") as server, contextlib.AsyncExitStack() as stack:
+    async with (
+        rf.Registry.serve("tcp://127.0.0.1:*", security=KEYS.server) as server,
+        contextlib.AsyncExitStack() as stack,
+    ):
         pubs = [
             await stack.enter_async_context(rf.Publisher(
                 server.registry, identity=identity, rank=r, world_size=world, transport="nixl",

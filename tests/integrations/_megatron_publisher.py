@@ -21,6 +21,7 @@ import refitflow as rf
 from refitflow.layouts import Parallel, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata
+from tests._keys import KEYS
 from tests.integrations._tiny import canonical, dims
 
 PREFIX = "RF "
@@ -34,7 +35,10 @@ async def main() -> None:
     tp, ep = spec.get("tp", 1), spec.get("ep", 1)
     places = [Parallel(tp=tp, tp_rank=r % tp, ep=ep, ep_rank=r // tp) for r in range(tp * ep)]
     shards: list[dict[str, torch.Tensor]] = []
-    async with rf.Registry.serve("tcp://127.0.0.1:*") as server, contextlib.AsyncExitStack() as stack:
+    async with (
+        rf.Registry.serve("tcp://127.0.0.1:*", security=KEYS.server) as server,
+        contextlib.AsyncExitStack() as stack,
+    ):
         pubs = [
             await stack.enter_async_context(rf.Publisher(
                 server.registry, identity=IDENTITY, rank=r, world_size=len(places), transport="nixl",

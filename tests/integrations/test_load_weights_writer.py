@@ -15,6 +15,7 @@ import transformers as tf
 from refitflow.core.types import Identity
 from refitflow.integrations.load_weights import load_weights_writer
 from refitflow.integrations.rank_session import RankSession, SessionConfig
+from tests._keys import KEYS
 from tests.integrations._vllm_real import HfTrainer, save
 
 
@@ -42,7 +43,7 @@ async def test_buckets_sharing_one_window_land_bit_exactly(tmp_path: pathlib.Pat
     with anyio.fail_after(300):
         async with HfTrainer(save(model, tmp_path / "model")) as trainer:
             config_ = SessionConfig(registry=trainer.registry, identity=Identity(model="tiny-real", layout="hf"),
-                                    receiver_id="buckets", budget_bytes=8 << 20)  # fmt: skip
+                                    receiver_id="buckets", budget_bytes=8 << 20, keys=KEYS)  # fmt: skip
             build = load_weights_writer(list(live.items()), load, "mlp")
             session = await anyio.to_thread.run_sync(RankSession.open, config_, build)
             try:

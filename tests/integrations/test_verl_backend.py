@@ -19,6 +19,7 @@ from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
 
 import refitflow as rf
+from tests._keys import KEYS
 from tests.integrations._tiny import canonical
 from tests.integrations._verl_roles import MODEL, run_role
 
@@ -115,7 +116,7 @@ async def test_a_refit_that_fails_on_the_server_fails_receive_weights_and_leaves
     stand_in = WorkerStandIn(vllm)
     engine = make_backend(update_timeout_s=2.0)  # nothing is ever published: the server's wait runs out
     try:
-        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+        async with rf.Registry.serve("tcp://127.0.0.1:*", security=KEYS.server) as server:
             engine.init_process_group(registry=server.address, rollout_rank=0)
             engine.attach_server(stand_in)
             with anyio.fail_after(120), pytest.raises(rf.RefitError, match="version 1"):
@@ -150,7 +151,7 @@ async def test_an_init_that_fails_on_one_worker_shuts_the_others_down_so_the_nex
     stand_in = OnePeerFails(vllm)
     engine = make_backend(update_timeout_s=2.0)
     try:
-        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+        async with rf.Registry.serve("tcp://127.0.0.1:*", security=KEYS.server) as server:
             engine.init_process_group(registry=server.address, rollout_rank=0)
             engine.attach_server(stand_in)
             with anyio.fail_after(120):

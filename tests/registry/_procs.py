@@ -23,6 +23,10 @@ async def spawn(*args: str) -> asyncio.subprocess.Process:
 
 
 async def spawn_registry(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
+    """``refitflow registry`` in a process of its own: open (``--open``) unless ``flags`` choose keys — these
+    tests send it what any client could (raw frames, restarts); CURVE is tested on its own and on the bed."""
+    if not {"--open", "--keys", "--curve-secret"} & set(flags):
+        flags = (*flags, "--open")
     code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
     proc = await spawn("-c", code, "--bind", "tcp://127.0.0.1:*", *flags)
     line = await line_of(proc)

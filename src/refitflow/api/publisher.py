@@ -35,6 +35,7 @@ from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.client.connect import connect_registry
 from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.security import ClientSecurity
 from refitflow.transports import Transport, make_transport
 
 __all__ = ["Publisher", "Sharded"]
@@ -161,6 +162,9 @@ class Publisher:
       hashes, and compare every byte once the digests arrive. Receivers then skip nothing of that version
       as unchanged (delta refits), so leave it off when much of the model stays frozen between versions.
 
+    - ``security``: this client's CURVE keys for a registry given by address (``rf.DeploymentKeys(...).client``;
+      the registry's ``refitflow registry`` makes them on its first run).
+
     Errors: ``ConfigError`` for arguments that make no sense (raised here, before anything starts);
     ``VersionError`` for a version that does not increase or a republish with other content.
     """
@@ -180,6 +184,7 @@ class Publisher:
         release_policy: ReleasePolicy | None = None,
         digest: str = "auto",
         announce_early: bool = False,
+        security: ClientSecurity | None = None,
     ) -> None:
         if not isinstance(identity, Identity):
             raise ConfigError(f"identity must be an rf.Identity, got {type(identity).__name__}")
@@ -191,7 +196,7 @@ class Publisher:
         self.announce_early = announce_early
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
-        self.registry: PublishRegistry = connect_registry(registry)
+        self.registry: PublishRegistry = connect_registry(registry, security)
         self.release_policy = release_policy
         self.identity = identity
         self.rank = rank

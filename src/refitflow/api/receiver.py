@@ -37,6 +37,7 @@ from refitflow.pipeline.rank import RankState
 from refitflow.pipeline.relay import Relaying
 from refitflow.pipeline.transaction import Transaction
 from refitflow.registry.client.connect import connect_registry
+from refitflow.registry.security import ClientSecurity
 from refitflow.stages._context import StageContext
 from refitflow.stages.plan import PlanCache
 from refitflow.transports import Transport, make_transport
@@ -85,6 +86,7 @@ class Receiver:
     - ``serve_replicas``: serve each version to other receivers as a relay, tensor by tensor as soon as its
       bytes are verified, before this rank commits (pipelined fan-out; docs/fanout.md). Every receiver
       with a registry that has relays reads from the upstream relay the registry names, if any.
+    - ``security``: this client's CURVE keys for a registry given by address (``rf.DeploymentKeys(...).client``).
     - ``**options``: the other ``rf.ReceiverConfig`` fields (``lossy_casts``, ``verify``,
       ``read_timeout_s``, ...; each is documented there); an unknown one is a ``ConfigError``.
 
@@ -106,6 +108,7 @@ class Receiver:
         receiver_id: str | None = None,
         layout: Mapping[str, LocalTensor] | None = None,
         serve_replicas: bool = False,
+        security: ClientSecurity | None = None,
         **options: Any,
     ) -> None:
         unknown = sorted(set(options) - set(ReceiverConfig.__dataclass_fields__))
@@ -121,7 +124,7 @@ class Receiver:
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)  # an address: a client opened and closed with us
-        self.registry: ReceiveRegistry = connect_registry(registry)
+        self.registry: ReceiveRegistry = connect_registry(registry, security)
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer

@@ -30,6 +30,7 @@ from refitflow.cli.demo_roles import RoleConfig, publisher_role, receiver_role, 
 from refitflow.cli.demo_view import DemoView
 from refitflow.cli.synthetic import synthetic_nbytes
 from refitflow.core.errors import ConfigError
+from refitflow.registry.keys import DeploymentKeys, server_of
 from refitflow.registry.service.embedded import Registry
 
 __all__ = ["MODELS", "TRANSPORTS", "DemoConfig", "run_demo", "run_processes"]
@@ -48,6 +49,7 @@ class DemoConfig:
     budget_bytes: int = 256 << 20
     transport: str = "nixl"
     timeout_s: float = 300.0
+    keys: DeploymentKeys | None = None  # CURVE on the registry service, every client and the engines' votes
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -62,7 +64,7 @@ class DemoConfig:
     @property
     def roles(self) -> RoleConfig:
         return RoleConfig(size_bytes=self.size_bytes, versions=self.versions, budget_bytes=self.budget_bytes,
-                          transport=self.transport, timeout_s=self.timeout_s)  # fmt: skip
+                          transport=self.transport, timeout_s=self.timeout_s, keys=self.keys)  # fmt: skip
 
 
 def _roles(cfg: DemoConfig, registry: Any) -> Roles:
@@ -114,10 +116,14 @@ async def run_demo(cfg: DemoConfig) -> bool:
                     for role, args, _ in _roles(cfg, registry):
                         tg.start_soon(role, *args, view.handle)
         else:
-            async with Registry.serve("tcp://127.0.0.1:*", lease_s=30) as server:
+            async with Registry.serve("tcp://127.0.0.1:*", lease_s=30, security=server_of(cfg.keys)) as server:
                 await run_processes(_roles(cfg, server.address), cfg.timeout_s, view.handle)
     view.table()
     ok = view.ok()
+    if cfg.transport != "loopback":
+        view.say(
+            f"CURVE on: keys in {cfg.keys.folder}" if cfg.keys else "OPEN: no authentication (REFITFLOW_KEYS=open)"
+        )
     view.say(f"{'all versions verified and committed on every receiver' if ok else 'FAILED'} "
              f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return ok

@@ -30,6 +30,7 @@ from refitflow.engine.zmq_vote import ZmqVote
 from refitflow.layouts import Parallel, canonical_shapes, fused, hf, megatron
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata
+from refitflow.registry.keys import client_of, server_of
 
 __all__ = ["ENGINES", "IDENTITY", "TRAIN_TP", "engine_role", "model_nbytes", "require_transformers", "trainer_role"]
 
@@ -124,7 +125,7 @@ async def trainer_role(registry: Any, cfg: RoleConfig, receivers: int, report: R
         pubs = []
         for r, p in enumerate(pars):
             pub = Publisher(registry, identity=IDENTITY, rank=r, world_size=TRAIN_TP, transport=cfg.transport,
-                            metadata=layout_metadata("megatron", d, p))  # fmt: skip
+                            metadata=layout_metadata("megatron", d, p), security=cfg.security(registry))  # fmt: skip
             pubs.append(await stack.enter_async_context(pub))
         await wait_for_receivers(pubs[0], receivers, cfg.timeout_s)
         report({"kind": "publisher_ready", "tensors": sum(len(s) for s in shards), "nbytes": model_nbytes(),
@@ -163,8 +164,11 @@ async def engine_role(name: str, tp: int, mode: str, registry: Any, cfg: RoleCon
                 recv = await stack.enter_async_context(Receiver(
                     params[r], registry, identity=IDENTITY, transport=cfg.transport, mode=mode, layout=maps[r],
                     budget_bytes=cfg.budget_bytes, observer=metrics[r], receiver_id=f"demo-{names[r]}",
+                    security=cfg.security(registry),
                 ))  # fmt: skip
-                vote = await stack.enter_async_context(ZmqVote(r, votes, group=name))
+                vote = await stack.enter_async_context(ZmqVote(
+                    r, votes, group=name, server_security=server_of(cfg.keys), client_security=client_of(cfg.keys)
+                ))  # fmt: skip
                 members.append(EngineMember(recv, vote, vote_timeout=cfg.timeout_s))
                 report({"kind": "receiver_ready", "name": names[r], "metrics_port": metrics[r].serve(),
                         "total": sum(t.nbytes for t in params[r].values())})  # fmt: skip

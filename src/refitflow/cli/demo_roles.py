@@ -28,6 +28,8 @@ from refitflow.cli.synthetic import synthetic_model, synthetic_shapes
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.engine.member import Preparer
 from refitflow.metrics.prometheus import PrometheusMetrics
+from refitflow.registry.keys import DeploymentKeys, client_of
+from refitflow.registry.security import ClientSecurity
 
 __all__ = [
     "IDENTITY",
@@ -58,6 +60,11 @@ class RoleConfig:
     receiver_device: str | None = None  # the receivers' device, when not ``device``
     shadow_commit: str = "swap"  # the shadow receiver's commit ("copy": CUDA-graph safe)
     announce_early: bool = False  # two-phase publication: both ranks announce, then digest, at once
+    keys: DeploymentKeys | None = None  # CURVE for every registry client and vote (None: open)
+
+    def security(self, registry: Any) -> ClientSecurity | None:
+        """CURVE for a client of ``registry`` (an address; an embedded registry takes none)."""
+        return client_of(self.keys) if isinstance(registry, str) else None
 
 
 def _shards(model: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor | Sharded]:
@@ -79,9 +86,9 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
     nbytes = sum(t.nbytes for t in model.values())
     async with (
         Publisher(registry, identity=IDENTITY, rank=0, world_size=2, transport=cfg.transport,
-                  announce_early=cfg.announce_early) as p0,
+                  announce_early=cfg.announce_early, security=cfg.security(registry)) as p0,
         Publisher(registry, identity=IDENTITY, rank=1, world_size=2, transport=cfg.transport,
-                  announce_early=cfg.announce_early) as p1,
+                  announce_early=cfg.announce_early, security=cfg.security(registry)) as p1,
     ):  # fmt: skip
         await wait_for_receivers(p0, receivers, cfg.timeout_s)
         report({"kind": "publisher_ready", "tensors": len(model), "nbytes": nbytes})
@@ -205,7 +212,7 @@ async def receiver_role(name: str, mode: str, registry: Any, cfg: RoleConfig, re
     try:
         async with Receiver(
             model, registry, identity=IDENTITY, transport=cfg.transport, mode=mode,
-            budget_bytes=cfg.budget_bytes, observer=metrics, shadow_commit=commit,
+            budget_bytes=cfg.budget_bytes, observer=metrics, shadow_commit=commit, security=cfg.security(registry),
         ) as recv:  # fmt: skip
             report({"kind": "receiver_ready", "name": name, "metrics_port": port,
                     "total": sum(t.nbytes for t in model.values())})  # fmt: skip

@@ -19,15 +19,25 @@ class _Unset(float):
 def _demo(args: argparse.Namespace) -> int:
     import logging
     import os
+    from pathlib import Path
 
     from refitflow.cli.demo import DemoConfig, run_demo
     from refitflow.core.errors import ConfigError
+    from refitflow.registry.keys import DeploymentKeys, keys_folder, warn_open
 
     if not isinstance(args.size_mb, _Unset) and args.model != "synthetic":
         raise ConfigError("--size-mb applies to --model synthetic only")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time warnings after a peer is gone
     logging.getLogger("nixl").setLevel(logging.WARNING)
+    keys = None
+    if args.transport != "loopback":  # processes around a registry service: CURVE, keys made on first use
+        folder = keys_folder(os.environ, Path.home())
+        if folder is None:
+            warn_open("the demo")
+        else:
+            keys = DeploymentKeys.ensure(folder)[0]
     cfg = DemoConfig(
+        keys=keys,
         model=args.model,
         size_bytes=int(args.size_mb * 10**6),
         versions=args.versions,

@@ -8,10 +8,10 @@ server's ``.key_secret``) and ``REFITFLOW_CURVE_AUTHORIZED`` (folder of allowed 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,6 +20,7 @@ from pathlib import Path
 from refitflow.cli.args import OneLineParser, positive
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.registry.address import check_address
+from refitflow.registry.keys import ENV, DeploymentKeys, keys_folder, warn_open
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.embedded import Registry
@@ -65,6 +66,15 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument(f"--etcd-{name}", default=env.get(f"REFITFLOW_ETCD_{name.upper()}"),
                             help=f"with --store etcd: {what}; env REFITFLOW_ETCD_{name.upper()}")  # fmt: skip
     parser.add_argument(
+        "--keys",
+        type=Path,
+        default=None,
+        help=f"the deployment's CURVE key folder, made on first run (default: ${ENV}, else ~/.refitflow/keys); "
+        "clients and engine ranks find it the same way",
+    )
+    parser.add_argument("--open", action="store_true",
+                        help=f"serve WITHOUT authentication (a private network only); also {ENV}=open")  # fmt: skip
+    parser.add_argument(
         "--curve-secret",
         default=env.get("REFITFLOW_CURVE_SECRET"),
         help="the server's CURVE .key_secret file (enables CURVE); env REFITFLOW_CURVE_SECRET",
@@ -79,6 +89,8 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.curve_secret is None) != (args.curve_authorized is None):
         parser.error("--curve-secret and --curve-authorized go together")
+    if args.open + (args.keys is not None) + (args.curve_secret is not None) > 1:
+        parser.error("--open, --keys and --curve-secret are three different choices: give one")
     try:
         check_address(args.bind)
     except ConfigError as exc:
@@ -89,10 +101,7 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             parser.error(f"argument --store: memory or etcd://host:port,…: {exc}")
     try:
-        security = None
-        if args.curve_secret is not None:
-            security = ServerSecurity(secret_key_file=Path(args.curve_secret),
-                                      authorized_dir=Path(args.curve_authorized))  # fmt: skip
+        security, said = _security(args)
         limits = RegistryLimits(max_message_bytes=args.max_message_bytes)
         tls = None
         if args.etcd_ca is not None:
@@ -101,7 +110,7 @@ def registry_main(argv: Sequence[str] | None = None) -> int:
         elif args.etcd_cert is not None or args.etcd_key is not None:
             parser.error("--etcd-cert and --etcd-key need --etcd-ca")
         asyncio.run(_serve_until_signalled(args.bind, args.lease_s, security, limits, args.store, args.namespace,
-                                           tls))  # fmt: skip
+                                           tls, said))  # fmt: skip
     except RefitError as exc:
         print(f"refitflow registry: {exc}", file=sys.stderr)
         return 2
@@ -116,6 +125,7 @@ async def _serve_until_signalled(
     store: str,
     namespace: str,
     tls: EtcdTLS | None,
+    said: str,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -134,8 +144,23 @@ async def _serve_until_signalled(
         )
         kept = "in memory" if registry is None else f"in etcd ({store}, namespace {namespace})"
         print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address}); "
-              f"state {kept}", flush=True)  # fmt: skip
+              f"state {kept}; {said}", flush=True)  # fmt: skip
         await stop.wait()
+
+
+def _security(args: argparse.Namespace) -> tuple[ServerSecurity | None, str]:
+    """The registry's CURVE (keys made on first run unless told otherwise), and what its banner says of it."""
+    if args.curve_secret is not None:
+        return ServerSecurity(secret_key_file=Path(args.curve_secret), authorized_dir=Path(args.curve_authorized)), (
+            f"CURVE with {args.curve_secret}"
+        )
+    folder = None if args.open else (args.keys or keys_folder(os.environ, Path.home()))
+    if folder is None:
+        warn_open("the registry")
+        return None, "OPEN: no authentication"
+    keys, made = DeploymentKeys.ensure(folder)
+    return keys.server, (f"CURVE keys {'made in' if made else 'from'} {folder} "
+                         f"(clients and engine ranks: {ENV}={folder}, or a copy of it on their host)")  # fmt: skip
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:
@@ -148,23 +173,8 @@ def keys_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("dir", type=Path, help="where to write the keys (created if missing)")
     parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
     args = parser.parse_args(argv)
-    from zmq.auth import create_certificates
-
+    DeploymentKeys.create(args.dir, args.clients)
     authorized = args.dir / "authorized"
-    old_umask = os.umask(0o077)  # every file and folder private from its first byte; public keys opened below
-    try:
-        args.dir.mkdir(parents=True, exist_ok=True)
-        authorized.mkdir(exist_ok=True)
-        public_keys = [Path(create_certificates(str(args.dir), "server")[0])]
-        for name in args.clients:
-            public, _ = create_certificates(str(args.dir), name)
-            shutil.copy(public, authorized / Path(public).name)
-            public_keys += [Path(public), authorized / Path(public).name]
-    finally:
-        os.umask(old_umask)
-    for path in public_keys:
-        path.chmod(0o644)
-    authorized.chmod(0o755)
     print(f"server: {args.dir / 'server.key_secret'} (keep) and {args.dir / 'server.key'} (give to clients)")
     print(f"clients: {', '.join(f'{n}.key_secret' for n in args.clients)}; allow-list: {authorized}")
     return 0

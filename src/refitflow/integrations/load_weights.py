@@ -277,7 +277,7 @@ def load_weights_writer(params: Iterable[tuple[str, torch.Tensor]], load: Load, 
         name = choose_transport(config.transport, config.registry)
         transport = await anyio.to_thread.run_sync(make_transport, name)
         stack.push_async_callback(transport.aclose)
-        registry = RegistryClient(config.registry)
+        registry = RegistryClient(config.registry, security=config.security)
         stack.push_async_callback(registry.aclose)
         return BucketLoader(params, load, config, stack, _Shared(transport), registry, family)
 

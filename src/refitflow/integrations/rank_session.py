@@ -37,6 +37,8 @@ from refitflow.engine.vote import Decision, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
 from refitflow.integrations.fused_model import Derived
 from refitflow.integrations.loop_thread import LoopThread
+from refitflow.registry.keys import DeploymentKeys, client_of, server_of
+from refitflow.registry.security import ClientSecurity
 
 __all__ = ["Build", "RankSession", "SessionConfig", "direct_writer"]
 
@@ -63,6 +65,12 @@ class SessionConfig:
     vote_timeout_s: float = 30.0
     init_timeout_s: float = 120.0
     receiver_options: Mapping[str, Any] = field(default_factory=dict)
+    keys: DeploymentKeys | None = None  # CURVE for the registry client and the vote (None: open, said out loud)
+
+    @property
+    def security(self) -> ClientSecurity | None:
+        """The registry client's CURVE keys."""
+        return client_of(self.keys)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,7 +90,8 @@ Build = Callable[[SessionConfig, contextlib.AsyncExitStack], Awaitable[Preparer]
 
 def _vote_channel(config: SessionConfig, gloo_group: Any) -> VoteChannel:
     if config.vote == "zmq":
-        return ZmqVote(config.vote_rank, list(config.vote_addresses), group=f"{config.identity.model}-engine")
+        return ZmqVote(config.vote_rank, list(config.vote_addresses), group=f"{config.identity.model}-engine",
+                       server_security=server_of(config.keys), client_security=config.security)  # fmt: skip
     if config.vote == "gloo":
         return GlooVote(gloo_group)
     return SoloVote()
@@ -247,7 +256,7 @@ def direct_writer(derived: Derived) -> Build:
         receiver = Receiver(
             derived.targets, config.registry, identity=config.identity, transport=config.transport,
             mode=config.mode, budget_bytes=config.budget_bytes, receiver_id=config.receiver_id,
-            layout=derived.layout, **options,
+            layout=derived.layout, security=config.security, **options,
         )  # fmt: skip
         await stack.enter_async_context(receiver)
         return receiver

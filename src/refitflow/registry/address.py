@@ -54,10 +54,10 @@ def check_addresses(spec: object) -> list[str]:
 def no_answer_hint(address: str, *, curve: bool) -> str:
     """What to check when the registry at ``address`` did not answer."""
     keys = (
-        "this client uses CURVE: its public key must be in the registry's --curve-authorized folder and "
+        "this client uses CURVE: its public key must be in the registry's authorized folder and "
         "server_public_file must be the registry's server.key"
         if curve
-        else "if the registry runs with --curve-secret, this client needs security=rf.ClientSecurity(...)"
+        else "if the registry uses CURVE (its default), this client needs security=rf.DeploymentKeys(<folder>).client"
     )
     return f"is a registry serving there (refitflow registry --bind {address}) and reachable from here? {keys}"
 

@@ -34,6 +34,7 @@ from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
 from refitflow.integrations.fused_model import parameters
+from refitflow.integrations.keys import deployment_keys
 from refitflow.integrations.rank_session import RankSession, SessionConfig
 from refitflow.integrations.sglang import answers, payload
 from refitflow.integrations.sglang.place import Place, receiver_layout
@@ -117,7 +118,7 @@ class Worker:
             receiver_id=f"sglang-{init.model}-{place.name}", mode=init.mode, budget_bytes=init.budget_bytes,
             transport=init.transport, vote=vote, vote_rank=place.rank, vote_addresses=addresses,
             vote_timeout_s=init.vote_timeout_s, init_timeout_s=init.init_timeout_s,
-            receiver_options=dict(init.receiver_options),
+            receiver_options=dict(init.receiver_options), keys=deployment_keys(),
         )  # fmt: skip
         session = RankSession.open(config, build, gloo_group=gloo)
         log.info("refitflow: %s loader on %s, vote %s", loader, place.name, vote)

@@ -26,8 +26,10 @@ import torch
 from refitflow.api._dtensor import chunk_range, is_dtensor
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.core.errors import ConfigError
+from refitflow.integrations.keys import deployment_keys
 from refitflow.integrations.loop_thread import LoopThread
 from refitflow.integrations.verl.config import VerlBackendConfig
+from refitflow.registry.keys import client_of, server_of
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.service.embedded import Registry
 
@@ -90,6 +92,7 @@ class TrainerSide:
         self.loop = LoopThread("refitflow-verl-trainer")
         self._stack = contextlib.AsyncExitStack()
         self.registry_address: str | None = config.registry
+        self.keys = deployment_keys()  # CURVE on the registry served here and on the publisher's client
         self.publisher: Publisher | None = None
         self.rows: _Rows | None = None
 
@@ -98,7 +101,9 @@ class TrainerSide:
         if self.registry_address is None:
 
             async def serve() -> str:
-                server = await self._stack.enter_async_context(Registry.serve(self.config.registry_bind))
+                server = await self._stack.enter_async_context(
+                    Registry.serve(self.config.registry_bind, security=server_of(self.keys))
+                )
                 return str(server.address)
 
             self.registry_address = self.loop.run(
@@ -120,7 +125,7 @@ class TrainerSide:
             pub = Publisher(
                 registry, identity=self.config.full_identity, rank=rank, world_size=world_size, transport="nixl",
                 digest=self.config.digest, announce_early=self.config.announce_early,
-                release_policy=ReleasePolicy(receivers=receivers),
+                release_policy=ReleasePolicy(receivers=receivers), security=client_of(self.keys),
             )  # fmt: skip
             return await self._stack.enter_async_context(pub)
 

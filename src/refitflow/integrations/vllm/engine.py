@@ -34,6 +34,7 @@ from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
 from refitflow.integrations.fused_model import parameters
+from refitflow.integrations.keys import deployment_keys
 from refitflow.integrations.rank_session import RankSession, SessionConfig
 from refitflow.integrations.vllm import kernels, mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
@@ -83,6 +84,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
             budget_bytes=init_info.budget_bytes, transport=init_info.transport, vote=vote,
             vote_rank=self.place.global_rank, vote_addresses=addresses, vote_timeout_s=init_info.vote_timeout_s,
             init_timeout_s=init_info.init_timeout_s, receiver_options=dict(init_info.receiver_options),
+            keys=deployment_keys(),
         )  # fmt: skip
         self.session = RankSession.open(config, build, gloo_group=gloo)
         self.landing = Landing(self.session, registry=init_info.registry, transport=init_info.transport,

@@ -27,7 +27,8 @@ class Landing:
 
     def __init__(self, session: RankSession, *, registry: str, transport: str, receiver_id: str) -> None:
         self.session = session
-        self._args = {"registry": registry, "transport": transport, "receiver_id": receiver_id}
+        self._args: dict[str, Any] = {"registry": registry, "transport": transport, "receiver_id": receiver_id,
+                      "security": session.config.security}  # fmt: skip
         self._receiver: AdapterReceiver | None = None  # made on the loop thread at the first adapter
         self._job: concurrent.futures.Future[Landed] | None = None
         self.last: Landed | None = None
@@ -42,8 +43,7 @@ class Landing:
 
     async def _land(self, info: RefitflowUpdateInfo, served: int) -> Landed:
         if self._receiver is None:
-            self._receiver = AdapterReceiver(self._args["registry"], receiver_id=self._args["receiver_id"],
-                                             transport=self._args["transport"])  # fmt: skip
+            self._receiver = AdapterReceiver(**self._args)
         assert info.adapter is not None
         self.last = await self._receiver.receive(info.adapter, info.version, base_version=served,
                                                  root=pathlib.Path(info.lora_root), keep=info.keep,

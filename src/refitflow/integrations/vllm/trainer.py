@@ -48,10 +48,12 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 import refitflow as rf
 from refitflow.core.errors import ConfigError, RefitError
+from refitflow.integrations.keys import deployment_keys
 from refitflow.integrations.loop_thread import LoopThread
 from refitflow.integrations.vllm.info import RefitflowInitInfo
 from refitflow.layouts import Parallel, hf
 from refitflow.layouts.wire import layout_metadata
+from refitflow.registry.keys import client_of, server_of
 
 __all__ = ["RefitflowTrainerEngine", "RefitflowTrainerInitInfo"]
 
@@ -121,8 +123,11 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
 
     async def _open(self) -> None:
         registry: Any = self.registry_address
+        keys = deployment_keys()
         if self.info.is_sender and registry is None:
-            server = await self._stack.enter_async_context(rf.Registry.serve(self.info.registry_bind))
+            server = await self._stack.enter_async_context(
+                rf.Registry.serve(self.info.registry_bind, security=server_of(keys))
+            )
             bound, port = server.address.removeprefix("tcp://").rsplit(":", 1)
             host = self.info.advertise_host or (socket.gethostbyname(socket.gethostname()) if bound == "0.0.0.0"
                                                 else bound)  # fmt: skip
@@ -133,7 +138,8 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
             registry = self.registry_address
         self.publisher = await self._stack.enter_async_context(rf.Publisher(
             registry, identity=rf.Identity(model=self.info.model, layout="hf"), rank=self.info.rank,
-            world_size=self.info.world_size, transport="nixl"))  # fmt: skip
+            world_size=self.info.world_size, transport="nixl",
+            security=None if isinstance(registry, rf.Registry) else client_of(keys)))  # fmt: skip
 
     def send_weights(self) -> None:
         version = next(self.versions)

@@ -1,0 +1,21 @@
+"""The one place an integration reads its environment: where the deployment's CURVE keys are.
+
+Every integration (vLLM's worker and trainer sides, SGLang, verl) turns CURVE on for its registry
+client, its vote and its embedded registry with the keys found here (``REFITFLOW_KEYS``, else
+``~/.refitflow/keys``); ``REFITFLOW_KEYS=open`` runs open, logged as a warning; no keys at all is a
+``ConfigError`` saying how to make them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from refitflow.registry.keys import DeploymentKeys, find_keys
+
+__all__ = ["deployment_keys"]
+
+
+def deployment_keys() -> DeploymentKeys | None:
+    """This process's deployment keys; None when it was told to run open (``REFITFLOW_KEYS=open``)."""
+    return find_keys(os.environ, Path.home())
