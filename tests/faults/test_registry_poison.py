@@ -1,6 +1,8 @@
 """Probes of issue 35, kept as tests: a version cannot be poisoned, a huge frame stalls nobody, a stalled
 registry expires no lease.
 
+- A version far above the newest complete one is refused; with none (a fresh identity, a restarted
+  registry), far above the newest version a registered receiver says it committed.
 - A remote publish names its owner (it is lease-bound: it ends with its client); each rank of an identity
   is published by one live client at a time (first come; the claim ends with its lease or its goodbye).
 - A forged version (a source nobody can read) that got in anyway — before any publisher claimed the
@@ -96,6 +98,36 @@ async def test_a_forged_version_goes_with_its_forgers_lease() -> None:
                     "publish", manifest=manifest_dict(0, version=1, world_size=1), owner=legit.client_id
                 )
                 assert await server.registry.versions(identity) == [1]
+
+
+@pytest.mark.asyncio
+async def test_after_a_restart_a_version_far_above_what_the_receivers_committed_is_refused() -> None:
+    """The registry restarts: the identity has no complete version, so the newest-complete bound cannot hold.
+    Its receiver returns (re-registers, re-sends that it committed 41); a forged 2**62 is then refused, the
+    trainer's 42 taken."""
+    identity, address = rf.Identity(model="hostile"), free_address()
+    registry = await spawn_registry(address, "--lease-s", "3")
+    try:
+        with anyio.fail_after(60):
+            async with RegistryClient(address, heartbeat_s=0.3) as engine:
+                await engine.register_receiver(identity, "engine-0")
+                await engine.report(identity, "engine-0", 41)
+                await stop(registry)
+                registry = await spawn_registry(address, "--lease-s", "3")
+
+                async def returned() -> bool:
+                    return await engine.acked(identity, 41) == (1, 1)
+
+                await until(returned, 20, "the receiver returns to the restarted registry with what it committed")
+                async with raw(address) as forger:
+                    poison = manifest_dict(0, version=2**62, world_size=1)
+                    reply = await forger.request("publish", manifest=poison, owner="forger")
+                    assert refused(reply, "VersionError", "above 41, the newest version a receiver"), reply
+                    good = manifest_dict(0, version=42, world_size=1)
+                    assert (await forger.request("publish", manifest=good, owner="trainer"))["ok"]
+                assert await engine.versions(identity) == [42]
+    finally:
+        await stop(registry)
 
 
 @pytest.mark.asyncio

@@ -29,7 +29,8 @@ class RegistryLimits:
     max_in_flight_bytes: int = 1 << 30
     # shard specs in one manifest (checked before any is built)
     max_shards: int = 1 << 17
-    # a version more than this above the newest complete version of its identity is refused (None: no bound)
+    # a version more than this above the newest complete version of its identity (with none: above the newest
+    # version a registered receiver committed) is refused (None: no bound)
     max_version_ahead: int | None = 10_000
     # an incomplete version that no live client owns is dropped this long after its first manifest
     incomplete_ttl_s: float = 300.0

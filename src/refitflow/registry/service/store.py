@@ -150,12 +150,24 @@ class RegistryStore:
         elif old is not None and old.revision != manifest.revision:
             raise VersionError(f"rank {rank} already published this version with other content", version=version)
         if old is None:
-            ahead, newest = self.limits.max_version_ahead, model.newest
-            if not known and ahead is not None and newest is not None and version > newest + ahead:
-                raise VersionError(f"more than {ahead} versions above the newest complete version {newest}",
-                                   version=version)  # fmt: skip
+            ahead = self.limits.max_version_ahead
+            if not known and ahead is not None:
+                self._check_ahead(model, version, ahead)
             (model.index.get(version) or VersionIndex()).check(manifest)
         return True
+
+    @staticmethod
+    def _check_ahead(model: Model, version: int, ahead: int) -> None:
+        """Refuse a new version far above the newest complete one or, with none (a fresh identity, a registry
+        that restarted), above the newest any registered receiver says it committed (re-sent on return)."""
+        newest = model.newest
+        done = max(model.receivers.values(), default=-1)
+        if newest is not None and version > newest + ahead:
+            raise VersionError(f"more than {ahead} versions above the newest complete version {newest}",
+                               version=version)  # fmt: skip
+        if newest is None and done >= 0 and version > done + ahead:
+            raise VersionError(f"more than {ahead} versions above {done}, the newest version a receiver of this "
+                               "model says it committed", version=version)  # fmt: skip
 
     def record(self, manifest: Manifest, *, owner: str | None = None) -> None:
         """Hold ``manifest`` (``admit`` said yes; a replicated store's mirror applies what was admitted)."""
