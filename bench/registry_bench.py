@@ -30,7 +30,10 @@ from refitflow.registry.client.client import RegistryClient
 
 
 async def spawn_registry(*flags: str, **options: Any) -> tuple[asyncio.subprocess.Process, str]:
-    """``refitflow registry`` on a free loopback port (lease 600 s unless ``flags`` say otherwise); its address."""
+    """``refitflow registry`` on a free loopback port (lease 600 s unless ``flags`` say otherwise), open (no
+    CURVE: these benches measure the protocol, as docs' figures were), unless ``flags`` choose keys; its address."""
+    if not {"--open", "--keys", "--curve-secret"} & set(flags):
+        flags = (*flags, "--open")
     code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, "--bind", "tcp://127.0.0.1:*",
                                                 "--lease-s", "600", *flags, stdout=asyncio.subprocess.PIPE,

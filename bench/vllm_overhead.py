@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -81,7 +83,9 @@ async def main(args: argparse.Namespace) -> None:
     bare_model, engine_model = _module(shapes), _module(shapes)
     nbytes = sum(t.numel() * t.element_size() for t in shards.values())
     ident = rf.Identity(model="bench-vllm", layout="megatron")
-    async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+    keys = rf.DeploymentKeys.create(Path(tempfile.mkdtemp(prefix="bench-keys-")))  # CURVE, as deployed
+    os.environ["REFITFLOW_KEYS"] = str(keys.folder)  # where the engine (an integration) finds them
+    async with rf.Registry.serve("tcp://127.0.0.1:*", security=keys.server) as server:
         async with rf.Publisher(server.registry, identity=ident, transport=TRANSPORT,
                                 metadata=layout_metadata("megatron", d, Parallel())) as pub:  # fmt: skip
             derived = derive(parameters(bare_model), layout)
@@ -91,7 +95,8 @@ async def main(args: argparse.Namespace) -> None:
                 "transport": TRANSPORT, "budget_bytes": args.budget_mb << 20})  # fmt: skip
             await anyio.to_thread.run_sync(engine.init_transfer_engine, info)  # blocking: the registry is on this loop
             async with rf.Receiver(derived.targets, server.address, identity=ident, transport=TRANSPORT,
-                                   layout=derived.layout, budget_bytes=args.budget_mb << 20) as recv:  # fmt: skip
+                                   layout=derived.layout, budget_bytes=args.budget_mb << 20,
+                                   security=keys) as recv:  # fmt: skip
 
                 async def bare(v: int) -> float:
                     t0 = time.perf_counter()

@@ -40,8 +40,12 @@ def test_readme_cross_process_example_runs_as_written(tmp_path: pathlib.Path) ->
     (tmp_path / "run.sh").write_text(commands[0])
     assert shutil.which("unshare") and shutil.which("ip"), "the test needs util-linux's unshare and iproute2's ip"
     src = str(pathlib.Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "REFITFLOW_KEYS"},
+        "HOME": str(tmp_path),
+        "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }  # a fresh user: no keys yet
     proc = subprocess.Popen(
         ["unshare", "--net", "--map-root-user", "bash", "-c", "ip link set lo up && bash run.sh"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -58,4 +62,5 @@ def test_readme_cross_process_example_runs_as_written(tmp_path: pathlib.Path) ->
     server = dict(re.findall(r"server: committed v(\d) \(\d+ bytes\), output (\S+)", out))
     assert sorted(trainer) == sorted(server) == ["1", "2", "3"], out
     assert server == trainer, out  # the server computes what the trainer computed, version by version
+    assert (tmp_path / ".refitflow" / "keys" / "server.key_secret").is_file()  # authenticated, as written
     assert len(set(trainer.values())) == 3  # and each version differs: the training steps changed the weights

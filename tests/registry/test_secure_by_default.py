@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import refitflow as rf
+from refitflow.cli.registry_cmd import keys_main
 from refitflow.integrations.keys import deployment_keys
 from refitflow.registry.client.client import RegistryClient
 from tests.registry.test_registry_client import ID, manifest
@@ -135,3 +136,14 @@ async def test_an_address_with_keys_connects_publishers_and_receivers(tmp_path: 
                 assert torch.equal(recv_model["w"], model["w"]) and recv.status.committed_version == 1
     with pytest.raises(rf.ConfigError, match="security= is for a registry address"):
         rf.Publisher(rf.Registry(), identity=ID, security=keys.client)
+
+
+def test_making_keys_again_keeps_the_deployments_keys_unless_forced(tmp_path: Path) -> None:
+    folder = tmp_path / "keys"
+    assert keys_main([str(folder)]) == 0
+    server, client = (folder / "server.key").read_bytes(), (folder / "client.key_secret").read_bytes()
+    assert keys_main([str(folder), "--clients", "client", "rollout"]) == 0  # a new client joins the set
+    assert (folder / "server.key").read_bytes() == server and (folder / "client.key_secret").read_bytes() == client
+    assert (folder / "authorized" / "rollout.key").is_file() and mode(folder / "rollout.key_secret") == 0o600
+    assert keys_main([str(folder), "--force"]) == 0
+    assert (folder / "server.key").read_bytes() != server

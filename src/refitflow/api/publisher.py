@@ -34,6 +34,7 @@ from refitflow.layouts.boxes import full
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.client.connect import connect_registry
+from refitflow.registry.keys import DeploymentKeys
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
 from refitflow.transports import Transport, make_transport
@@ -162,8 +163,9 @@ class Publisher:
       hashes, and compare every byte once the digests arrive. Receivers then skip nothing of that version
       as unchanged (delta refits), so leave it off when much of the model stays frozen between versions.
 
-    - ``security``: this client's CURVE keys for a registry given by address (``rf.DeploymentKeys(...).client``;
-      the registry's ``refitflow registry`` makes them on its first run).
+    - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``, e.g.
+      ``rf.find_keys(os.environ, Path.home())``: the folder ``refitflow registry`` made) or an
+      ``rf.ClientSecurity``; None: no CURVE.
 
     Errors: ``ConfigError`` for arguments that make no sense (raised here, before anything starts);
     ``VersionError`` for a version that does not increase or a republish with other content.
@@ -184,7 +186,7 @@ class Publisher:
         release_policy: ReleasePolicy | None = None,
         digest: str = "auto",
         announce_early: bool = False,
-        security: ClientSecurity | None = None,
+        security: ClientSecurity | DeploymentKeys | None = None,
     ) -> None:
         if not isinstance(identity, Identity):
             raise ConfigError(f"identity must be an rf.Identity, got {type(identity).__name__}")

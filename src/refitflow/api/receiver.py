@@ -37,6 +37,7 @@ from refitflow.pipeline.rank import RankState
 from refitflow.pipeline.relay import Relaying
 from refitflow.pipeline.transaction import Transaction
 from refitflow.registry.client.connect import connect_registry
+from refitflow.registry.keys import DeploymentKeys
 from refitflow.registry.security import ClientSecurity
 from refitflow.stages._context import StageContext
 from refitflow.stages.plan import PlanCache
@@ -86,7 +87,8 @@ class Receiver:
     - ``serve_replicas``: serve each version to other receivers as a relay, tensor by tensor as soon as its
       bytes are verified, before this rank commits (pipelined fan-out; docs/fanout.md). Every receiver
       with a registry that has relays reads from the upstream relay the registry names, if any.
-    - ``security``: this client's CURVE keys for a registry given by address (``rf.DeploymentKeys(...).client``).
+    - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``) or an
+      ``rf.ClientSecurity`` (as for ``rf.Publisher``).
     - ``**options``: the other ``rf.ReceiverConfig`` fields (``lossy_casts``, ``verify``,
       ``read_timeout_s``, ...; each is documented there); an unknown one is a ``ConfigError``.
 
@@ -108,7 +110,7 @@ class Receiver:
         receiver_id: str | None = None,
         layout: Mapping[str, LocalTensor] | None = None,
         serve_replicas: bool = False,
-        security: ClientSecurity | None = None,
+        security: ClientSecurity | DeploymentKeys | None = None,
         **options: Any,
     ) -> None:
         unknown = sorted(set(options) - set(ReceiverConfig.__dataclass_fields__))

@@ -164,7 +164,8 @@ def _security(args: argparse.Namespace) -> tuple[ServerSecurity | None, str]:
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:
-    """``refitflow keys DIR [--clients NAME ...]``: CURVE key pairs for the registry and its clients.
+    """``refitflow keys DIR [--clients NAME ...] [--force]``: CURVE key pairs for the registry and its clients
+    (a pair already there is kept unless ``--force``: making keys again never locks a deployment out).
 
     Secret keys are written 0600 in a folder this command creates 0700 (nobody else can list it); the
     public keys (``.key``, ``authorized/``) are 0644, they are meant to be handed out.
@@ -172,9 +173,13 @@ def keys_main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
     parser.add_argument("dir", type=Path, help="where to write the keys (created if missing)")
     parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
+    parser.add_argument("--force", action="store_true", help="replace the pairs already there (default: kept)")
     args = parser.parse_args(argv)
-    DeploymentKeys.create(args.dir, args.clients)
+    kept = [n for n in ("server", *args.clients) if not args.force and (args.dir / f"{n}.key_secret").exists()]
+    DeploymentKeys.create(args.dir, args.clients, replace=args.force)
     authorized = args.dir / "authorized"
+    if kept:
+        print(f"kept the pairs already in {args.dir}: {', '.join(kept)} (--force makes new ones)")
     print(f"server: {args.dir / 'server.key_secret'} (keep) and {args.dir / 'server.key'} (give to clients)")
     print(f"clients: {', '.join(f'{n}.key_secret' for n in args.clients)}; allow-list: {authorized}")
     return 0

@@ -66,8 +66,9 @@ class DeploymentKeys:
         return keys
 
     @classmethod
-    def create(cls, folder: Path, clients: Sequence[str] = ("client",)) -> DeploymentKeys:
-        """Write a new key set (a server pair, one pair per client name, the allow-list) into ``folder``."""
+    def create(cls, folder: Path, clients: Sequence[str] = ("client",), *, replace: bool = True) -> DeploymentKeys:
+        """Write a key set (a server pair, one pair per client name, the allow-list) into ``folder``;
+        ``replace=False`` keeps every pair already there (and makes the missing ones)."""
         from zmq.auth import create_certificates
 
         folder = Path(folder)
@@ -76,11 +77,15 @@ class DeploymentKeys:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             authorized.mkdir(exist_ok=True)
-            public_keys = [Path(create_certificates(str(folder), "server")[0])]
-            for name in clients:
+            public_keys = []
+            for name in ("server", *clients):
+                if not replace and (folder / f"{name}.key_secret").exists():
+                    continue
                 public = Path(create_certificates(str(folder), name)[0])
-                shutil.copy(public, authorized / public.name)
-                public_keys += [public, authorized / public.name]
+                public_keys.append(public)
+                if name != "server":
+                    shutil.copy(public, authorized / public.name)
+                    public_keys.append(authorized / public.name)
         finally:
             os.umask(old_umask)
         for path in public_keys:

@@ -25,6 +25,7 @@ from refitflow.core.errors import VersionError
 from refitflow.integrations.lora.adapter import adapter_identity, decode, lora_name
 from refitflow.integrations.lora.files import prune, write
 from refitflow.registry.client.connect import connect_registry
+from refitflow.registry.keys import DeploymentKeys
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["AdapterReceiver", "Landed"]
@@ -44,7 +45,7 @@ class Landed:
 
 class AdapterReceiver:
     def __init__(self, registry: Any, *, receiver_id: str, transport: Any = "auto",
-                 budget_bytes: int = 64 << 20, security: ClientSecurity | None = None,
+                 budget_bytes: int = 64 << 20, security: ClientSecurity | DeploymentKeys | None = None,
                  **receiver_options: Any) -> None:  # fmt: skip
         self._owns_registry = isinstance(registry, str)
         self.registry = connect_registry(registry, security)

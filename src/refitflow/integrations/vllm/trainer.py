@@ -139,7 +139,7 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
         self.publisher = await self._stack.enter_async_context(rf.Publisher(
             registry, identity=rf.Identity(model=self.info.model, layout="hf"), rank=self.info.rank,
             world_size=self.info.world_size, transport="nixl",
-            security=None if isinstance(registry, rf.Registry) else client_of(keys)))  # fmt: skip
+            security=client_of(keys) if isinstance(registry, str) else None))  # fmt: skip
 
     def send_weights(self) -> None:
         version = next(self.versions)

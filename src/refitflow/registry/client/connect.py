@@ -6,14 +6,18 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError
 from refitflow.registry.address import check_addresses
+from refitflow.registry.keys import DeploymentKeys
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["connect_registry"]
 
 
-def connect_registry(spec: Any, security: ClientSecurity | None = None) -> Any:
+def connect_registry(spec: Any, security: ClientSecurity | DeploymentKeys | None = None) -> Any:
     """An address string (``tcp://…``; replicas: ``tcp://h1:7100,tcp://h2:7100``) becomes a ``RegistryClient``;
-    a registry object is used as it is. ``security``: the client's CURVE keys, for an address only."""
+    a registry object is used as it is. ``security``: the client's CURVE keys (or the deployment's key set),
+    for an address only."""
+    if isinstance(security, DeploymentKeys):
+        security = security.client
     if isinstance(spec, str):
         from refitflow.registry.client.client import RegistryClient
 
