@@ -278,6 +278,15 @@ class RegistryStore:
     ) -> RelayOffer | None:
         """Join ``version``'s relays with ``offer`` (None: a reader that serves nobody); the upstream to read
         from (None: the trainer). Leaves every other version's relays (``registry.relays``)."""
+        self.check_relay(identity, version, offer)
+        model = self._model(identity)
+        for v, relays in model.relays.items():
+            if v != version:
+                relays.leave(receiver_id)
+        return model.relays.setdefault(version, Relays()).join(receiver_id, layout, offer)
+
+    def check_relay(self, identity: Identity, version: int, offer: RelayOffer | None) -> None:
+        """Raise unless ``version`` is complete and still held, and ``offer`` (if any) fits its shards."""
         model = self._peek(identity)
         ranks = model.versions.get(version)
         if ranks is None or version not in model.completed_at:  # complete, still held (newer ones may exist)
@@ -285,11 +294,6 @@ class RegistryStore:
         if offer is not None:
             manifests = tuple(ranks[r] for r in range(len(ranks)))
             check_offer(Publication(identity=manifests[0].identity, version=version, manifests=manifests), offer)
-        model = self._model(identity)
-        for v, relays in model.relays.items():
-            if v != version:
-                relays.leave(receiver_id)
-        return model.relays.setdefault(version, Relays()).join(receiver_id, layout, offer)
 
     async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
         """``receiver_id`` serves no version any more (it is about to change its bytes, or leaving)."""

@@ -47,7 +47,6 @@ from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.service.etcd import kv
 from refitflow.registry.service.etcd.keys import EtcdTLS, Keys, blob_value, chunked, endpoints_of, join_chunks
 from refitflow.registry.service.etcd.kv import KV, Etcd, RevisionCompacted
-from refitflow.registry.service.relays import check_offer
 from refitflow.registry.service.store import RegistryStore, claimed
 
 __all__ = ["EtcdStore"]
@@ -384,13 +383,7 @@ class EtcdStore:
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
     ) -> RelayOffer | None:
-        model = self.mirror.model(identity)
-        ranks = model.versions.get(version)
-        if ranks is None or version not in model.completed_at:
-            raise VersionError("relays need their version complete and still offered", version=version)
-        if offer is not None:
-            manifests = tuple(ranks[r] for r in range(len(ranks)))
-            check_offer(Publication(identity=manifests[0].identity, version=version, manifests=manifests), offer)
+        self.mirror.check_relay(identity, version, offer)
         key = self.keys.relay(identity, receiver_id)
         doc = {"identity": identity_to_dict(identity), "receiver": receiver_id, "version": version, "layout": layout,
                "offer": None if offer is None else offer_to_dict(offer)}  # fmt: skip
