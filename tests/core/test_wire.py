@@ -36,6 +36,7 @@ def test_manifest_roundtrip() -> None:
         lambda d: d["shards"][0].__setitem__(1, "float7"),
         lambda d: d["shards"][0].__setitem__(5, 99),
         lambda d: d["shards"][0].__setitem__(6, ""),
+        lambda d: d["shards"][0].__setitem__(6, "0123456789abcdeg"),  # not hexadecimal
         lambda d: d["shards"].append(list(d["shards"][0])),
         lambda d: d.__setitem__("revision", "0" * 32),
         lambda d: d["identity"].__setitem__("colour", "red"),

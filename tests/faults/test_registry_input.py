@@ -242,13 +242,13 @@ async def test_an_oversize_frame_and_a_wrong_frame_count_get_typed_answers() -> 
 @pytest.mark.asyncio
 async def test_cross_rank_checks_cost_one_lookup_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = [0]
-    agree = checks._agree
+    agree = checks.VersionIndex._agree
 
     def counting(*args: Any) -> None:
         calls[0] += 1
         agree(*args)
 
-    monkeypatch.setattr(checks, "_agree", counting)
+    monkeypatch.setattr(checks.VersionIndex, "_agree", counting)
     store, world, tensors = RegistryStore(), 16, 50
     for rank in range(world):
         shards = tuple(

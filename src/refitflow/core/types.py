@@ -9,6 +9,7 @@ from __future__ import annotations
 import binascii
 import math
 import re
+import string
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -22,6 +23,8 @@ from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 
 __all__ = ["Identity", "Manifest", "Publication", "ShardSpec", "SourceAddress", "revision_of"]
+
+_HEX = frozenset(string.hexdigits)
 
 # What a manifest may hold at all, whoever sends it: beyond these it is a mistake or an attack, never a
 # model. A tensor name is 1-1024 characters: letters, digits and ``_ . - :``, not starting with ``.``,
@@ -129,7 +132,7 @@ class ShardSpec:
                     f"shard range [{self.start}, {self.stop}) outside axis {self.axis} of {self.global_shape}",
                     tensor=self.name,
                 )
-        if not isinstance(self.digest, str) or len(self.digest) not in (0, 16):
+        if not isinstance(self.digest, str) or len(self.digest) not in (0, 16) or not _HEX.issuperset(self.digest):
             raise ManifestError("digest not a 16-hex-digit xxh3_64 (or empty: pending)", tensor=self.name)
         if self.region < 0 or self.offset < 0:
             raise ManifestError("negative region or offset", tensor=self.name)

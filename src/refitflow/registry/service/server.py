@@ -31,7 +31,8 @@ from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import error_reply, identity_from_dict, ok_reply, topic
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.admission import Gate, check_fresh, request_id_of
-from refitflow.registry.service.frames import decode_request
+from refitflow.registry.service.frames import SMALL_BYTES, decode_request
+from refitflow.registry.service.gc_pause import GcPause
 from refitflow.registry.service.ops import Handler
 from refitflow.registry.service.store import RegistryStore
 from refitflow.registry.service.store_api import Store
@@ -81,8 +82,9 @@ async def serve(
     ``limits`` (``RegistryLimits``) bound what one request and all requests in flight may hold; a
     request beyond them is answered at once with a typed error (``RefitTimeoutError`` "busy" for a full
     house), so a flood cannot pile up tasks or memory. A given ``registry`` keeps its own store limits.
-    ``freeze_gc``: the process is the registry's own (``refitflow registry``): large manifests are frozen out
-    of Python's cyclic collector (``gc.freeze``), whose full passes otherwise stop the loop for long.
+    ``freeze_gc``: the process is the registry's own (``refitflow registry``): Python's cyclic collector is
+    paused while a large request is handled, and what it left is then frozen out of later passes
+    (``gc_pause.py``); its passes otherwise stop the loop for long.
     """
     check_address(address)
     registry = registry or RegistryStore(lease_s=lease_s, limits=limits)
@@ -128,8 +130,8 @@ async def serve(
         announce = _announcer(pub)
         if registry.announces:
             registry.on_announce = announce  # type: ignore[attr-defined]
-        handler = Handler(registry, hello=hello, limits=limits, announce=announce, freeze_gc=freeze_gc)
-        service = _Service(router, handler, Gate(limits), server.incarnation)
+        handler = Handler(registry, hello=hello, limits=limits, announce=announce)
+        service = _Service(router, handler, Gate(limits), server.incarnation, GcPause(freeze_gc))
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
         tasks = [
             asyncio.create_task(service.run()),
@@ -159,8 +161,10 @@ def _announcer(pub: zmq.asyncio.Socket) -> Any:
 
 
 class _Service:
-    def __init__(self, router: zmq.asyncio.Socket, handler: Handler, gate: Gate, incarnation: str) -> None:
+    def __init__(self, router: zmq.asyncio.Socket, handler: Handler, gate: Gate, incarnation: str,
+                 gc_pause: GcPause) -> None:  # fmt: skip
         self.router, self.handler, self.gate, self.incarnation = router, handler, gate, incarnation
+        self.gc_pause = gc_pause
         self._store = handler.registry
 
     def _returning(self) -> None:
@@ -190,10 +194,11 @@ class _Service:
     async def _answer(self, peer: bytes, client: bytes, host: bytes, body: bytes) -> None:
         request_id: Any = None
         try:
-            msg = await decode_request(body, self.handler.limits.max_shards)
-            request_id = msg.get("id")
-            check_fresh(msg, self.incarnation, self._returning)
-            reply = ok_reply(request_id, await self.handler.handle(msg), self._stamp())
+            with self.gc_pause.during(len(body) > SMALL_BYTES):
+                msg = await decode_request(body, self.handler.limits.max_shards)
+                request_id = msg.get("id")
+                check_fresh(msg, self.incarnation, self._returning)
+                reply = ok_reply(request_id, await self.handler.handle(msg), self._stamp())
         except Exception as exc:  # every failure becomes an error reply; the service keeps serving
             reply = error_reply(request_id, exc, self._stamp())
         finally:

@@ -146,7 +146,6 @@ class RegistryStore:
             again = manifest.pending and old.pending and old.shards == manifest.shards  # a retry (or a new address)
             if not (again or manifest.completes(old)):
                 raise VersionError(f"rank {rank} already announced this version with another layout", version=version)
-            VersionIndex.check_digests(manifest)
         elif old is not None and old.revision != manifest.revision:
             raise VersionError(f"rank {rank} already published this version with other content", version=version)
         if old is None:
