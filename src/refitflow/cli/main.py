@@ -23,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from refitflow.cli.demo import DemoConfig, run_demo
     from refitflow.core.errors import ConfigError
-    from refitflow.registry.keys import DeploymentKeys, keys_folder, warn_open
+    from refitflow.registry.keys import find_or_make_keys
 
     if not isinstance(args.size_mb, _Unset) and args.model != "synthetic":
         raise ConfigError("--size-mb applies to --model synthetic only")
@@ -31,11 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
     logging.getLogger("nixl").setLevel(logging.WARNING)
     keys = None
     if args.transport != "loopback":  # processes around a registry service: CURVE, keys made on first use
-        folder = keys_folder(os.environ, Path.home())
-        if folder is None:
-            warn_open("the demo")
-        else:
-            keys = DeploymentKeys.ensure(folder)[0]
+        keys = find_or_make_keys(os.environ, Path.home(), "the demo")[0]
     cfg = DemoConfig(
         keys=keys,
         model=args.model,

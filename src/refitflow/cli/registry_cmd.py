@@ -20,7 +20,7 @@ from pathlib import Path
 from refitflow.cli.args import OneLineParser, positive
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.registry.address import check_address
-from refitflow.registry.keys import ENV, DeploymentKeys, keys_folder, warn_open
+from refitflow.registry.keys import ENV, OPEN, DeploymentKeys, find_or_make_keys
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.embedded import Registry
@@ -154,13 +154,12 @@ def _security(args: argparse.Namespace) -> tuple[ServerSecurity | None, str]:
         return ServerSecurity(secret_key_file=Path(args.curve_secret), authorized_dir=Path(args.curve_authorized)), (
             f"CURVE with {args.curve_secret}"
         )
-    folder = None if args.open else (args.keys or keys_folder(os.environ, Path.home()))
-    if folder is None:
-        warn_open("the registry")
+    env = {ENV: OPEN} if args.open else {ENV: str(args.keys)} if args.keys else os.environ
+    keys, made = find_or_make_keys(env, Path.home(), "the registry")
+    if keys is None:
         return None, "OPEN: no authentication"
-    keys, made = DeploymentKeys.ensure(folder)
-    return keys.server, (f"CURVE keys {'made in' if made else 'from'} {folder} "
-                         f"(clients and engine ranks: {ENV}={folder}, or a copy of it on their host)")  # fmt: skip
+    return keys.server, (f"CURVE keys {'made in' if made else 'from'} {keys.folder} "
+                         f"(clients and engine ranks: {ENV}={keys.folder}, or a copy of it on their host)")  # fmt: skip
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,8 @@ from pathlib import Path
 from refitflow.core.errors import ConfigError
 from refitflow.registry.security import ClientSecurity, ServerSecurity
 
-__all__ = ["OPEN", "DeploymentKeys", "client_of", "find_keys", "keys_folder", "server_of", "warn_open"]
+__all__ = ["OPEN", "DeploymentKeys", "client_of", "find_keys", "find_or_make_keys", "keys_folder", "server_of",
+           "warn_open"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,16 @@ def find_keys(env: Mapping[str, str], home: Path) -> DeploymentKeys | None:
         warn_open("this process")
         return None
     return DeploymentKeys.load(folder)
+
+
+def find_or_make_keys(env: Mapping[str, str], home: Path, what: str) -> tuple[DeploymentKeys | None, bool]:
+    """For a process that serves (the registry, the demo): the keys found as ``find_keys`` does, made there
+    first if the folder holds none; and whether they were made. None: told to run open (logged)."""
+    folder = keys_folder(env, home)
+    if folder is None:
+        warn_open(what)
+        return None, False
+    return DeploymentKeys.ensure(folder)
 
 
 def warn_open(what: str) -> None:
