@@ -21,6 +21,7 @@ import torch
 
 import refitflow as rf
 from refitflow.cli.registry_cmd import keys_main
+from refitflow.engine.solo_vote import SoloVote
 from refitflow.integrations.keys import deployment_keys
 from refitflow.registry.client.client import RegistryClient
 from tests.registry.test_registry_client import ID, manifest
@@ -147,3 +148,25 @@ def test_making_keys_again_keeps_the_deployments_keys_unless_forced(tmp_path: Pa
     assert (folder / "authorized" / "rollout.key").is_file() and mode(folder / "rollout.key_secret") == 0o600
     assert keys_main([str(folder), "--force"]) == 0
     assert (folder / "server.key").read_bytes() != server
+
+
+@pytest.mark.asyncio
+async def test_an_open_socket_where_other_hosts_reach_it_is_a_choice_never_a_default(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing binds beyond loopback without CURVE unless told ``insecure=True`` (refused before binding)."""
+    member = rf.EngineMember(rf.Receiver({"w": torch.zeros(4)}, rf.Registry(), identity=ID), SoloVote())
+    for make in (
+        lambda: rf.ZmqVote(0, ["tcp://198.18.0.9:7300"]),
+        lambda: rf.EngineAgent(member, "tcp://*:7400"),
+    ):
+        with pytest.raises(rf.ConfigError, match="without CURVE, where anyone who reaches it"):
+            make()
+    with pytest.raises(rf.ConfigError, match=r"the registry would bind tcp://198\.18\.0\.9:7100 without CURVE"):
+        async with rf.Registry.serve("tcp://198.18.0.9:7100"):
+            pass
+    with caplog.at_level(logging.WARNING):
+        rf.EngineAgent(member, "tcp://198.18.0.9:7400", insecure=True)  # said, and allowed
+    assert "WITHOUT CURVE (insecure=True)" in caplog.text
+    async with rf.Registry.serve("tcp://127.0.0.1:*"):  # loopback: this host only
+        pass

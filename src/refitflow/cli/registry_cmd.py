@@ -140,7 +140,15 @@ async def _serve_until_signalled(
                 EtcdStore.open(store, namespace=namespace, lease_s=lease_s, limits=limits, tls=tls)
             )
         server = await stack.enter_async_context(
-            Registry.serve(bind, registry=registry, lease_s=lease_s, security=security, limits=limits, freeze_gc=True)
+            Registry.serve(
+                bind,
+                registry=registry,
+                lease_s=lease_s,
+                security=security,
+                limits=limits,
+                freeze_gc=True,
+                insecure=security is None,
+            )
         )
         kept = "in memory" if registry is None else f"in etcd ({store}, namespace {namespace})"
         print(f"refitflow registry serving at {server.address} (announcements at {server.pub_address}); "

@@ -29,7 +29,7 @@ from refitflow.core.wire import encode
 from refitflow.engine.member import EngineMember
 from refitflow.engine.vote import decode_object
 from refitflow.registry.address import attach
-from refitflow.registry.security import ServerSecurity, warn_if_exposed
+from refitflow.registry.security import ServerSecurity, check_exposed
 
 __all__ = ["EngineAgent", "parse_command"]
 
@@ -60,7 +60,9 @@ class EngineAgent:
     """Serves ``member`` (one rank of an engine) to a ``Controller`` on ``address`` (bound here)."""
 
     def __init__(self, member: EngineMember, address: str, *, security: ServerSecurity | None = None,
-                 resolve_every_s: float = 1.0) -> None:  # fmt: skip
+                 resolve_every_s: float = 1.0, insecure: bool = False) -> None:  # fmt: skip
+        if security is None:
+            check_exposed(address, "the engine agent", insecure=insecure)
         self.member = member
         self.address = address
         self.security = security
@@ -76,8 +78,6 @@ class EngineAgent:
         try:
             if self.security is not None:
                 auth = self.security.authenticator(context)
-            else:
-                warn_if_exposed(self.address, "engine agent")
             router.setsockopt(zmq.LINGER, 1000)  # the last reply gets a moment to leave
             router.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND)
             if self.security is not None:

@@ -36,7 +36,7 @@ from refitflow.core.wire import encode
 from refitflow.engine.commitment import Kind, Message, Node
 from refitflow.engine.vote import AttemptIds, Ballot, Decision, Verdict, decode_object
 from refitflow.registry.address import attach
-from refitflow.registry.security import ClientSecurity, ServerSecurity, warn_if_exposed
+from refitflow.registry.security import ClientSecurity, ServerSecurity, check_exposed
 
 __all__ = ["ZmqVote", "decode_vote", "encode_vote"]
 
@@ -105,6 +105,7 @@ class ZmqVote(AttemptIds):
         linger_s: float = 1.0,
         server_security: ServerSecurity | None = None,
         client_security: ClientSecurity | None = None,
+        insecure: bool = False,
     ) -> None:
         if not 0 <= rank < len(addresses):
             raise ConfigError(f"rank {rank} is not one of the {len(addresses)} addresses of the engine")
@@ -124,7 +125,7 @@ class ZmqVote(AttemptIds):
             if server_security is not None:
                 self._auth = server_security.authenticator(self._context)
             else:
-                warn_if_exposed(addresses[rank], "engine vote")
+                check_exposed(addresses[rank], "the engine vote", insecure=insecure)
             self._pull = self._context.socket(zmq.PULL)
             self._pull.setsockopt(zmq.LINGER, 0)
             self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)

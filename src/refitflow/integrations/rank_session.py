@@ -91,7 +91,8 @@ Build = Callable[[SessionConfig, contextlib.AsyncExitStack], Awaitable[Preparer]
 def _vote_channel(config: SessionConfig, gloo_group: Any) -> VoteChannel:
     if config.vote == "zmq":
         return ZmqVote(config.vote_rank, list(config.vote_addresses), group=f"{config.identity.model}-engine",
-                       server_security=server_of(config.keys), client_security=config.security)  # fmt: skip
+                       server_security=server_of(config.keys), client_security=config.security,
+                       insecure=config.keys is None)  # fmt: skip
     if config.vote == "gloo":
         return GlooVote(gloo_group)
     return SoloVote()

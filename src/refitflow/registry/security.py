@@ -18,26 +18,30 @@ import zmq
 
 from refitflow.core.errors import ConfigError
 
-__all__ = ["ClientSecurity", "ServerSecurity", "warn_if_exposed"]
+__all__ = ["ClientSecurity", "ServerSecurity", "check_exposed"]
 
 log = logging.getLogger(__name__)
 
 
-def warn_if_exposed(address: str, what: str) -> None:
-    """Log a warning when ``address`` (bound without CURVE) is reachable from beyond this host."""
+def check_exposed(address: str, what: str, *, insecure: bool) -> None:
+    """Refuse to bind ``address`` without CURVE where other hosts reach it, unless told to (``insecure``,
+    then logged as a warning): running open is a choice, never a default."""
     scheme, _, rest = address.partition("://")
-    if scheme != "tcp":
+    if scheme != "tcp" or ":" not in rest:  # not TCP, or no host:port (binding it fails, saying so)
         return
     host = rest.rsplit(":", 1)[0].strip("[]")
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False  # '*' or a host name
-    if not loopback:
-        log.warning("%s bound on %s without CURVE: anyone who reaches it can send it commands", what, address)
-
-
-log = logging.getLogger(__name__)
+    if loopback:
+        return
+    if not insecure:
+        raise ConfigError(f"{what} would bind {address} without CURVE, where anyone who reaches it can send it "
+                          "commands: give it the deployment's keys (rf.DeploymentKeys), or insecure=True to run it "
+                          "open on a private network")  # fmt: skip
+    log.warning("%s bound on %s WITHOUT CURVE (insecure=True): anyone who reaches it can send it commands",
+                what, address)  # fmt: skip
 
 
 def _warn_if_readable_by_others(secret: Path) -> None:

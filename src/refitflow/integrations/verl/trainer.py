@@ -102,7 +102,7 @@ class TrainerSide:
 
             async def serve() -> str:
                 server = await self._stack.enter_async_context(
-                    Registry.serve(self.config.registry_bind, security=server_of(self.keys))
+                    Registry.serve(self.config.registry_bind, security=server_of(self.keys), insecure=self.keys is None)
                 )
                 return str(server.address)
 

@@ -126,7 +126,7 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
         keys = deployment_keys()
         if self.info.is_sender and registry is None:
             server = await self._stack.enter_async_context(
-                rf.Registry.serve(self.info.registry_bind, security=server_of(keys))
+                rf.Registry.serve(self.info.registry_bind, security=server_of(keys), insecure=keys is None)
             )
             bound, port = server.address.removeprefix("tcp://").rsplit(":", 1)
             host = self.info.advertise_host or (socket.gethostbyname(socket.gethostname()) if bound == "0.0.0.0"

@@ -29,7 +29,7 @@ from refitflow.core.wire import PROTOCOL_VERSION, encode
 from refitflow.registry.address import check_address
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import error_reply, identity_from_dict, ok_reply, topic
-from refitflow.registry.security import ServerSecurity
+from refitflow.registry.security import ServerSecurity, check_exposed
 from refitflow.registry.service.admission import Gate, check_fresh, request_id_of
 from refitflow.registry.service.frames import SMALL_BYTES, decode_request
 from refitflow.registry.service.gc_pause import GcPause
@@ -75,6 +75,7 @@ async def serve(
     pub_address: str | None = None,
     limits: RegistryLimits | None = None,
     freeze_gc: bool = False,
+    insecure: bool = False,
 ) -> AsyncIterator[RegistryServer]:
     """Serve ``registry`` (a new one by default, with ``lease_s`` and ``limits``) at ``address`` until the
     context exits (asyncio only).
@@ -85,8 +86,12 @@ async def serve(
     ``freeze_gc``: the process is the registry's own (``refitflow registry``): Python's cyclic collector is
     paused while a large request is handled, and what it left is then frozen out of later passes
     (``gc_pause.py``); its passes otherwise stop the loop for long.
+    ``security`` (CURVE): required for an address other hosts reach, unless ``insecure=True`` (logged).
     """
     check_address(address)
+    if security is None:
+        for bound in (address, pub_address or ""):
+            check_exposed(bound, "the registry", insecure=insecure)
     registry = registry or RegistryStore(lease_s=lease_s, limits=limits)
     # a replicated store's replicas share one incarnation: a client failing over to another is no restart
     incarnation = getattr(registry, "incarnation", "") or uuid.uuid4().hex
