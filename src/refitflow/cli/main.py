@@ -23,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from refitflow.cli.demo import DemoConfig, run_demo
     from refitflow.core.errors import ConfigError
-    from refitflow.registry.keys import find_or_make_keys
+    from refitflow.registry.keys import keys_folder, serving_keys
 
     if not isinstance(args.size_mb, _Unset) and args.model != "synthetic":
         raise ConfigError("--size-mb applies to --model synthetic only")
@@ -31,7 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
     logging.getLogger("nixl").setLevel(logging.WARNING)
     keys = None
     if args.transport != "loopback":  # processes around a registry service: CURVE, keys made on first use
-        keys = find_or_make_keys(os.environ, Path.home(), "the demo")[0]
+        keys = serving_keys(keys_folder(os.environ, Path.home()), "the demo")[0]
     cfg = DemoConfig(
         keys=keys,
         model=args.model,

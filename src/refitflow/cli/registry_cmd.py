@@ -20,7 +20,7 @@ from pathlib import Path
 from refitflow.cli.args import OneLineParser, positive
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.registry.address import check_address
-from refitflow.registry.keys import ENV, OPEN, DeploymentKeys, find_or_make_keys
+from refitflow.registry.keys import ENV, DeploymentKeys, keys_folder, serving_keys
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.embedded import Registry
@@ -162,8 +162,8 @@ def _security(args: argparse.Namespace) -> tuple[ServerSecurity | None, str]:
         return ServerSecurity(secret_key_file=Path(args.curve_secret), authorized_dir=Path(args.curve_authorized)), (
             f"CURVE with {args.curve_secret}"
         )
-    env = {ENV: OPEN} if args.open else {ENV: str(args.keys)} if args.keys else os.environ
-    keys, made = find_or_make_keys(env, Path.home(), "the registry")
+    folder = None if args.open else args.keys or keys_folder(os.environ, Path.home())
+    keys, made = serving_keys(folder, "the registry")
     if keys is None:
         return None, "OPEN: no authentication"
     return keys.server, (f"CURVE keys {'made in' if made else 'from'} {keys.folder} "

@@ -27,7 +27,7 @@ from pathlib import Path
 from refitflow.core.errors import ConfigError
 from refitflow.registry.security import ClientSecurity, ServerSecurity
 
-__all__ = ["OPEN", "DeploymentKeys", "client_of", "find_keys", "find_or_make_keys", "keys_folder", "server_of",
+__all__ = ["OPEN", "DeploymentKeys", "client_of", "find_keys", "keys_folder", "server_of", "serving_keys",
            "warn_open"]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,9 @@ def find_keys(env: Mapping[str, str], home: Path) -> DeploymentKeys | None:
     return DeploymentKeys.load(folder)
 
 
-def find_or_make_keys(env: Mapping[str, str], home: Path, what: str) -> tuple[DeploymentKeys | None, bool]:
-    """For a process that serves (the registry, the demo): the keys found as ``find_keys`` does, made there
-    first if the folder holds none; and whether they were made. None: told to run open (logged)."""
-    folder = keys_folder(env, home)
+def serving_keys(folder: Path | None, what: str) -> tuple[DeploymentKeys | None, bool]:
+    """For a process that serves (the registry, the demo): the keys in ``folder`` (``keys_folder``'s answer, or
+    one given), made there first if it holds none; and whether they were made. None: run open (logged)."""
     if folder is None:
         warn_open(what)
         return None, False

@@ -160,11 +160,13 @@ class RegistryStore:
         """Refuse a new version far above the newest complete one or, with none (a fresh identity, a registry
         that restarted), above the newest any registered receiver says it committed (re-sent on return)."""
         newest = model.newest
-        done = max(model.receivers.values(), default=-1)
-        if newest is not None and version > newest + ahead:
-            raise VersionError(f"more than {ahead} versions above the newest complete version {newest}",
-                               version=version)  # fmt: skip
-        if newest is None and done >= 0 and version > done + ahead:
+        if newest is not None:
+            if version > newest + ahead:
+                raise VersionError(f"more than {ahead} versions above the newest complete version {newest}",
+                                   version=version)  # fmt: skip
+            return
+        done = max(model.receivers.values(), default=-1)  # only without a complete version: O(receivers)
+        if done >= 0 and version > done + ahead:
             raise VersionError(f"more than {ahead} versions above {done}, the newest version a receiver of this "
                                "model says it committed", version=version)  # fmt: skip
 
