@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.stages._fp8 import dequantize
+from tests.layouts._fp8 import dequantize
 from tests.conftest import mlp
 
 MODES = [("in_place", "swap"), ("shadow", "swap"), ("shadow", "copy")]

@@ -12,7 +12,7 @@ import refitflow as rf
 from refitflow.layouts import Parallel, canonical_shapes, fused, hf, megatron
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata
-from refitflow.stages._fp8 import dequantize, scale_name, scale_shape
+from tests.layouts._fp8 import dequantize, scale_name, scale_shape
 from tests.layouts._models import _logits, _model
 
 

@@ -14,7 +14,7 @@ from refitflow.layouts import ModelDims, Parallel, canonical_shapes, fused, hf, 
 from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.layouts.wire import layout_metadata, resolve
-from refitflow.stages._fp8 import dequantize, scale_name, scale_shape
+from tests.layouts._fp8 import dequantize, scale_name, scale_shape
 from tests.layouts._models import _logits, _model, _refit, assert_same_logits
 
 D = ModelDims(vocab=200, hidden=64, layers=1, heads=8, kv_heads=2, head_dim=8, ffn=96)

@@ -12,7 +12,7 @@ import refitflow as rf
 from refitflow.layouts import Parallel, canonical_shapes, fused, hf
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.metrics.prometheus import PrometheusMetrics
-from refitflow.stages._fp8 import dequantize
+from tests.layouts._fp8 import dequantize
 from tests.stream._frames import server, weights
 from tests.stream._inproc import groups, together
 

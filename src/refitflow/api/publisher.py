@@ -31,6 +31,7 @@ from refitflow.core.gil import off_loop
 from refitflow.core.hashing import mix64_box_on_device, shard_digests, to_host
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.layouts.boxes import full
+from refitflow.layouts.quant import quant_metadata
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.client.connect import connect_registry
@@ -270,7 +271,8 @@ class Publisher:
         return tensor.detach(), fields
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded], *,
-                      metadata: Mapping[str, str] | None = None) -> Manifest:  # fmt: skip
+                      metadata: Mapping[str, str] | None = None, quant: Mapping[str, str] | None = None,
+                      ) -> Manifest:  # fmt: skip
         """Register, digest and announce this rank's tensors as ``version`` (greater than the last one).
 
         ``tensors``: name -> tensor (the whole tensor), ``rf.Sharded`` (this rank's part of it), or a
@@ -278,6 +280,11 @@ class Publisher:
         a rank whose chunk is empty publishes nothing for it). The tensors must stay unchanged until
         ``await released(version)`` returns. ``metadata``: this version's own entries, announced over the
         publisher's (e.g. the base version a LoRA adapter was trained on).
+
+        Quantised tensors (``layouts/quant.py``) are published as they are, values beside scales: a float8
+        ``W`` with a float32 ``W_scale_inv`` of 128×128 blocks is ``fp8_block128``, and so on; ``quant``
+        names a tensor's format where its dtypes cannot tell (``{"W": "fp8_block128_pow2"}``, ``"nvfp4"``).
+        The pairs are announced in ``metadata["quant"]``; receivers copy them, or convert (``docs/quant.md``).
         """
         if self.published and version <= self.published[-1]:
             raise VersionError(
@@ -288,6 +295,8 @@ class Publisher:
             raise ConfigError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
         many = len(tensors) > 1024  # then the per-tensor Python runs in a worker thread, off a busy loop
         meta = {**self.metadata, **(metadata or {})}
+        if "quant" in meta:
+            raise ConfigError("metadata['quant'] is refitflow's (the quantised pairs): name formats with quant=")
 
         def specs() -> list[tuple[str, torch.Tensor, dict[str, Any]]]:  # every check before anything is registered
             held = {name: local_part(name, value) for name, value in tensors.items()}
@@ -295,6 +304,7 @@ class Publisher:
             return [(name, *self._spec(name, value)) for name, value in held.items() if name not in empty]
 
         prepared = await off_loop(specs) if many else specs()
+        meta |= quant_metadata({name: t for name, t, _ in prepared}, quant, meta)
         step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
         regions = {name: self.transport.register(t) for name, t, _ in prepared}
         await wait_marks(step)  # off the loop: digests and peers read the finished step

@@ -89,6 +89,8 @@ class Receiver:
       with a registry that has relays reads from the upstream relay the registry names, if any.
     - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``) or an
       ``rf.ClientSecurity`` (as for ``rf.Publisher``).
+    - ``quant``: parameter name -> quantised format (``layouts/quant.py``) where its dtypes cannot tell: a
+      float8 parameter with its scales beside it is found by itself (docs/quant.md).
     - ``**options``: the other ``rf.ReceiverConfig`` fields (``lossy_casts``, ``verify``,
       ``read_timeout_s``, ...; each is documented there); an unknown one is a ``ConfigError``.
 
@@ -111,6 +113,7 @@ class Receiver:
         layout: Mapping[str, LocalTensor] | None = None,
         serve_replicas: bool = False,
         security: ClientSecurity | DeploymentKeys | None = None,
+        quant: Mapping[str, str] | None = None,
         **options: Any,
     ) -> None:
         unknown = sorted(set(options) - set(ReceiverConfig.__dataclass_fields__))
@@ -130,9 +133,9 @@ class Receiver:
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
-        self._model, self._layout = model, layout  # made again by rebind()
+        self._model, self._layout, self._quant = model, layout, quant  # made again by rebind()
         rank = RankState.build(model, self.config.mode, layout, self.config.budget_bytes, observer,
-                               shadow_commit=self.config.shadow_commit)  # fmt: skip
+                               shadow_commit=self.config.shadow_commit, quant=quant)  # fmt: skip
         self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
         self.devices: DeviceLane = rank.devices  # refit streams and events (pipeline/device.py)
         observer.budget(0, 0, self.config.budget_bytes)  # the capacity is known before anything is staged
@@ -194,7 +197,8 @@ class Receiver:
             raise ConfigError("use the receiver inside 'async with'")
         if self._running or self.ledger.open is not None:
             raise VersionError("a refit is running on this receiver: rebind between refits")
-        new = Destination(self._model, self.config.mode, self._layout, shadow_commit=self.config.shadow_commit)
+        new = Destination(self._model, self.config.mode, self._layout, shadow_commit=self.config.shadow_commit,
+                          quant=self._quant)  # fmt: skip
         if new.devices != self.destination.devices:
             raise ConfigError(f"the parameters now sit on {[str(d) for d in new.devices]}, not "
                               f"{[str(d) for d in self.destination.devices]}: make a new rf.Receiver")  # fmt: skip

@@ -11,6 +11,7 @@ version; the receiver does the copy on the device while the fence is ``updating`
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from refitflow.core.errors import ConfigError, PlanError
 from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
+from refitflow.layouts.quant import QuantParam, detect
 from refitflow.pipeline.device import devices_of
 from refitflow.pipeline.held import Holding, Holdings
 from refitflow.transports.base import as_bytes
@@ -35,15 +37,6 @@ class ShadowCommit(enum.StrEnum):
     COPY = "copy"  # live.copy_(shadow) on the device at commit (pointers kept: CUDA-graph safe)
 
 
-def _scale(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor]) -> str:
-    scale = name + "_scale_inv"
-    want = (*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)) if t.dim() >= 2 else None
-    got = params.get(scale)
-    if want is None or got is None or tuple(got.shape) != want or got.dtype != torch.float32:
-        raise ConfigError(f"float8 parameter {name!r} needs a float32 {scale!r} of shape {want} (128×128 blocks)")
-    return scale
-
-
 class Destination:
     def __init__(
         self,
@@ -52,6 +45,7 @@ class Destination:
         layout: Mapping[str, LocalTensor] | None = None,
         *,
         shadow_commit: ShadowCommit = ShadowCommit.SWAP,
+        quant: Mapping[str, str] | None = None,
     ) -> None:
         self.mode = mode
         self.shadow_commit = shadow_commit
@@ -70,32 +64,36 @@ class Destination:
                 self.params[name] = tensor
         if not self.params:
             raise ConfigError("the model has no parameters to refit")
-        self.derived: dict[str, str] = {}  # float8 parameter -> its scale tensor (written at quantisation)
-        for name, t in self.params.items():
-            if t.dtype == torch.float8_e4m3fn:
-                self.derived[name] = _scale(name, t, self.params)
+        # quantised parameters (layouts/quant.py): values name -> format and partners; their scales (and global
+        # scales) are written with the values, from a quantised publication or by quantising at commit
+        self.quantised: dict[str, QuantParam] = detect(self.params, quant)
+        self.scales = frozenset(n for q in self.quantised.values() for n in q.derived)
         self._assemblies: dict[str, torch.Tensor] = {}
         self._bytes: dict[tuple[str, int], torch.Tensor] = {}  # target_bytes
         self._memory: dict[tuple[str, int], memoryview | None] = {}  # target_memory
         self.layout = dict(layout) if layout is not None else None
         self.layout_key = None if layout is None else tuple(sorted(layout.items()))
+        # a quantised parameter's layout is in elements (NVFP4 stores two a byte)
+        shapes = {n: q.format.elements(tuple(self.params[n].shape)) for n, q in self.quantised.items()}
         if self.layout is not None:
-            names = set(self.params) - set(self.derived.values())
+            names = set(self.params) - self.scales
             wrong = sorted(
                 n
                 for n in names | set(self.layout)
-                if n not in self.layout or n not in names or tuple(self.params[n].shape) != self.layout[n].shape
-            )
+                if n not in self.layout or n not in names
+                or shapes.get(n, tuple(self.params[n].shape)) != self.layout[n].shape
+            )  # fmt: skip
             if wrong:
                 raise ConfigError(f"the parameters do not match the layout (names or shapes): {wrong[:20]}")
         # the elements a version writes into each parameter: those its layout maps (padding rows are
         # nobody's: never written, never counted missing), every element without a layout
         self.expected: dict[str, int] = {n: t.numel() for n, t in self.params.items()}
+        self.expected |= {n: math.prod(shape) for n, shape in shapes.items()}
         for n, lt in (self.layout or {}).items():
             self.expected[n] = sum(volume(seg.lbox) for seg in lt.segments)
-        for n, scale in self.derived.items():  # a float8 parameter that is all padding is never quantised
+        for n, q in self.quantised.items():  # a quantised parameter that is all padding is never quantised
             if not self.expected[n]:
-                self.expected[scale] = 0
+                self.expected |= dict.fromkeys(q.derived, 0)
         # a copy of the serving version, not empty memory: its pages are resident before the first refit
         # writes them (no page faults inside a refit), and it never holds anything but a complete version
         self.shadows: dict[str, torch.Tensor] = (
@@ -158,15 +156,24 @@ class Destination:
             self._memory[key] = view.numpy().data if view.device.type == "cpu" else None
         return self._memory[key]
 
-    def assembly(self, name: str) -> torch.Tensor:
-        """An fp32 buffer a float8 parameter is assembled in before it is quantised (made on first use).
-
-        Elements the layout does not map (padding) are quantised from zero."""
+    def assembly(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """A buffer a version is assembled in before it is converted into its parameters (made on first use):
+        float32 of a quantised parameter's shape, whose padding (elements the layout does not map) is
+        quantised from zero, or — ``like`` — a meta tensor's shape and dtype, on its parameter's device."""
         if name not in self._assemblies:
-            t = self.params[name]
-            make = torch.empty if self.expected[name] == t.numel() else torch.zeros  # padding rows: zeros
-            self._assemblies[name] = make(t.shape, dtype=torch.float32, device=t.device)
+            if like is not None:
+                self._assemblies[name] = torch.empty(like.shape, dtype=like.dtype, device=self.aux_device(name))
+            else:
+                t = self.params[name]
+                q = self.quantised.get(name)
+                shape = q.format.elements(tuple(t.shape)) if q is not None else tuple(t.shape)
+                make = torch.empty if self.expected[name] == t.numel() else torch.zeros  # padding rows: zeros
+                self._assemblies[name] = make(shape, dtype=torch.float32, device=t.device)
         return self._assemblies[name]
+
+    def aux_device(self, name: str) -> torch.device:
+        """The device of an auxiliary assembly (``"param\0..."``): its parameter's."""
+        return self.params[name.split("\0", 1)[0]].device
 
     def release_assembly(self, name: str) -> torch.Tensor:
         return self._assemblies.pop(name)

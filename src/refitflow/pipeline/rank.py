@@ -36,9 +36,10 @@ class RankState:
         observer: Observer,
         *,
         shadow_commit: ShadowCommit = ShadowCommit.SWAP,
+        quant: Mapping[str, str] | None = None,
     ) -> RankState:
         """The destination parameters, their devices, fence, staging budget and ledger; changes reported."""
-        destination = Destination(model, mode, layout, shadow_commit=shadow_commit)
+        destination = Destination(model, mode, layout, shadow_commit=shadow_commit, quant=quant)
         for name, tensor in destination.params.items():  # a rank refits CPU and CUDA memory only
             check_device(tensor.device, f"destination parameter {name!r}")
         fence = Fence(on_change=lambda state: observer.fence_state(state.value))

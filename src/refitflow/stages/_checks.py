@@ -194,10 +194,13 @@ class Credits:
     counts: np.ndarray
 
 
-def build_credits(boxes: Iterable[tuple[str, Box]], position: Mapping[str, int], params: tuple[str, ...]) -> Credits:
+def build_credits(boxes: Iterable[tuple[str, Box]], position: Mapping[str, int], params: tuple[str, ...],
+                  units: Mapping[str, int] | None = None) -> Credits:  # fmt: skip
+    """Elements per parameter position (``units``: parameters whose boxes count stored values of several)."""
     idx: list[int] = []
     counts: list[int] = []
+    units = units or {}
     for param, dbox in boxes:
         idx.append(position[param])
-        counts.append(volume(dbox))
+        counts.append(volume(dbox) * units.get(param, 1))
     return Credits(params, np.array(idx, dtype=np.int64), np.array(counts, dtype=np.int64))

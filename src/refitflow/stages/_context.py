@@ -11,6 +11,7 @@ import torch
 
 from refitflow.core.types import Identity, Publication
 from refitflow.layouts.canonical import LocalTensor
+from refitflow.layouts.quant import QuantParam
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.transports.base import Transport
 
@@ -48,7 +49,9 @@ class Landing(Protocol):
     def layout_key(self) -> Hashable: ...
 
     @property
-    def derived(self) -> Mapping[str, str]: ...
+    def quantised(self) -> Mapping[str, QuantParam]: ...  # values name -> format and partners (layouts/quant)
+    @property
+    def scales(self) -> frozenset[str]: ...  # the quantised parameters' scales and global scales
     @property
     def expected(self) -> Mapping[str, int]: ...  # elements each parameter receives (its layout's, else all)
 
@@ -59,7 +62,7 @@ class Landing(Protocol):
     def target_memory(self, name: str) -> memoryview | None: ...  # ... as a memoryview (None: on a device)
     def live(self, name: str) -> torch.Tensor: ...
     def holding(self, which: str) -> tuple[Hashable, Any] | None: ...  # "target" | "live": (geometry, digests)
-    def assembly(self, name: str) -> torch.Tensor: ...
+    def assembly(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor: ...
     def release_assembly(self, name: str) -> torch.Tensor: ...
 
 

@@ -36,10 +36,10 @@ __all__ = ["COPY", "HELD", "PULL", "DeltaIndex", "Skips", "decide"]
 PULL, HELD, COPY = 0, 1, 2
 
 
-def _local(p: Any, landing: Landing) -> bool:
-    """Whether the receiver holds every byte of piece ``p`` as the publisher sent it."""
+def _local(p: Any, landing: Landing, assembled: frozenset[str]) -> bool:
+    """Whether the receiver holds every byte of piece ``p`` as the publisher sent it (never an assembly's)."""
     scatters = p.scatters
-    if not scatters or any(s.param in landing.derived for s in scatters):
+    if not scatters or any(s.param in assembled for s in scatters):
         return False
     if any(dtype_name(landing.params[s.param].dtype) != p.src_dtype for s in scatters):
         return False
@@ -52,6 +52,7 @@ class DeltaIndex:
 
     def __init__(self, plan: Any, landing: Landing) -> None:
         starts, ok_parts, piece_parts, want_parts, nbytes = [], [], [], [], []
+        assembled = plan.route.assembled if plan.route is not None else frozenset()
         g = 0
         for b in plan.buckets:
             breathe()
@@ -59,7 +60,7 @@ class DeltaIndex:
             n = len(b.pieces)
             starts.append(g)
             size = np.array([p.nbytes for p in b.pieces], dtype=np.int64)
-            ok = (ch.piece_checked == size) & np.array([_local(p, landing) for p in b.pieces], dtype=bool)
+            ok = (ch.piece_checked == size) & np.array([_local(p, landing, assembled) for p in b.pieces], dtype=bool)
             ok_parts.append(ok)
             nbytes.append(size)
             piece_parts.append(g + ch.land_of)

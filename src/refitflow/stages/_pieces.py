@@ -23,6 +23,7 @@ from refitflow.layouts.boxes import Box, contiguous_span, intersect, shift, stri
 from refitflow.stages._context import Limits
 from refitflow.stages._records import Piece, Scatter
 from refitflow.stages._regions import chunks, regions
+from refitflow.stages._route import Route
 from refitflow.stages._segments import Copy
 from refitflow.stages._target import Target
 
@@ -41,35 +42,39 @@ def check_cast(src: torch.dtype, dst: torch.dtype, lossy: bool, tensor: str) -> 
     raise PlanError(f"casting {src} to {dst} loses information and lossy_casts is off", tensor=tensor)
 
 
-def shard_pieces(cs_all: list[Copy], target: Target, limits: Limits) -> Iterator[Piece]:
-    landing = target.landing
+def shard_pieces(cs_all: list[Copy], target: Target, limits: Limits, route: Route) -> Iterator[Piece]:
+    """``route``: which destinations are assemblies (``stages/_route.py``): staged, never read into directly."""
+    landing, aux, assembled = target.landing, route.aux, route.assembled
     groups: dict[tuple[int, str], list[Copy]] = {}
     casts: set[tuple[str, torch.dtype, bool]] = set()
+    dst_of = lambda name: aux[name] if name in aux else landing.params[name]  # noqa: E731
     for c in cs_all:
-        dst = landing.params[c.param]
-        key = (c.spec.dtype, dst.dtype, c.param in landing.derived)
+        dst = dst_of(c.param)
+        key = (c.spec.dtype, dst.dtype, c.param in assembled)
         if key not in casts:
             dtype_name(dst.dtype, tensor=c.param)
             src = dtype_from_name(c.spec.dtype, tensor=c.spec.name)
-            # quantised parameters are assembled in fp32 first
-            check_cast(src, torch.float32 if key[2] else dst.dtype, limits.lossy_casts, c.spec.name)
+            # a parameter quantised at commit is assembled in fp32 first (an auxiliary assembly: as published)
+            into = torch.float32 if key[2] and c.param not in aux else dst.dtype
+            check_cast(src, into, limits.lossy_casts, c.spec.name)
             casts.add(key)
         groups.setdefault((c.source, c.spec.name), []).append(c)
     shapes: dict[Hashable, list[_Shape]] = {}  # a model's shards repeat their geometry layer after layer
     for (source, _), cs in groups.items():
         breathe()
         spec: ShardSpec = cs[0].spec
-        dsts = [landing.params[c.param] for c in cs]
-        like = (spec.shape, spec.dtype, spec.algo, spec.tile_rows, spec.tile_cols,
+        dsts = [dst_of(c.param) for c in cs]
+        staged = tuple(c.param in assembled for c in cs)
+        like = (spec.shape, spec.dtype, spec.algo, spec.tile_rows, spec.tile_cols, staged,
                 tuple((c.sbox, c.dbox, t.dtype, t.shape) for c, t in zip(cs, dsts, strict=True)))  # fmt: skip
         geometry = shapes.get(like)
         if geometry is None:
-            geometry = shapes[like] = _geometry(spec, cs, dsts, limits)
+            geometry = shapes[like] = _geometry(spec, cs, dsts, limits, staged)
         for box, runs, nbytes, direct, offset, scatters, lands in geometry:
             yield Piece(
                 source=source, tensor=spec.name, src_dtype=spec.dtype, box=box, first=runs[0], run=runs[1],
                 stride=runs[2], count=runs[3], src_region=spec.region, src_offset=spec.offset, nbytes=nbytes,
-                direct=direct, landing_offset=offset, device=target.device[cs[lands].param],
+                direct=direct, landing_offset=offset, device=target.device_of(cs[lands].param),
                 scatters=tuple(Scatter(cs[m].param, sub, dbox) for m, sub, dbox in scatters),
             )  # fmt: skip
 
@@ -79,7 +84,9 @@ def shard_pieces(cs_all: list[Copy], target: Target, limits: Limits) -> Iterator
 _Shape = tuple[Box, tuple[int, int, int, int], int, bool, int, list[tuple[int, Box, Box]], int]
 
 
-def _geometry(spec: ShardSpec, cs: list[Copy], dsts: list[torch.Tensor], limits: Limits) -> list[_Shape]:
+def _geometry(
+    spec: ShardSpec, cs: list[Copy], dsts: list[torch.Tensor], limits: Limits, staged: tuple[bool, ...]
+) -> list[_Shape]:
     """The pieces of one shard's copies, by member index (no names: shards of one geometry share it)."""
     src_dtype = dtype_from_name(spec.dtype)
     item, shape = src_dtype.itemsize, spec.shape
@@ -90,7 +97,7 @@ def _geometry(spec: ShardSpec, cs: list[Copy], dsts: list[torch.Tensor], limits:
     for region, members in regions(cs, shape, item, limits, tiling):
         c, dst = members[0], dsts[index[id(members[0])]]
         direct = (
-            len(members) == 1 and region == c.sbox and src_dtype == dst.dtype
+            len(members) == 1 and region == c.sbox and src_dtype == dst.dtype and not staged[index[id(c)]]
             and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
         )  # fmt: skip
         cap = min(limits.direct_bucket_bytes, DIRECT_PIECE) if direct else limits.bucket_bytes

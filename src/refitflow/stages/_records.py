@@ -15,6 +15,7 @@ from typing import Any
 
 from refitflow.layouts.boxes import Box, shape_of
 from refitflow.stages._checks import Checks, Credits
+from refitflow.stages._route import Route
 from refitflow.stages._segments import Copy
 from refitflow.stages._target import Target
 
@@ -84,7 +85,7 @@ class Bucket:
     staged: tuple[Piece, ...] = ()  # the pieces translate and apply handle
     checks: Checks | None = None
     credits: Credits | None = None
-    derived: tuple[Scatter, ...] = ()  # scatters into float8 parameters (assembled, then quantised)
+    derived: tuple[Scatter, ...] = ()  # scatters into assemblies (quantised or converted at commit: stages/_route)
     pulled_bytes: int = 0
 
     @property
@@ -104,6 +105,7 @@ class Plan:
     copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
     digest_geometry: str = ""  # Publication.digest_geometry of the publications it plans
     target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
+    route: Route | None = field(default=None, compare=False, repr=False)  # how each parameter is written
     read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
     views: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see verify
     # built on first use, once per plan: relay geometries by relay layout, the delta index, this rank's

@@ -50,10 +50,11 @@ def held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
 def _held_boxes(plan: Plan, landing: Landing) -> tuple[tuple[HeldBox, ...], str]:
     target = Target.of(landing, plan.target)
     position, dtypes = target.position, target.dtypes
+    assembled = plan.route.assembled if plan.route is not None else frozenset()
     held = tuple(
         HeldBox(c.source, c.spec.name, c.sbox, position[c.param], c.dbox)
         for c in plan.copies
-        if c.param not in landing.derived and dtypes[c.param] == c.spec.dtype
+        if c.param not in assembled and dtypes[c.param] == c.spec.dtype
     )
     return held, relay_layout(target.relay_params, held)
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from refitflow.core.errors import CoverageError, ManifestError, PlanError
+from refitflow.core.errors import ConfigError, CoverageError, ManifestError, PlanError
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, full, intersect, shape_of, shift, volume
 from refitflow.layouts.canonical import LocalTensor, Segment, sliced
+from refitflow.layouts.quant import QuantFormat, declared_quant, with_scales
 from refitflow.layouts.wire import resolve
 from refitflow.stages.sources import SourceLoad
 
-__all__ = ["Copy", "Held", "copies"]
+__all__ = ["Copy", "Held", "Published", "copies", "published"]
 
 
 @dataclass(slots=True, unsafe_hash=True)  # a plan record: see stages/_records.py
@@ -42,13 +43,34 @@ class Copy:
     dbox: Box
 
 
-def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, list[Held]], dict[str, tuple]]:
-    """canonical name -> held boxes (replicas resolved), and canonical name -> shape."""
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A publication in canonical space: the boxes its sources hold (replicas resolved), each canonical
+    tensor's shape and the quantised ones' formats (canonical values name -> format)."""
+
+    held: dict[str, list[Held]]
+    shapes: dict[str, tuple[int, ...]]
+    quant: dict[str, QuantFormat]
+
+
+def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
     held: dict[str, dict[Box, list[Held]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     axes: dict[str, int | None] = {}
+    quant: dict[str, QuantFormat] = {}
     for i, m in enumerate(pub.manifests):  # trainer ranks
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
+        declared = declared_quant(m.metadata.get("quant"), pub.version)
+        if layout is not None and declared:
+            try:
+                layout, canon_shapes = with_scales(layout, declared, canon_shapes)
+            except ConfigError as exc:
+                raise ManifestError(str(exc), version=pub.version) from None
+        for name, fmt in declared.items():
+            for seg in layout[name].segments if layout is not None else ():
+                quant[seg.canonical] = fmt
+            if layout is None:
+                quant[aliases.get(name, name)] = fmt
         shapes |= canon_shapes
         for spec in m.shards:
             if layout is None:
@@ -82,7 +104,7 @@ def _published(pub: Publication, aliases: Mapping[str, str]) -> tuple[dict[str, 
         out[canon] = [_choose(reps, load) for reps in boxes.values()]
         if len(boxes) > 1:
             _check_overlap(canon, list(boxes), pub.version)
-    return out, shapes
+    return Published(out, shapes, quant)
 
 
 def _choose(reps: list[Held], load: SourceLoad) -> Held:
@@ -130,13 +152,13 @@ def _gap(canon: str, need: Box, got: list[Box], version: int) -> PlanError:
     )
 
 
-def copies(pub: Publication, dest: Mapping[str, LocalTensor], aliases: Mapping[str, str], exact: bool) -> list[Copy]:
+def copies(pub: Publication, found: Published, dest: Mapping[str, LocalTensor], exact: bool) -> list[Copy]:
     """Every box copy the receiver needs, in destination order; every check done before returning.
 
-    ``exact``: the receiver holds whole tensors (trivial layout), so shapes must match exactly and every
-    published name must be one of its parameters.
+    ``found``: ``published(pub, ...)``; ``exact``: the receiver holds whole tensors (trivial layout), so shapes
+    must match exactly and every published name must be one of its parameters.
     """
-    held, shapes = _published(pub, aliases)
+    held, shapes = found.held, found.shapes
     needed = {seg.canonical for lt in dest.values() for seg in lt.segments}
     # a receiver of whole tensors must know every published name; one with a layout holds a part of the
     # model (a pipeline stage, a rank whose vocabulary rows are all padding) and needs only its own

@@ -13,6 +13,7 @@ from refitflow.core.dtypes import known_name
 from refitflow.core.relay import RelayParam
 from refitflow.layouts.canonical import LocalTensor, sliced
 from refitflow.stages._context import Landing
+from refitflow.stages._route import default_route
 
 __all__ = ["Target"]
 
@@ -29,10 +30,13 @@ class Target:
         self.position = {n: i for i, n in enumerate(self.names)}
         self.device = {n: str(t.device) for n, t in params.items()}
         self.exact = landing.layout is None  # whole tensors: shapes must match, every published name known
-        scales = set(landing.derived.values())  # written by quantisation, never published
+        scales, quantised = landing.scales, landing.quantised  # scales: routed with their values (stages/_route)
         self.layout: Mapping[str, LocalTensor] = landing.layout or {
-            n: sliced(n, tuple(t.shape)) for n, t in params.items() if n not in scales
+            n: sliced(n, quantised[n].format.elements(tuple(t.shape)) if n in quantised else tuple(t.shape))
+            for n, t in params.items()
+            if n not in scales
         }
+        self.route = default_route(self.layout, quantised, landing.expected)  # nothing published quantised
         self.dtypes = {n: known_name(t.dtype) for n, t in params.items()}  # None: refitflow does not move it
         self.relay_params = tuple(RelayParam(n, self.dtypes[n] or "", tuple(t.shape), 0) for n, t in params.items())
         self.key: Hashable = (
@@ -40,6 +44,11 @@ class Target:
             tuple(sorted(landing.canonical.items())),
             landing.layout_key,
         )
+
+    def device_of(self, name: str) -> str:
+        """The device of a parameter or of an auxiliary assembly of one (``"param\0..."``)."""
+        found = self.device.get(name)
+        return found if found is not None else self.device[name.split("\0", 1)[0]]
 
     @staticmethod
     def of(landing: Landing, known: Target | None) -> Target:

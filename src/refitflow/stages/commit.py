@@ -4,8 +4,9 @@ A bucket's credits (elements per parameter) were computed with the plan: crediti
 constant amount of Python whatever its number of tensors.
 
 Preparing checks that every destination parameter was written exactly once (a fused parameter
-counts only when every box of it arrived, whichever buckets they came in; a float8 parameter is
-quantised here, once its fp32 assembly is complete, and its scale tensor credited as derived) and makes nothing
+counts only when every box of it arrived, whichever buckets they came in; a parameter assembled first —
+quantised, or converted from a quantised publication (``stages/_route.py``) — is written here once its
+assemblies are complete, and its scales credited as derived) and makes nothing
 visible; the pipeline's owner finishes (or, after an engine vote, aborts) it. Before preparing, every
 refit stream is drained (``Devices.drain``, off the event loop): a prepared version has no byte in flight.
 
@@ -24,25 +25,24 @@ from anyio.abc import ObjectReceiveStream
 
 from refitflow.layouts.boxes import volume
 from refitflow.stages._context import StageContext, Work
-from refitflow.stages._fp8 import quantize_into
+from refitflow.stages._convert import run_job
+from refitflow.stages._route import Job, route_of
 
 __all__ = ["credit", "run"]
 
 
-def _quantize(ctx: StageContext, param: str) -> None:
-    """Quantise a complete fp32 assembly into its float8 parameter and scale, on their refit streams."""
-    scale = ctx.landing.derived[param]
-    q, s = ctx.landing.target(param), ctx.landing.target(scale)
-    with ctx.devices.use((q.device, s.device)):
-        quantize_into(ctx.landing.release_assembly(param), q, s)  # the assembly was made on this stream
+def _run(ctx: StageContext, job: Job) -> None:
+    """A complete job, on its parameter's refit stream (where its assemblies were made)."""
+    with ctx.devices.use((ctx.landing.params[job.param].device,)):
+        run_job(ctx.landing, job)
 
 
 async def credit(ctx: StageContext, work: Work, assembled: dict[str, int]) -> None:
-    """Credit one bucket's destination boxes; quantise each float8 parameter its boxes complete.
+    """Credit one bucket's destination boxes; run each job (``stages/_route.py``) its boxes complete.
 
     A planned bucket carries its credits (elements per parameter, computed with the plan: O(1) Python
     per bucket); a bucket made outside a plan (the push stream) is credited box by box, so a box that
-    arrives twice is caught. ``assembled``: float8 parameter -> elements assembled so far (per attempt).
+    arrives twice is caught. ``assembled``: assembly -> elements assembled so far (per attempt).
     """
     assert ctx.attempt is not None  # begun before the first bucket was planned
     b = work.bucket
@@ -54,14 +54,21 @@ async def credit(ctx: StageContext, work: Work, assembled: dict[str, int]) -> No
         for p in b.pieces:
             for s in p.scatters:
                 ctx.attempt.record(s.param, s.dbox, volume(s.dbox))
-        derived = tuple(s for p in b.pieces for s in p.scatters if s.param in ctx.landing.derived)
-    for s in derived:  # float8: quantise a parameter once every box of it is assembled
+        derived = tuple(s for p in b.pieces for s in p.scatters if s.param in route_of(ctx).assembled)
+    if not derived:
+        return
+    route = route_of(ctx)
+    for s in derived:  # run a job once every element of every assembly it needs arrived (padding excluded)
         assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
-        if assembled[s.param] == ctx.landing.expected[s.param]:  # every mapped element (padding excluded)
-            ctx.attempt.mark_written()
-            await anyio.to_thread.run_sync(_quantize, ctx, s.param)
-            scale = ctx.landing.derived[s.param]
-            ctx.attempt.record(scale, "derived", ctx.landing.params[scale].numel())
+        job = route.jobs[s.param]
+        if assembled[s.param] != dict(job.needs)[s.param] or any(assembled.get(n, 0) != k for n, k in job.needs):
+            continue
+        ctx.attempt.mark_written()
+        await anyio.to_thread.run_sync(_run, ctx, job)
+        if job.param in route.converted:
+            ctx.attempt.record(job.param, "derived", ctx.landing.expected[job.param])
+        for n in job.quant.derived if job.quant is not None else ():
+            ctx.attempt.record(n, "derived", ctx.landing.params[n].numel())
 
 
 async def run(ctx: StageContext, receive: ObjectReceiveStream[Work]) -> None:

@@ -36,7 +36,8 @@ from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
 from refitflow.stages._pieces import check_cast, shard_pieces
 from refitflow.stages._records import Bucket, Piece, Plan, PlannedRead, Scatter
-from refitflow.stages._segments import copies
+from refitflow.stages._route import Route, build_route
+from refitflow.stages._segments import copies, published
 from refitflow.stages._target import Target
 
 __all__ = [
@@ -69,9 +70,10 @@ def box_index(box: Box) -> tuple[slice, ...]:
 class _Context:
     """What every bucket of one plan shares: the digest index, the landing's ``Target``, the boxes seen."""
 
-    def __init__(self, pub: Publication, target: Target) -> None:
+    def __init__(self, pub: Publication, target: Target, route: Route) -> None:
         self.index = digest_index(pub)
         self.target = target
+        self.route = route
         self.seen: set[tuple[str, Box]] = set()
 
 
@@ -131,14 +133,16 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
         cx.index,
     )  # fmt: skip
     scatters = [s for p in laid for s in p.scatters]
-    credits = build_credits(((s.param, s.dbox) for s in scatters), cx.target.position, cx.target.names)
+    route = cx.route  # auxiliary assemblies are credited to their parameter when it is converted
+    credits = build_credits(((s.param, s.dbox) for s in scatters if s.param not in route.aux), cx.target.position,
+                            cx.target.names, route.units)  # fmt: skip
     device = next((p.device for p in laid if not p.direct), laid[0].device)
-    touched = {p.device for p in laid} | {cx.target.device[s.param] for s in scatters}
+    touched = {p.device for p in laid} | {cx.target.device_of(s.param) for s in scatters}
     return Bucket(
         index, tuple(laid), tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
         device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
         staged=tuple(p for p in laid if not p.direct), checks=checks, credits=credits,
-        derived=tuple(s for s in scatters if s.param in cx.target.landing.derived),
+        derived=tuple(s for s in scatters if s.param in route.assembled),
         pulled_bytes=sum(p.nbytes for p in laid),
     )  # fmt: skip
 
@@ -153,13 +157,17 @@ def build_plan(
 
 def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> Plan:
     t0 = time.perf_counter()
-    cx = _Context(pub, target)
+    found = published(pub, target.landing.canonical)
+    route = target.route
+    if found.quant:  # something is published quantised: route each parameter (stages/_route.py)
+        route = build_route(found, target.layout, target.landing, limits.lossy_casts, pub.version)
+    cx = _Context(pub, target, route)
     buckets: list[Bucket] = []
     current: list[Piece] = []
     staged = direct = runs = ideal = 0
     staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
-    cs = copies(pub, target.layout, target.landing.canonical, target.exact)
-    pieces = list(shard_pieces(cs, target, limits))
+    cs = copies(pub, found, route.layout, target.exact)
+    pieces = list(shard_pieces(cs, target, limits, route))
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     for p in pieces:
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
@@ -186,7 +194,7 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
-                copies=tuple(cs), digest_geometry=pub.digest_geometry(), target=target)  # fmt: skip
+                copies=tuple(cs), digest_geometry=pub.digest_geometry(), target=target, route=route)  # fmt: skip
 
 
 class PlanCache:

@@ -17,6 +17,7 @@ from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.gil import off_loop
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import COPY, PULL
+from refitflow.stages._route import route_of
 from refitflow.stages.plan import box_index
 
 __all__ = ["copies_of", "piece_copies", "run"]
@@ -31,7 +32,7 @@ def copies_of(ctx: StageContext, work: Work) -> list:
     live storage (``COPY``) there, scatter by scatter."""
     if work.actions is not None:
         per = piece_copies(ctx, work)
-        assembled = tuple(p for k, p in enumerate(work.bucket.pieces) if not p.direct and k not in per)  # float8
+        assembled = tuple(p for k, p in enumerate(work.bucket.pieces) if not p.direct and k not in per)  # assemblies
         out = [c for k, a in enumerate(work.actions.tolist()) if a == PULL for c in per.get(k, ())]
         return out + _copies(ctx, work, assembled) + _from_live(ctx, work)
     if work.bucket.derived or ctx.plan is None:
@@ -43,16 +44,16 @@ def copies_of(ctx: StageContext, work: Work) -> list:
 
 
 def piece_copies(ctx: StageContext, work: Work) -> dict[int, list]:
-    """The copies of each staged piece (by its index in the bucket) but those into float8 assemblies
-    (made anew for every version; such pieces are never skipped or relayed), cached like ``copies_of``."""
+    """The copies of each staged piece (by its index in the bucket) but those into assemblies (made anew for
+    every version; such pieces are never skipped or relayed), cached like ``copies_of``."""
     key = ("pieces", *_key(ctx, work)[1:])
     cached = ctx.plan.read_lists.get(key)
     if cached is None:
-        derived = ctx.landing.derived
+        assembled = ctx.plan.route.assembled
         cached = ctx.plan.read_lists[key] = {
             k: _copies(ctx, work, (p,))
             for k, p in enumerate(work.bucket.pieces)
-            if not p.direct and not any(s.param in derived for s in p.scatters)
+            if not p.direct and not any(s.param in assembled for s in p.scatters)
         }
     return cached
 
@@ -73,7 +74,8 @@ def _key(ctx: StageContext, work: Work) -> tuple:
 
 def _copies(ctx: StageContext, work: Work, pieces: tuple | None = None) -> list:
     out = []
-    with ctx.devices.use(work.bucket.devices):  # FP8 assembly buffers belong to the refit streams
+    route = route_of(ctx)
+    with ctx.devices.use(work.bucket.devices):  # assembly buffers belong to the refit streams
         for p in work.bucket.staged if pieces is None else pieces:
             assert work.lease is not None
             raw = work.lease.view[p.landing_offset : p.landing_offset + p.nbytes]
@@ -83,8 +85,10 @@ def _copies(ctx: StageContext, work: Work, pieces: tuple | None = None) -> list:
             staged = raw.view(dtype).view(p.shape)
             for s in p.scatters:
                 rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(s.sub, p.box, strict=True))
-                derived = s.param in ctx.landing.derived
-                whole = ctx.landing.assembly(s.param) if derived else ctx.landing.target(s.param)
+                if s.param in route.assembled:
+                    whole = ctx.landing.assembly(s.param, route.aux.get(s.param))
+                else:
+                    whole = ctx.landing.target(s.param)
                 out.append((whole[box_index(s.dbox)], staged[box_index(rel)]))  # apply reshapes, on the device
     return out
 

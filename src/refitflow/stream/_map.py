@@ -39,8 +39,12 @@ class EntryMap:
         self.source_layout = dict(source_layout) if source_layout is not None else None
         self.lossy = lossy_casts
         self.exact = landing.layout is None  # the receiver holds whole canonical tensors
-        scales = set(landing.derived.values())
-        dest = landing.layout or {n: sliced(n, tuple(t.shape)) for n, t in landing.params.items() if n not in scales}
+        scales, quantised = landing.scales, landing.quantised  # quantised parameters: quantised at commit
+        dest = landing.layout or {
+            n: sliced(n, quantised[n].format.elements(tuple(t.shape)) if n in quantised else tuple(t.shape))
+            for n, t in landing.params.items()
+            if n not in scales
+        }
         self.index: dict[str, list[tuple[str, Segment]]] = {}  # canonical name -> (param, its segment)
         for param, lt in dest.items():
             for seg in lt.segments:
@@ -87,7 +91,7 @@ class EntryMap:
                 common = intersect(sseg.cbox, dseg.cbox)
                 if common is None:
                     continue
-                dst = torch.float32 if param in self.landing.derived else self.landing.params[param].dtype
+                dst = torch.float32 if param in self.landing.quantised else self.landing.params[param].dtype
                 check_cast(src, dst, self.lossy, e.name)
                 out.append(Scatter(param, shift(common, sseg.cbox, sseg.lbox), shift(common, dseg.cbox, dseg.lbox)))
         return tuple(out)

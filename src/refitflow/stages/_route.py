@@ -1,0 +1,229 @@
+"""Route: how each destination parameter of a plan is written, given what is published quantised.
+
+- **plain**: the bytes land as they are (or cast), box by box.
+- **copy**: a quantised parameter whose publication is the same format, every block whole on both sides: its
+  values and scales are read like any tensors (the scales' boxes follow from the values': ``scale_layout``).
+- **quantise**: a quantised parameter published unquantised: assembled in float32, quantised at commit in the
+  parameter's format. The quantised destination is the request (nothing else asks for it).
+- **convert**: anything else a quantised publication meets. Each of the parameter's segments is read whole
+  blocks at a time (values, scales, global scale) into auxiliary assemblies (``"param\\0v<i>"`` ...), and
+  at commit either copied (the same numbers, scales stored otherwise: SGLang's packed UE8M0) or dequantised
+  exactly, then cast (an unquantised parameter) or quantised again — which loses information, so it needs
+  ``lossy_casts`` and is otherwise a ``PlanError`` naming the tensor and why.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refitflow.core.dtypes import dtype_from_name
+from refitflow.core.errors import PlanError
+from refitflow.layouts.boxes import Box, full, shape_of, volume
+from refitflow.layouts.canonical import LocalTensor, Segment
+from refitflow.layouts.quant import (
+    QuantFormat,
+    QuantParam,
+    aligned_scale_box,
+    cover,
+    global_layout,
+    scale_layout,
+    to_stored,
+)
+from refitflow.stages._context import Landing, StageContext
+from refitflow.stages._segments import Published
+
+__all__ = ["Job", "Part", "Route", "build_route", "default_route", "route_of"]
+
+_DEFAULTS: weakref.WeakKeyDictionary[Any, Route] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One segment of a converted parameter: the auxiliary assemblies holding its blocks."""
+
+    canonical: str
+    values: str
+    scale: str | None  # None: the segment is published unquantised
+    global_: str | None
+    fmt: QuantFormat | None
+    cover: Box  # the canonical box (stored units) the assemblies hold: whole blocks around ``cbox``
+    cbox: Box  # the segment's canonical box, in elements
+    lbox: Box  # where it goes in the parameter, in elements
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What commit does once every assembly a parameter needs is complete."""
+
+    param: str
+    quant: QuantParam | None  # the parameter's own format (None: not quantised)
+    needs: tuple[tuple[str, int], ...]  # assembly name -> elements it receives
+    parts: tuple[Part, ...] = ()  # convert (empty: quantise the parameter's float32 assembly)
+    exact: bool = False  # convert without re-quantising: the same numbers, scales re-stored
+
+
+@dataclass(frozen=True)
+class Route:
+    layout: Mapping[str, LocalTensor]  # what plans map the publication onto (assemblies included)
+    assembled: frozenset[str] = frozenset()  # names whose scatters land in an assembly
+    aux: Mapping[str, torch.Tensor] = field(default_factory=dict)  # auxiliary assembly -> a meta tensor like it
+    jobs: Mapping[str, Job] = field(default_factory=dict)  # assembly name -> the job it feeds
+    converted: frozenset[str] = frozenset()  # parameters written by a convert job (credited when it runs)
+    units: Mapping[str, int] = field(default_factory=dict)  # copied packed parameters: elements per stored value
+
+
+def default_route(layout: Mapping[str, LocalTensor], quantised: Mapping[str, QuantParam],
+                  expected: Mapping[str, int]) -> Route:  # fmt: skip
+    """Nothing published quantised: every quantised parameter is quantised at commit."""
+    jobs = {p: Job(p, q, ((p, expected[p]),)) for p, q in quantised.items() if p in layout}
+    return Route(layout, frozenset(jobs), jobs=jobs)
+
+
+def route_of(ctx: StageContext) -> Route:
+    """The plan's route; for buckets made outside a plan (a push stream), the landing's default one."""
+    if ctx.plan is not None:
+        return ctx.plan.route
+    found = _DEFAULTS.get(ctx.landing)
+    if found is None:
+        landing = ctx.landing
+        base = landing.layout or dict.fromkeys(landing.quantised, LocalTensor((), ()))
+        found = _DEFAULTS[landing] = default_route(base, landing.quantised, landing.expected)
+    return found
+
+
+def build_route(found: Published, base: Mapping[str, LocalTensor], landing: Landing, lossy: bool,
+                version: int) -> Route:  # fmt: skip
+    """The route of one publication (``base``: the landing's layout, in elements, scales left out)."""
+    params, quantised, expected = landing.params, landing.quantised, landing.expected
+    if not found.quant:
+        return default_route(base, quantised, expected)
+    layout = dict(base)
+    jobs: dict[str, Job] = {}
+    aux: dict[str, torch.Tensor] = {}
+    converted: set[str] = set()
+    units: dict[str, int] = {}
+    for param, lt in base.items():
+        srcs = [found.quant.get(seg.canonical) for seg in lt.segments]
+        mine = quantised.get(param)
+        if not any(srcs):
+            if mine is not None:
+                jobs[param] = Job(param, mine, ((param, expected[param]),))
+            continue
+        if mine is not None and _copy(mine, lt, srcs, found, layout):
+            if mine.format.per_value > 1:
+                units[param] = mine.format.per_value
+            continue
+        job = _convert(param, lt, srcs, mine, params[param].dtype, found, aux, lossy, version)
+        del layout[param]
+        for part in job.parts:
+            for name, kind in ((part.values, "values"), (part.scale, "scale"), (part.global_, "global")):
+                if name is not None:
+                    layout[name] = _aux_layout(part, name, kind, found, aux)
+        converted.add(param)
+        jobs |= dict.fromkeys((n for n, _ in job.needs), job)
+    return Route(layout, frozenset(jobs), aux, jobs, frozenset(converted), units)
+
+
+def _copy(mine: QuantParam, lt: LocalTensor, srcs: list, found: Published, layout: dict) -> bool:
+    """Route ``mine`` as plain copies of values and scales when every segment allows it (layout updated)."""
+    fmt = mine.format
+    if any(s is None or s.name != fmt.name for s in srcs):
+        return False
+    stored = to_stored(fmt, lt)
+    scales = None if stored is None else scale_layout(fmt, stored, found.shapes)
+    if stored is None or scales is None or sum(volume(s.lbox) for s in scales.segments) != volume(full(scales.shape)):
+        return False
+    glob = None
+    if mine.global_ is not None:
+        glob = global_layout(fmt, stored, found.shapes)
+        if glob is None:
+            return False
+    layout[mine.values], layout[mine.scale] = stored, scales
+    if glob is not None:
+        assert mine.global_ is not None
+        layout[mine.global_] = glob
+    return True
+
+
+def _convert(param: str, lt: LocalTensor, srcs: list, mine: QuantParam | None, dtype: torch.dtype,
+             found: Published, aux: dict[str, torch.Tensor], lossy: bool, version: int) -> Job:  # fmt: skip
+    if mine is None and not dtype.is_floating_point:
+        raise PlanError(f"{param} is {dtype} and is published quantised: it cannot be dequantised into it "
+                        "(a quantised parameter needs its scales beside it: layouts/quant.py)",
+                        tensor=param, version=version)  # fmt: skip
+    parts, needs = [], []
+    why = ""  # why the numbers cannot be kept as they are ("": they can)
+    for i, (seg, fmt) in enumerate(zip(lt.segments, srcs, strict=True)):
+        cshape = found.shapes[seg.canonical]  # stored units
+        if fmt is None:
+            why = why or f"{seg.canonical} is published unquantised beside quantised parts"
+            box = seg.cbox
+            dtype = dtype_from_name(found.held[seg.canonical][0].spec.dtype, tensor=seg.canonical)
+        else:
+            stored = _stored_box(seg.cbox, fmt.per_value)
+            if stored is None:
+                raise PlanError(f"{param} takes {seg.cbox} of {seg.canonical}, which splits its packed bytes",
+                                tensor=param, version=version)  # fmt: skip
+            box = cover(fmt, stored, cshape)
+            dtype = fmt.values
+            if mine is None:
+                pass
+            elif fmt.same != mine.format.same:
+                why = why or f"{seg.canonical} is published {fmt.name} and {param} is {mine.format.name}"
+            elif fmt.per_value != 1:
+                why = why or f"{param} cannot take {fmt.name}'s packed values as they are"
+            elif box != stored or aligned_scale_box(fmt, seg.lbox, lt.shape) is None:
+                why = why or f"{param} takes {_text(seg.cbox)} of {seg.canonical}, which cuts its {fmt.block} blocks"
+        name = f"{param}\0v{i}"
+        aux[name] = torch.empty(shape_of(box), dtype=dtype, device="meta")
+        scale = glob = None
+        if fmt is not None:
+            scale = f"{param}\0s{i}"
+            sbox = aligned_scale_box(fmt, box, cshape)
+            assert sbox is not None  # a cover is on the block grid
+            aux[scale] = torch.empty(shape_of(sbox), dtype=fmt.scale, device="meta")
+            if fmt.global_suffix is not None:
+                glob = f"{param}\0g{i}"
+                aux[glob] = torch.empty(shape_of(box)[:-2], dtype=torch.float32, device="meta")
+        part = Part(seg.canonical, name, scale, glob, fmt, box, seg.cbox, seg.lbox)
+        parts.append(part)
+        needs += [(n, aux[n].numel()) for n in (name, scale, glob) if n is not None]
+    exact = mine is not None and not why
+    if exact and mine is not None and mine.global_ is not None and len(parts) > 1:
+        exact, why = False, why or f"one global scale of {param} cannot hold its {len(parts)} parts' own"
+    if mine is not None and not exact and not lossy:
+        raise PlanError(
+            f"{why}: landing it means quantising again, which loses information and lossy_casts is off "
+            f"(publish it unquantised, or as {mine.format.name} in whole blocks, or set lossy_casts=True)",
+            tensor=param, version=version,
+        )  # fmt: skip
+    return Job(param, mine, tuple(needs), tuple(parts), exact)
+
+
+def _aux_layout(part: Part, name: str, kind: str, found: Published, aux: Mapping[str, torch.Tensor]) -> LocalTensor:
+    """The single segment an auxiliary assembly holds: whole blocks of values, scales or global scale."""
+    fmt, cbox, cname = part.fmt, part.cover, part.canonical
+    if kind == "scale":
+        assert fmt is not None
+        sbox = aligned_scale_box(fmt, part.cover, found.shapes[cname])
+        assert sbox is not None
+        cbox, cname = sbox, cname + fmt.scale_suffix
+    elif kind == "global":
+        assert fmt is not None and fmt.global_suffix is not None
+        cbox, cname = part.cover[:-2], cname + fmt.global_suffix
+    shape = tuple(aux[name].shape)
+    return LocalTensor(shape, (Segment(cname, cbox, full(shape), found.shapes[cname]),))
+
+
+def _stored_box(box: Box, pv: int) -> Box | None:
+    a, b = box[-1]
+    return None if a % pv or b % pv else (*box[:-1], (a // pv, b // pv))
+
+
+def _text(box: Box) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
