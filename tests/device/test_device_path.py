@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import refitflow as rf
-from tests.layouts._fp8 import dequantize
 from tests.conftest import mlp
+from tests.layouts._fp8 import dequantize
 
 MODES = [("in_place", "swap"), ("shadow", "swap"), ("shadow", "copy")]
 
