@@ -80,8 +80,9 @@ def quantize(fmt: QuantFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         if fmt.same == "fp8_block128_pow2":
             s = _pow2_ceil(s)
         scales = s
-    q = _e4m3(x / _spread(s, fmt.block, x.shape[-2], x.shape[-1]))
-    return q, scales, None
+    q = _e4m3(b / s[..., :, None, :, None])  # per block, on the padded block view: no per-element scale tensor
+    q = q.reshape(*x.shape[:-2], b.shape[-4] * b.shape[-3], b.shape[-2] * b.shape[-1])
+    return q[..., : x.shape[-2], : x.shape[-1]].contiguous(), scales, None
 
 
 def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
