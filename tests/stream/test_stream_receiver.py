@@ -85,6 +85,17 @@ async def test_a_float8_destination_is_quantised_once_complete_and_its_scale_cre
 
 
 @pytest.mark.asyncio
+async def test_float8_values_sent_on_the_stream_are_refused_not_requantised_without_their_scales() -> None:
+    g0, g1 = await groups(2)
+    params = {"w": torch.zeros(128, 128, dtype=torch.float8_e4m3fn), "w_scale_inv": torch.ones(1, 1)}
+    recv = rf.StreamReceiver(params, g1, budget_bytes=1 << 20)
+    sent = {"w": torch.full((128, 128), 2.0).to(torch.float8_e4m3fn), "w_scale_inv": torch.full((1, 1), 0.5)}
+    _, err = await together(lambda: rf.StreamSender(g0, bucket_bytes=4096).send(1, sent), recv.refit)
+    assert isinstance(err, rf.PlanError) and "unquantised tensors only" in str(err) and err.tensor == "w"
+    assert not params["w"].float().any() and recv.ledger.committed_version is None
+
+
+@pytest.mark.asyncio
 async def test_a_tied_tensor_sent_under_both_names_is_written_once() -> None:
     g0, g1 = await groups(2)
     model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(16, 8), "head": torch.nn.Linear(8, 16, bias=False)})

@@ -77,6 +77,9 @@ class EntryMap:
         else:
             local = sliced(self.landing.canonical.get(e.name, e.name), e.shape)
         src = dtype_from_name(e.dtype, tensor=e.name)
+        if src in (torch.float8_e4m3fn, torch.float8_e5m2):  # values without their scales: no number to land
+            raise PlanError("the push stream carries unquantised tensors only; publish quantised pairs with "
+                            "rf.Publisher (docs/quant.md)", tensor=e.name, version=version)  # fmt: skip
         out: list[Scatter] = []
         for sseg in local.segments:
             targets = self.index.get(sseg.canonical)
