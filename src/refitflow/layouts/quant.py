@@ -49,6 +49,7 @@ __all__ = [
     "global_layout",
     "quant_metadata",
     "scale_layout",
+    "stored_box",
     "to_stored",
     "with_scales",
 ]
@@ -271,7 +272,8 @@ def global_layout(fmt: QuantFormat, lt: LocalTensor, shapes: Mapping[str, tuple[
     )
 
 
-def _stored_box(box: Box, pv: int) -> Box | None:
+def stored_box(box: Box, pv: int) -> Box | None:
+    """A box in elements in stored units (``pv`` elements a stored value); None when it splits one."""
     a, b = box[-1]
     return None if a % pv or b % pv else (*box[:-1], (a // pv, b // pv))
 
@@ -284,7 +286,7 @@ def to_stored(fmt: QuantFormat, lt: LocalTensor) -> LocalTensor | None:
         return lt
     segments = []
     for seg in lt.segments:
-        cbox, lbox = _stored_box(seg.cbox, pv), _stored_box(seg.lbox, pv)
+        cbox, lbox = stored_box(seg.cbox, pv), stored_box(seg.lbox, pv)
         if cbox is None or lbox is None or (seg.shape is not None and seg.shape[-1] % pv):
             return None
         shape = None if seg.shape is None else (*seg.shape[:-1], seg.shape[-1] // pv)

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from refitflow.layouts.boxes import Box, shape_of
+from refitflow.layouts.boxes import Box, full, shape_of, shift
 from refitflow.layouts.quant import QuantParam, aligned_scale_box
 from refitflow.layouts.quant_math import dequantize, encode_scales, quantize
 from refitflow.stages._context import Landing
 from refitflow.stages._route import Job
+from refitflow.stages.plan import box_index as _at
 
 __all__ = ["run_job"]
 
 
-def _at(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
 def _within(box: Box, outer: Box) -> Box:
-    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, outer, strict=True))
+    """``box`` relative to the origin of ``outer`` (which holds it)."""
+    return shift(box, outer, full(shape_of(outer)))
 
 
 def store(landing: Landing, q: QuantParam, x: torch.Tensor) -> None:

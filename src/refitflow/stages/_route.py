@@ -32,6 +32,7 @@ from refitflow.layouts.quant import (
     cover,
     global_layout,
     scale_layout,
+    stored_box,
     to_stored,
 )
 from refitflow.stages._context import Landing, StageContext
@@ -79,7 +80,7 @@ class Route:
 
 def default_route(layout: Mapping[str, LocalTensor], quantised: Mapping[str, QuantParam],
                   expected: Mapping[str, int]) -> Route:  # fmt: skip
-    """Nothing published quantised: every quantised parameter is quantised at commit."""
+    """Nothing published quantised: every quantised parameter of ``layout`` is quantised at commit."""
     jobs = {p: Job(p, q, ((p, expected[p]),)) for p, q in quantised.items() if p in layout}
     return Route(layout, frozenset(jobs), jobs=jobs)
 
@@ -89,10 +90,10 @@ def route_of(ctx: StageContext) -> Route:
     if ctx.plan is not None:
         return ctx.plan.route
     found = _DEFAULTS.get(ctx.landing)
-    if found is None:
+    if found is None:  # the push stream maps entries itself (stream/_map.py): only the jobs are used
         landing = ctx.landing
-        base = landing.layout or dict.fromkeys(landing.quantised, LocalTensor((), ()))
-        found = _DEFAULTS[landing] = default_route(base, landing.quantised, landing.expected)
+        jobs = {p: Job(p, q, ((p, landing.expected[p]),)) for p, q in landing.quantised.items()}
+        found = _DEFAULTS[landing] = Route({}, frozenset(jobs), jobs=jobs)
     return found
 
 
@@ -165,7 +166,7 @@ def _convert(param: str, lt: LocalTensor, srcs: list, mine: QuantParam | None, d
             box = seg.cbox
             dtype = dtype_from_name(found.held[seg.canonical][0].spec.dtype, tensor=seg.canonical)
         else:
-            stored = _stored_box(seg.cbox, fmt.per_value)
+            stored = stored_box(seg.cbox, fmt.per_value)
             if stored is None:
                 raise PlanError(f"{param} takes {seg.cbox} of {seg.canonical}, which splits its packed bytes",
                                 tensor=param, version=version)  # fmt: skip
@@ -218,11 +219,6 @@ def _aux_layout(part: Part, name: str, kind: str, found: Published, aux: Mapping
         cbox, cname = part.cover[:-2], cname + fmt.global_suffix
     shape = tuple(aux[name].shape)
     return LocalTensor(shape, (Segment(cname, cbox, full(shape), found.shapes[cname]),))
-
-
-def _stored_box(box: Box, pv: int) -> Box | None:
-    a, b = box[-1]
-    return None if a % pv or b % pv else (*box[:-1], (a // pv, b // pv))
 
 
 def _text(box: Box) -> str:
