@@ -28,7 +28,9 @@ class TwoDeviceLanding:
 
     params: dict[str, torch.Tensor]
     canonical: dict[str, str] = field(default_factory=dict)
-    derived: dict[str, str] = field(default_factory=dict)
+    quantised: dict[str, object] = field(default_factory=dict)
+    scales: frozenset[str] = frozenset()
+    expected: dict[str, int] = field(default_factory=dict)
     layout: None = None
     layout_key: None = None
     generation: int = 0
