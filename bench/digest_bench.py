@@ -4,8 +4,9 @@
 
 Prints, best of ``--rounds``: xxh3 of the model's bytes as one contiguous buffer (the hash alone);
 the publisher's pass (``api.publisher._digest_all``: row-block and tile digests of every tensor) in one
-thread, as ``Publisher`` runs it; and the same pass split in two threads of about equal bytes (what the
-publisher did before: python-xxhash keeps the GIL for inputs under ~100 KiB, so two threads take turns).
+thread, as ``Publisher`` runs it; the same pass split in two threads of about equal bytes (what the
+publisher did before: python-xxhash keeps the GIL for inputs under ~100 KiB, so two threads take turns);
+and the pass of ``Publisher(column_digests=False)`` (row blocks only: one contiguous pass).
 One torch thread. ``--ranks 2``: every matrix as two row halves, the shards ``python -m bench``'s trainer
 publishes (its two ranks). ``--loop SECONDS``: only the publisher's pass, over and over (best and median),
 e.g. beside ``bench/nixl_ratio.py`` to see a refit and the trainer's digests share this machine.
@@ -80,7 +81,8 @@ def main() -> None:
     print(f"{len(tensors)} bf16 shards ({a.ranks} per matrix), {nbytes / 1e9:.3f} GB, best of {a.rounds}")
     for name, fn in (("xxh3 of the bytes as one buffer", lambda: xxhash.xxh3_64_intdigest(flat.numpy().data)),
                      ("publisher's digest pass, one thread", lambda: _digest_all(items)),
-                     ("the same pass, two threads", two)):  # fmt: skip
+                     ("the same pass, two threads", two),
+                     ("rows only (column_digests=False)", lambda: _digest_all(items, columns=False))):  # fmt: skip
         s = best(a.rounds, fn)
         print(f"{name:<40} {s * 1e3:7.1f} ms  {nbytes / s / 1e9:6.2f} GB/s")
 

@@ -102,4 +102,4 @@ def test_digest_bench_runs_at_a_small_size() -> None:
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.endswith("GB/s")]
-    assert len(rows) == 3 and all(float(r.split()[-2]) > 0 for r in rows), done.stdout
+    assert len(rows) == 4 and all(float(r.split()[-2]) > 0 for r in rows), done.stdout

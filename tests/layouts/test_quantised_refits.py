@@ -375,7 +375,7 @@ async def test_a_manifest_with_bad_quant_metadata_is_refused_and_the_next_good_v
         pubs.append({"w": torch.from_numpy(q).view(torch.float8_e4m3fn), "w_scale_inv": torch.from_numpy(s)})
     dest = {"w": torch.zeros(128, 128, dtype=torch.float8_e4m3fn), "w_scale_inv": torch.zeros(1, 1)}
     async with rf.Publisher(registry, identity=ident) as p:
-        with pytest.raises(rf.ConfigError, match="metadata\\['quant'\\] is refitflow's"):
+        with pytest.raises(rf.ConfigError, match="metadata\\['quant'\\] and \\['digests'\\] are refitflow's"):
             await p.publish(1, pubs[0], metadata={"quant": "{}"})
         first = await p.publish(1, pubs[0])
         async with rf.Receiver(dest, registry, identity=ident) as recv:

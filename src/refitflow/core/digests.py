@@ -118,13 +118,14 @@ class Tiling:
         return (*box[:-2], rows, cols)
 
 
-def choose_tiling(shape: Sequence[int], item: int) -> tuple[int, int]:
+def choose_tiling(shape: Sequence[int], item: int, columns: bool = True) -> tuple[int, int]:
     """The publisher's (tile rows, tile columns) for a shard.
 
     Blocks of 64 rows (fewer when 64 rows exceed 4 MiB). Columns of a 2-D+ shard cut in 8 equal
     ranges when the width divides, each range is whole 8-byte words and at least 128 bytes;
     otherwise one range per row. A range wider than 4 MiB (a 1-D shard, a huge row) is cut into
-    ranges of 4 MiB.
+    ranges of 4 MiB. ``columns=False``: no column ranges (one contiguous pass over the shard, for
+    receivers that never read a column slice; ``rf.Publisher(column_digests=False)``).
     """
     shape = tuple(shape)
     rows = shape[-2] if len(shape) >= 2 else 1
@@ -132,7 +133,10 @@ def choose_tiling(shape: Sequence[int], item: int) -> tuple[int, int]:
     row = cols * item
     br = max(1, min(rows, TILE_ROWS, MAX_TILE_BYTES // max(row, 1)))
     part = cols // COLUMN_PARTS
-    wide = len(shape) >= 2 and cols % COLUMN_PARTS == 0 and (part * item) % 8 == 0 and part * item >= MIN_COLUMN_BYTES
+    wide = (
+        columns and len(shape) >= 2 and cols % COLUMN_PARTS == 0 and (part * item) % 8 == 0
+        and part * item >= MIN_COLUMN_BYTES
+    )  # fmt: skip
     bc = part if wide else cols
     if bc * item > MAX_TILE_BYTES:
         bc = MAX_TILE_BYTES // item

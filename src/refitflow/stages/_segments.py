@@ -51,6 +51,7 @@ class Published:
     held: dict[str, list[Held]]
     shapes: dict[str, tuple[int, ...]]
     quant: dict[str, QuantFormat]
+    rows_only: frozenset[int] = frozenset()  # sources whose digests cover whole rows only (no column ranges)
 
 
 def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
@@ -58,6 +59,7 @@ def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
     shapes: dict[str, tuple[int, ...]] = {}
     axes: dict[str, int | None] = {}
     quant: dict[str, QuantFormat] = {}
+    rows_only = frozenset(i for i, m in enumerate(pub.manifests) if m.metadata.get("digests") == "rows")
     for i, m in enumerate(pub.manifests):  # trainer ranks
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         declared = declared_quant(m.metadata.get("quant"), pub.version)
@@ -104,7 +106,7 @@ def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
         out[canon] = [_choose(reps, load) for reps in boxes.values()]
         if len(boxes) > 1:
             _check_overlap(canon, list(boxes), pub.version)
-    return Published(out, shapes, quant)
+    return Published(out, shapes, quant, rows_only)
 
 
 def _choose(reps: list[Held], load: SourceLoad) -> Held:
@@ -131,6 +133,19 @@ def _check_overlap(canon: str, boxes: list[Box], version: int) -> None:
                 lo, hi = common[axis]
                 raise PlanError(f"overlapping shards on axis {axis} at [{lo}, {hi})", tensor=canon, version=version)
         active.append(box)
+
+
+def _check_whole_rows(cs: list[Copy], rows_only: frozenset[int], version: int) -> None:
+    """A source that digested whole rows only cannot verify a column slice: refuse before anything is read."""
+    for c in cs:
+        shape = c.spec.shape
+        if c.source in rows_only and len(shape) >= 2 and c.sbox[-1] != (0, shape[-1]):
+            a, b = c.sbox[-1]
+            raise PlanError(
+                f"this rank reads columns {a}:{b} of {shape[-1]}, but the trainer digested whole rows only "
+                "(Publisher(column_digests=False)): it could not verify them; publish with column digests "
+                "(the default) for receivers that slice columns", tensor=c.spec.name, version=version,
+            )  # fmt: skip
 
 
 def _gap(canon: str, need: Box, got: list[Box], version: int) -> PlanError:
@@ -196,6 +211,8 @@ def copies(pub: Publication, found: Published, dest: Mapping[str, LocalTensor], 
                                 shift(common, seg.cbox, seg.lbox)))  # fmt: skip
             if (len(got) != 1 or got[0] != seg.cbox) and sum(volume(b) for b in got) != volume(seg.cbox):
                 gaps.append(_gap(seg.canonical, seg.cbox, got, pub.version))
+    if found.rows_only:
+        _check_whole_rows(out, found.rows_only, pub.version)
     if gaps:  # every gap, before anything is pulled
         more = f" (and {len(gaps) - 20} more)" if len(gaps) > 20 else ""
         text = "; ".join(g.reason for g in gaps[:20]) + more
