@@ -54,7 +54,7 @@ async def publisher(address: str, mode: str = "plain") -> None:
     if mode == "dies-after-announcing":
         import refitflow.api.publisher as publishing
 
-        def die(items: object) -> None:
+        def die(*_: object) -> None:
             say({"announced": True})
             os._exit(7)
 

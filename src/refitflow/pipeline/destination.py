@@ -167,12 +167,12 @@ class Destination:
                 t = self.params[name]
                 q = self.quantised.get(name)
                 shape = q.format.elements(tuple(t.shape)) if q is not None else tuple(t.shape)
-                make = torch.empty if self.expected[name] == t.numel() else torch.zeros  # padding rows: zeros
+                make = torch.empty if self.expected[name] == math.prod(shape) else torch.zeros  # padding: zeros
                 self._assemblies[name] = make(shape, dtype=torch.float32, device=t.device)
         return self._assemblies[name]
 
     def aux_device(self, name: str) -> torch.device:
-        """The device of an auxiliary assembly (``"param\0..."``): its parameter's."""
+        """The device of an auxiliary assembly (its name: its parameter's, a NUL, a part): its parameter's."""
         return self.params[name.split("\0", 1)[0]].device
 
     def release_assembly(self, name: str) -> torch.Tensor:

@@ -46,7 +46,7 @@ class Target:
         )
 
     def device_of(self, name: str) -> str:
-        """The device of a parameter or of an auxiliary assembly of one (``"param\0..."``)."""
+        """The device of a parameter, or of an auxiliary assembly of one (its name, a NUL, a part)."""
         found = self.device.get(name)
         return found if found is not None else self.device[name.split("\0", 1)[0]]
 
