@@ -22,6 +22,7 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.layouts.quant import QuantParam, detect
 from refitflow.pipeline.device import devices_of
 from refitflow.pipeline.held import Holding, Holdings
+from refitflow.stages._route import aux_owner
 from refitflow.transports.base import as_bytes
 
 __all__ = ["ApplyMode", "Destination", "ShadowCommit"]
@@ -162,7 +163,8 @@ class Destination:
         quantised from zero, or — ``like`` — a meta tensor's shape and dtype, on its parameter's device."""
         if name not in self._assemblies:
             if like is not None:
-                self._assemblies[name] = torch.empty(like.shape, dtype=like.dtype, device=self.aux_device(name))
+                device = self.params[aux_owner(name)].device
+                self._assemblies[name] = torch.empty(like.shape, dtype=like.dtype, device=device)
             else:
                 t = self.params[name]
                 q = self.quantised.get(name)
@@ -170,10 +172,6 @@ class Destination:
                 make = torch.empty if self.expected[name] == math.prod(shape) else torch.zeros  # padding: zeros
                 self._assemblies[name] = make(shape, dtype=torch.float32, device=t.device)
         return self._assemblies[name]
-
-    def aux_device(self, name: str) -> torch.device:
-        """The device of an auxiliary assembly (its name: its parameter's, a NUL, a part): its parameter's."""
-        return self.params[name.split("\0", 1)[0]].device
 
     def release_assembly(self, name: str) -> torch.Tensor:
         return self._assemblies.pop(name)

@@ -38,9 +38,10 @@ from refitflow.layouts.quant import (
 from refitflow.stages._context import Landing, StageContext
 from refitflow.stages._segments import Published
 
-__all__ = ["Job", "Part", "Route", "build_route", "default_route", "route_of"]
+__all__ = ["Job", "Part", "Route", "aux_name", "aux_owner", "build_route", "default_route", "route_of"]
 
 _DEFAULTS: weakref.WeakKeyDictionary[Any, Route] = weakref.WeakKeyDictionary()
+AUX = "\0"  # separates a parameter's name from its auxiliary assembly's part (aux_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +120,8 @@ def build_route(found: Published, base: Mapping[str, LocalTensor], landing: Land
             if mine.format.per_value > 1:
                 units[param] = mine.format.per_value
             continue
-        job = _convert(param, lt, srcs, mine, params[param].dtype, found, aux, lossy, version)
-        del layout[param]
-        for part in job.parts:
-            for name, kind in ((part.values, "values"), (part.scale, "scale"), (part.global_, "global")):
-                if name is not None:
-                    layout[name] = _aux_layout(part, name, kind, found, aux)
+        job = _convert(param, lt, srcs, mine, params[param].dtype, found, aux, layout, lossy, version)
+        del layout[param]  # read into its auxiliary assemblies instead
         converted.add(param)
         jobs |= dict.fromkeys((n for n, _ in job.needs), job)
     return Route(layout, frozenset(jobs), aux, jobs, frozenset(converted), units)
@@ -152,7 +149,10 @@ def _copy(mine: QuantParam, lt: LocalTensor, srcs: list, found: Published, layou
 
 
 def _convert(param: str, lt: LocalTensor, srcs: list, mine: QuantParam | None, dtype: torch.dtype,
-             found: Published, aux: dict[str, torch.Tensor], lossy: bool, version: int) -> Job:  # fmt: skip
+             found: Published, aux: dict[str, torch.Tensor], layout: dict[str, LocalTensor], lossy: bool,
+             version: int) -> Job:  # fmt: skip
+    """The convert job of ``param``; its auxiliary assemblies' meta tensors and layouts added to ``aux`` and
+    ``layout``."""
     if mine is None and not dtype.is_floating_point:
         raise PlanError(f"{param} is {dtype} and is published quantised: it cannot be dequantised into it "
                         "(a quantised parameter needs its scales beside it: layouts/quant.py)",
@@ -164,15 +164,15 @@ def _convert(param: str, lt: LocalTensor, srcs: list, mine: QuantParam | None, d
         if fmt is None:
             why = why or f"{seg.canonical} is published unquantised beside quantised parts"
             box = seg.cbox
-            dtype = dtype_from_name(found.held[seg.canonical][0].spec.dtype, tensor=seg.canonical)
+            held = dtype_from_name(found.held[seg.canonical][0].spec.dtype, tensor=seg.canonical)
         else:
             stored = stored_box(seg.cbox, fmt.per_value)
             if stored is None:
                 raise PlanError(f"{param} takes {seg.cbox} of {seg.canonical}, which splits its packed bytes",
                                 tensor=param, version=version)  # fmt: skip
             box = cover(fmt, stored, cshape)
-            dtype = fmt.values
-            if mine is None:
+            held = fmt.values
+            if mine is None:  # dequantised exactly: nothing is lost
                 pass
             elif fmt.same != mine.format.same:
                 why = why or f"{seg.canonical} is published {fmt.name} and {param} is {mine.format.name}"
@@ -180,19 +180,17 @@ def _convert(param: str, lt: LocalTensor, srcs: list, mine: QuantParam | None, d
                 why = why or f"{param} cannot take {fmt.name}'s packed values as they are"
             elif box != stored or aligned_scale_box(fmt, seg.lbox, lt.shape) is None:
                 why = why or f"{param} takes {_text(seg.cbox)} of {seg.canonical}, which cuts its {fmt.block} blocks"
-        name = f"{param}\0v{i}"
-        aux[name] = torch.empty(shape_of(box), dtype=dtype, device="meta")
+        name = _whole(aux_name(param, "v", i), seg.canonical, box, held, found, aux, layout)
         scale = glob = None
         if fmt is not None:
-            scale = f"{param}\0s{i}"
             sbox = aligned_scale_box(fmt, box, cshape)
             assert sbox is not None  # a cover is on the block grid
-            aux[scale] = torch.empty(shape_of(sbox), dtype=fmt.scale, device="meta")
+            scale = _whole(aux_name(param, "s", i), seg.canonical + fmt.scale_suffix, sbox, fmt.scale, found, aux,
+                           layout)  # fmt: skip
             if fmt.global_suffix is not None:
-                glob = f"{param}\0g{i}"
-                aux[glob] = torch.empty(shape_of(box)[:-2], dtype=torch.float32, device="meta")
-        part = Part(seg.canonical, name, scale, glob, fmt, box, seg.cbox, seg.lbox)
-        parts.append(part)
+                glob = _whole(aux_name(param, "g", i), seg.canonical + fmt.global_suffix, box[:-2], torch.float32,
+                              found, aux, layout)  # fmt: skip
+        parts.append(Part(seg.canonical, name, scale, glob, fmt, box, seg.cbox, seg.lbox))
         needs += [(n, aux[n].numel()) for n in (name, scale, glob) if n is not None]
     exact = mine is not None and not why
     if exact and mine is not None and mine.global_ is not None and len(parts) > 1:
@@ -206,19 +204,23 @@ def _convert(param: str, lt: LocalTensor, srcs: list, mine: QuantParam | None, d
     return Job(param, mine, tuple(needs), tuple(parts), exact)
 
 
-def _aux_layout(part: Part, name: str, kind: str, found: Published, aux: Mapping[str, torch.Tensor]) -> LocalTensor:
-    """The single segment an auxiliary assembly holds: whole blocks of values, scales or global scale."""
-    fmt, cbox, cname = part.fmt, part.cover, part.canonical
-    if kind == "scale":
-        assert fmt is not None
-        sbox = aligned_scale_box(fmt, part.cover, found.shapes[cname])
-        assert sbox is not None
-        cbox, cname = sbox, cname + fmt.scale_suffix
-    elif kind == "global":
-        assert fmt is not None and fmt.global_suffix is not None
-        cbox, cname = part.cover[:-2], cname + fmt.global_suffix
-    shape = tuple(aux[name].shape)
-    return LocalTensor(shape, (Segment(cname, cbox, full(shape), found.shapes[cname]),))
+def _whole(name: str, canonical: str, cbox: Box, dtype: torch.dtype, found: Published,
+           aux: dict[str, torch.Tensor], layout: dict[str, LocalTensor]) -> str:  # fmt: skip
+    """An auxiliary assembly ``name`` holding ``canonical[cbox]`` whole: its meta tensor and its layout."""
+    shape = shape_of(cbox)
+    aux[name] = torch.empty(shape, dtype=dtype, device="meta")
+    layout[name] = LocalTensor(shape, (Segment(canonical, cbox, full(shape), found.shapes[canonical]),))
+    return name
+
+
+def aux_name(param: str, kind: str, part: int) -> str:
+    """The name of an auxiliary assembly of ``param`` (never a parameter's: it holds a NUL)."""
+    return f"{param}{AUX}{kind}{part}"
+
+
+def aux_owner(name: str) -> str:
+    """The parameter an auxiliary assembly belongs to (a parameter's own name for a parameter)."""
+    return name.split(AUX, 1)[0]
 
 
 def _text(box: Box) -> str:

@@ -13,7 +13,7 @@ from refitflow.core.dtypes import known_name
 from refitflow.core.relay import RelayParam
 from refitflow.layouts.canonical import LocalTensor, sliced
 from refitflow.stages._context import Landing
-from refitflow.stages._route import default_route
+from refitflow.stages._route import aux_owner, default_route
 
 __all__ = ["Target"]
 
@@ -48,7 +48,7 @@ class Target:
     def device_of(self, name: str) -> str:
         """The device of a parameter, or of an auxiliary assembly of one (its name, a NUL, a part)."""
         found = self.device.get(name)
-        return found if found is not None else self.device[name.split("\0", 1)[0]]
+        return found if found is not None else self.device[aux_owner(name)]
 
     @staticmethod
     def of(landing: Landing, known: Target | None) -> Target:

@@ -55,13 +55,12 @@ async def credit(ctx: StageContext, work: Work, assembled: dict[str, int]) -> No
             for s in p.scatters:
                 ctx.attempt.record(s.param, s.dbox, volume(s.dbox))
         derived = tuple(s for p in b.pieces for s in p.scatters if s.param in route_of(ctx).assembled)
-    if not derived:
-        return
-    route = route_of(ctx)
+    route = route_of(ctx) if derived else None
     for s in derived:  # run a job once every element of every assembly it needs arrived (padding excluded)
+        assert route is not None
         assembled[s.param] = assembled.get(s.param, 0) + volume(s.dbox)
         job = route.jobs[s.param]
-        if assembled[s.param] != dict(job.needs)[s.param] or any(assembled.get(n, 0) != k for n, k in job.needs):
+        if any(assembled.get(n, 0) != k for n, k in job.needs):
             continue
         ctx.attempt.mark_written()
         await anyio.to_thread.run_sync(_run, ctx, job)
