@@ -20,7 +20,8 @@ import torch
 import refitflow as rf
 from refitflow.layouts import Parallel, canonical_shapes, fused, hf, megatron
 from refitflow.layouts.canonical import LocalTensor, from_canonical, to_canonical
-from refitflow.layouts.quant import FORMATS, scale_layout
+from refitflow.layouts.quant import FORMATS
+from refitflow.layouts.quant_layout import scale_layout
 from refitflow.layouts.wire import layout_metadata
 from tests.layouts import _quant_ref as ref
 from tests.layouts._models import _logits, _model

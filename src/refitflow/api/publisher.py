@@ -31,7 +31,7 @@ from refitflow.core.gil import off_loop
 from refitflow.core.hashing import mix64_box_on_device, shard_digests, to_host
 from refitflow.core.types import Identity, Manifest, ShardSpec
 from refitflow.layouts.boxes import full
-from refitflow.layouts.quant import quant_metadata
+from refitflow.layouts.quant_layout import quant_metadata
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.client.connect import connect_registry

@@ -21,8 +21,9 @@ format                 values          block       scales (as published)    who 
 A receiver may *store* a format's scales otherwise: ``fp8_block128_ue8m0`` is ``fp8_block128_pow2`` with
 SGLang's DeepGEMM layout (each row's E8M0 exponents, four to an int32, MN-major, rows padded to a multiple of
 4: an int32 tensor ``(ceil(ceil(K/128)/4), align4(N))``). Same ``logical`` format: copied, never re-quantised.
-The maths is in ``layouts/quant_math.py``; which format a tensor is in is read off its dtypes and shapes
-(``detect``), or declared.
+The maths is in ``layouts/quant_math.py``, how scales follow their values' layouts in
+``layouts/quant_layout.py``; which format a tensor is in is read off its dtypes and shapes (``detect``), or
+declared.
 """
 
 from __future__ import annotations
@@ -33,26 +34,10 @@ from dataclasses import dataclass
 import orjson
 import torch
 
+from refitflow.core.dtypes import dtype_name, known_name
 from refitflow.core.errors import ConfigError, ManifestError
-from refitflow.layouts.boxes import Box
-from refitflow.layouts.canonical import LocalTensor, Segment
-from refitflow.layouts.wire import resolve
 
-__all__ = [
-    "FORMATS",
-    "QuantFormat",
-    "QuantParam",
-    "aligned_scale_box",
-    "cover",
-    "declared_quant",
-    "detect",
-    "global_layout",
-    "quant_metadata",
-    "scale_layout",
-    "stored_box",
-    "to_stored",
-    "with_scales",
-]
+__all__ = ["FORMATS", "QuantFormat", "QuantParam", "declared_quant", "detect"]
 
 
 @dataclass(frozen=True)
@@ -195,134 +180,17 @@ def detect(
     return out
 
 
-def _dn(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _wants(fmt: QuantFormat, name: str, t: torch.Tensor) -> str:
     if t.dim() < 2 or t.dtype != fmt.values:
-        return (f"{fmt.name} tensor {name!r} must be {_dn(fmt.values)} with at least 2 dimensions, "
-                f"got {_dn(t.dtype)} {tuple(t.shape)}")  # fmt: skip
+        return (f"{fmt.name} tensor {name!r} must be {dtype_name(fmt.values)} with at least 2 dimensions, "
+                f"got {known_name(t.dtype) or t.dtype} {tuple(t.shape)}")  # fmt: skip
     shape = tuple(t.shape)
-    text = (f"{fmt.name} tensor {name!r} needs a {_dn(fmt.stored_scale_dtype)} {name + fmt.scale_suffix!r} of shape "
+    scale = dtype_name(fmt.stored_scale_dtype)
+    text = (f"{fmt.name} tensor {name!r} needs a {scale} {name + fmt.scale_suffix!r} of shape "
             f"{fmt.stored_scale_shape(shape)} (blocks of {fmt.block})")  # fmt: skip
     if fmt.global_suffix:
         text += f" and a float32 {name + fmt.global_suffix!r} of shape {fmt.global_shape(shape)}"
     return text
-
-
-def aligned_scale_box(fmt: QuantFormat, box: Box, shape: tuple[int, ...]) -> Box | None:
-    """The box of scales that exactly covers the values ``box`` of a tensor of ``shape`` (stored units), or
-    None when the box cuts a block (its edges are not on the block grid, the tensor's own end aside)."""
-    *lead, rows, cols = box
-    (br, bc), pv = fmt.block, fmt.per_value
-    out = list(lead)
-    for (a, b), blk, n, mult in ((rows, br, shape[-2], 1), (cols, bc, shape[-1], pv)):
-        if not blk:
-            out.append((0, 1))
-            continue
-        a, b, n = a * mult, b * mult, n * mult
-        if a % blk or (b % blk and b != n):
-            return None
-        out.append((a // blk, -(-b // blk)))
-    return tuple(out)
-
-
-def cover(fmt: QuantFormat, box: Box, shape: tuple[int, ...]) -> Box:
-    """The smallest box on the block grid that holds ``box`` (clipped to ``shape``)."""
-    *lead, rows, cols = box
-    (br, bc), pv = fmt.block, fmt.per_value
-    out = list(lead)
-    for (a, b), blk, n, mult in ((rows, br, shape[-2], 1), (cols, bc, shape[-1], pv)):
-        if not blk:
-            out.append((0, n))
-            continue
-        step = blk // mult if blk % mult == 0 else blk
-        out.append((a // step * step, min(-(-b // step) * step, n)))
-    return tuple(out)
-
-
-def scale_layout(fmt: QuantFormat, lt: LocalTensor, shapes: Mapping[str, tuple[int, ...]]) -> LocalTensor | None:
-    """The layout of a quantised local tensor's scales, from its values' layout ``lt`` (each segment's
-    canonical tensor's scales, ``canonical + scale_suffix``); None when a segment cuts a block on either side
-    (``shapes``: the canonical tensors' shapes)."""
-    segments = []
-    for seg in lt.segments:
-        cshape = seg.shape or shapes[seg.canonical]
-        cbox = aligned_scale_box(fmt, seg.cbox, cshape)
-        lbox = aligned_scale_box(fmt, seg.lbox, lt.shape)
-        if cbox is None or lbox is None:
-            return None
-        segments.append(Segment(seg.canonical + fmt.scale_suffix, cbox, lbox, fmt.scale_shape(cshape)))
-    return LocalTensor(fmt.scale_shape(lt.shape), tuple(segments))
-
-
-def global_layout(fmt: QuantFormat, lt: LocalTensor, shapes: Mapping[str, tuple[int, ...]]) -> LocalTensor | None:
-    """The layout of a quantised local tensor's global scale (``canonical + global_suffix``, one per leading
-    index): None when the local tensor holds more than one canonical tensor in one leading index (a fused
-    parameter: one global scale cannot hold two)."""
-    assert fmt.global_suffix is not None
-    if len(lt.segments) != 1:
-        return None
-    seg = lt.segments[0]
-    cshape = seg.shape or shapes[seg.canonical]
-    return LocalTensor(
-        fmt.global_shape(lt.shape),
-        (Segment(seg.canonical + fmt.global_suffix, seg.cbox[:-2], seg.lbox[:-2], fmt.global_shape(cshape)),),
-    )
-
-
-def stored_box(box: Box, pv: int) -> Box | None:
-    """A box in elements in stored units (``pv`` elements a stored value); None when it splits one."""
-    a, b = box[-1]
-    return None if a % pv or b % pv else (*box[:-1], (a // pv, b // pv))
-
-
-def to_stored(fmt: QuantFormat, lt: LocalTensor) -> LocalTensor | None:
-    """A layout in elements (what layouts describe) in the values' stored units (NVFP4: two elements a byte);
-    None when a box splits a byte."""
-    pv = fmt.per_value
-    if pv == 1:
-        return lt
-    segments = []
-    for seg in lt.segments:
-        cbox, lbox = stored_box(seg.cbox, pv), stored_box(seg.lbox, pv)
-        if cbox is None or lbox is None or (seg.shape is not None and seg.shape[-1] % pv):
-            return None
-        shape = None if seg.shape is None else (*seg.shape[:-1], seg.shape[-1] // pv)
-        segments.append(Segment(seg.canonical, cbox, lbox, shape))
-    return LocalTensor((*lt.shape[:-1], lt.shape[-1] // pv), tuple(segments))
-
-
-def with_scales(
-    layout: Mapping[str, LocalTensor], quant: Mapping[str, QuantFormat], shapes: Mapping[str, tuple[int, ...]]
-) -> tuple[dict[str, LocalTensor], dict[str, tuple[int, ...]]]:
-    """A publisher's layout (in elements) with its quantised tensors (``quant``: published name -> format) in
-    stored units and their scales' and global scales' entries added; the canonical shapes likewise.
-    ``ConfigError`` when a quantised tensor's layout cuts its blocks (the publisher cannot say which scale
-    covers the cut block)."""
-    out, canon = dict(layout), dict(shapes)
-    for name, fmt in quant.items():
-        lt = layout.get(name)
-        stored = None if lt is None else to_stored(fmt, lt)
-        if stored is None:
-            raise ConfigError(f"{name!r} is published {fmt.name} but its layout has no entry in whole bytes for it")
-        for seg in stored.segments:
-            was = shapes[seg.canonical]
-            cshape = canon[seg.canonical] = (*was[:-1], was[-1] // fmt.per_value)
-            canon[seg.canonical + fmt.scale_suffix] = fmt.scale_shape(cshape)
-            if fmt.global_suffix:
-                canon[seg.canonical + fmt.global_suffix] = fmt.global_shape(cshape)
-        scales = scale_layout(fmt, stored, canon)
-        if scales is None:
-            raise ConfigError(f"{name!r} is published {fmt.name} but its layout cuts its {fmt.block} blocks")
-        out[name], out[name + fmt.scale_suffix] = stored, scales
-        if fmt.global_suffix:
-            g = global_layout(fmt, stored, canon)
-            if g is None:
-                raise ConfigError(f"{name!r} is published {fmt.name}: one global scale cannot cover its segments")
-            out[name + fmt.global_suffix] = g
-    return out, canon
 
 
 def declared_quant(text: str | None, version: int | None = None) -> dict[str, QuantFormat]:
@@ -335,24 +203,3 @@ def declared_quant(text: str | None, version: int | None = None) -> dict[str, Qu
     except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
         raise ManifestError(f"bad quant metadata ({type(exc).__name__}: {exc}); formats: {sorted(FORMATS)}",
                             version=version) from None  # fmt: skip
-
-
-def quant_metadata(
-    tensors: Mapping[str, torch.Tensor], declared: Mapping[str, str] | None, metadata: Mapping[str, str]
-) -> dict[str, str]:
-    """A publisher's ``metadata["quant"]`` for its quantised tensors (none: no entry); ``ConfigError`` for scales
-    stored other than as published (SGLang's packed UE8M0: publish ``fp8_block128_pow2``), or a layout that
-    cuts a quantised tensor's blocks."""
-    found = detect(tensors, declared, strict=False)
-    if not found:
-        return {}
-    for name, q in found.items():
-        if q.format.storage != "canonical":
-            raise ConfigError(
-                f"{name!r}: {q.format.name} is how a receiver stores {q.format.same}; publish its scales as "
-                f"{q.format.same} does ({_dn(q.format.scale)}, {q.format.scale_shape(tuple(tensors[name].shape))})"
-            )
-    if "layout" in metadata:
-        layout, shapes = resolve(metadata["layout"])
-        with_scales(layout, {n: q.format for n, q in found.items()}, shapes)
-    return {"quant": orjson.dumps({n: q.format.name for n, q in found.items()}, option=orjson.OPT_SORT_KEYS).decode()}

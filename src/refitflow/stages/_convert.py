@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from refitflow.layouts.boxes import Box, full, shape_of, shift
-from refitflow.layouts.quant import QuantParam, aligned_scale_box
+from refitflow.layouts.quant import QuantParam
+from refitflow.layouts.quant_layout import aligned_scale_box
 from refitflow.layouts.quant_math import dequantize, encode_scales, quantize
 from refitflow.stages._context import Landing
 from refitflow.stages._route import Job

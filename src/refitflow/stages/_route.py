@@ -25,9 +25,8 @@ from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import PlanError
 from refitflow.layouts.boxes import Box, full, shape_of, volume
 from refitflow.layouts.canonical import LocalTensor, Segment
-from refitflow.layouts.quant import (
-    QuantFormat,
-    QuantParam,
+from refitflow.layouts.quant import QuantFormat, QuantParam
+from refitflow.layouts.quant_layout import (
     aligned_scale_box,
     cover,
     global_layout,

@@ -16,7 +16,8 @@ from refitflow.core.errors import ConfigError, CoverageError, ManifestError, Pla
 from refitflow.core.types import Publication, ShardSpec
 from refitflow.layouts.boxes import Box, full, intersect, shape_of, shift, volume
 from refitflow.layouts.canonical import LocalTensor, Segment, sliced
-from refitflow.layouts.quant import QuantFormat, declared_quant, with_scales
+from refitflow.layouts.quant import QuantFormat, declared_quant
+from refitflow.layouts.quant_layout import with_scales
 from refitflow.layouts.wire import resolve
 from refitflow.stages.sources import SourceLoad
 
