@@ -1,0 +1,101 @@
+"""The publisher's digests: each shard's tile geometry, its digest fields in a ``ShardSpec``, and the one
+digest pass per process (``Publisher.publish`` runs it in a worker thread). Geometry and algorithms:
+``core/digests.py``, ``core/hashing.py``."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from refitflow.core.digests import ALGORITHMS, Tiling, choose_tiling
+from refitflow.core.hashing import mix64_box_on_device, shard_digests, to_host
+from refitflow.layouts.boxes import full
+
+__all__ = ["DIGEST_CHOICES", "digest", "digest_algorithm"]
+
+
+DIGEST_CHOICES = ("auto", *ALGORITHMS)
+
+
+def digest_algorithm(tensor: torch.Tensor, choice: str) -> str:
+    """``auto``: mix64 for a tensor on an accelerator (hashed there), xxh3 on the CPU (fastest there)."""
+    if choice != "auto":
+        return choice
+    return "xxh3" if tensor.device.type == "cpu" else "mix64"
+
+
+def _tiling(tensor: torch.Tensor, algo: str, columns: bool = True) -> Tiling:
+    return _tiling_of(tuple(tensor.shape), tensor.element_size(), algo, columns)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _tiling_of(shape: tuple[int, ...], item: int, algo: str, columns: bool = True) -> Tiling:
+    """The publisher's tiling of a shard, per geometry: a model's shards repeat a few, and the layout announced
+    early and the digest pass both ask for it."""
+    rows, cols = choose_tiling(shape, item, columns) if math.prod(shape) else (0, 0)
+    return Tiling(algo, shape, item, rows, cols)
+
+
+def _fields(tiling: Tiling, digests: np.ndarray) -> dict[str, Any]:
+    raw = digests.astype(">u8").tobytes()
+    if not tiling.tile_rows:  # an empty shard: its one digest
+        return dict(algo=tiling.algo, digest=raw.hex())
+    return dict(
+        algo=tiling.algo, tile_rows=tiling.tile_rows, tile_cols=tiling.tile_cols,
+        blocks=base64.b64encode(raw).decode(), digest=xxhash.xxh3_64_hexdigest(raw),
+    )  # fmt: skip
+
+
+def _geometry(tiling: Tiling) -> dict[str, Any]:
+    """The digest fields of a pending shard: the geometry, no values (two-phase publication)."""
+    return dict(algo=tiling.algo, tile_rows=tiling.tile_rows, tile_cols=tiling.tile_cols, digest="", blocks="")
+
+
+def digest(tensor: torch.Tensor, algo: str = "xxh3") -> dict[str, Any]:
+    """The digest fields of a ``ShardSpec`` for a contiguous tensor, computed on its own device."""
+    tiling = _tiling(tensor, algo)
+    return _fields(tiling, shard_digests(tensor, tiling))
+
+
+def _digest_all(items: list[tuple[torch.Tensor, str]], columns: bool = True) -> list[dict[str, Any]]:
+    """Digest fields of every tensor; mix64 sums stay on their device until one copy per device brings
+    them all to the host (no synchronisation per tensor). Run in one worker thread off the event loop.
+
+    One thread, not two: python-xxhash keeps the GIL while it hashes an input under ~100 KiB (a tile), so
+    two threads mostly took turns, and ran 1.1–1.6× slower than one (`bench/digest_bench.py`, 2 cores);
+    hashing the row blocks apart from the tiles' gather, in a second thread, was slower still (the gather
+    then reads the rows from memory, not from cache: 83–115 ms against 64 ms for the bench's model)."""
+    out: list[dict[str, Any] | None] = [None] * len(items)
+    pending: dict[torch.device, list[tuple[int, Tiling, torch.Tensor]]] = {}
+    for i, (t, algo) in enumerate(items):
+        tiling = _tiling(t, algo, columns)
+        if algo == "mix64":  # on any device the same way (CPU tests run the accelerator's path)
+            pending.setdefault(t.device, []).append((i, tiling, mix64_box_on_device(t, tiling, full(t.shape))))
+        else:
+            out[i] = _fields(tiling, shard_digests(t, tiling))
+    for group in pending.values():
+        sums = to_host(torch.cat([s for _, _, s in group]))
+        at = 0
+        for i, tiling, s in group:
+            out[i] = _fields(tiling, sums[at : at + len(s)])
+            at += len(s)
+    return [d for d in out if d is not None]
+
+
+_digesting = threading.Lock()
+
+
+def _digest_one_at_a_time(items: list[tuple[torch.Tensor, str]], columns: bool = True) -> list[dict[str, Any]]:
+    """``_digest_all``, one pass at a time in this process: publishers of several ranks in one process (as in
+    ``python -m bench`` with ``announce_early``) would otherwise take turns on the GIL tile by tile, and
+    the two passes end later than one after the other (``bench/digest_bench.py``: the same pass split
+    over two threads 83 ms, in one thread 64 ms)."""
+    with _digesting:
+        return _digest_all(items, columns)
