@@ -27,6 +27,7 @@ from refitflow.engine.agent import EngineAgent
 from refitflow.engine.controller import Controller, EngineResult, RankReport
 from refitflow.engine.gloo_vote import GlooVote
 from refitflow.engine.member import EngineMember, EngineOutcome
+from refitflow.engine.readiness import EngineState
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
 from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
@@ -63,6 +64,7 @@ __all__ = [
     "EngineMember",
     "EngineOutcome",
     "EngineResult",
+    "EngineState",
     "Fence",
     "FenceState",
     "FencedError",

@@ -135,9 +135,11 @@ class EngineAgent:
             if set_attempt is not None:
                 set_attempt(request_id)
             outcome = await self.member.refit(m["version"], timeout=m["timeout"])
+            result = outcome.result
             report = {
                 "committed": outcome.committed, "decision": outcome.decision.value, "version": outcome.version,
                 "error": None if outcome.error is None else repr(outcome.error), **_status(self.member),
+                "pulled_bytes": getattr(result, "nbytes", 0), "relay_bytes": getattr(result, "relay_bytes", 0),
             }  # fmt: skip
             await self._reply(router, peer, request_id, True, report)
         except Exception as exc:  # reported, never fatal to the agent
@@ -157,4 +159,5 @@ class EngineAgent:
 def _status(member: EngineMember) -> dict[str, Any]:
     ledger = member.receiver.ledger
     return {"committed_version": ledger.committed_version, "fence": ledger.fence.state.value,
-            "healthy": ledger.fence.state.value != "fenced", "in_doubt": member.in_doubt}  # fmt: skip
+            "reason": ledger.fence.reason, "healthy": ledger.fence.state.value != "fenced",
+            "in_doubt": member.in_doubt}  # fmt: skip

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError
 from refitflow.core.wire import decode, encode
+from refitflow.engine.readiness import EngineState, rank_summary
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["Controller", "EngineResult", "RankReport"]
@@ -34,6 +35,8 @@ class RankReport:
     committed_version: int | None  # what the rank serves now
     fence: str | None
     error: str | None  # the rank's own failure, or why its answer is missing
+    pulled_bytes: int = 0  # what this refit read, in all ...
+    relay_bytes: int = 0  # ... and of that from peers (relays): the rest came from the trainer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +67,13 @@ class Controller:
     agent socket — the controller's ``rf.ClientSecurity`` from the deployment's key set (``refitflow
     keys``), the agents holding the matching ``rf.ServerSecurity``. ``status()`` asks every rank for its
     receiver status; ``stop_agents()`` ends the agents' loops.
+
+    **A fleet that changes.** ``await join(name, ranks)`` adds an engine (new, restarted, or replaced on other
+    addresses: the name's old addresses are forgotten) and refits it at once to the fleet's version — the
+    newest any engine committed through this controller — reading from the peers that hold it where they
+    relay (``serve_replicas``), so the trainer serves only what no peer offers; ``remove(name)`` forgets one.
+    ``states()`` says per engine whether a router may send it requests (``rf.EngineState``: current,
+    catching up, behind, fenced, gone). No other engine is touched by a join or a removal.
     """
 
     def __init__(self, engines: Mapping[str, Sequence[str]], *, slack_s: float = 10.0,
@@ -76,9 +86,13 @@ class Controller:
         # command ids double as vote attempt ids: they increase across controller restarts too
         self._ids = itertools.count(time.time_ns() // 1000)
         self._refitting = anyio.Lock()
+        self.version: int | None = None  # the fleet's version: the newest any engine committed through us
+        self._joining: set[str] = set()  # joined, no version committed since
 
-    async def refit(self, version: int, *, timeout: float = 60.0) -> dict[str, EngineResult]:
-        """Refit every engine to the newest version ≥ ``version`` (waiting up to ``timeout`` s for one).
+    async def refit(self, version: int, *, timeout: float = 60.0,
+                    engines: Sequence[str] | None = None) -> dict[str, EngineResult]:  # fmt: skip
+        """Refit every engine (or those named in ``engines``) to the newest version ≥ ``version`` (waiting up
+        to ``timeout`` s for one).
 
         An engine's result is committed only when every rank committed, and all the same version.
 
@@ -89,7 +103,7 @@ class Controller:
         """
         async with self._refitting:
             command = {"op": "refit", "id": next(self._ids), "version": version, "timeout": timeout}
-            replies = await self._ask_all(command, timeout + self.slack_s)
+            replies = await self._ask_all(command, timeout + self.slack_s, engines)
         results = {}
         for name, ranks in replies.items():
             reports = tuple(_report(r) for r in ranks)
@@ -98,7 +112,30 @@ class Controller:
             agreed = versions.pop() if ok else None
             ok = ok and agreed is not None and agreed >= version
             results[name] = EngineResult(engine=name, committed=ok, version=agreed if ok else None, ranks=reports)
+            if ok and agreed is not None:
+                self._joining.discard(name)
+                self.version = max(self.version or 0, agreed)
         return results
+
+    async def join(self, name: str, ranks: Sequence[str], *, timeout: float = 60.0) -> EngineResult:
+        """Add engine ``name`` (its ranks' agent addresses; a name already known is replaced) and refit it to
+        the fleet's version at once; its result. Until that commits, ``states()`` says it is catching up."""
+        if not ranks:
+            raise ConfigError(f"engine {name!r} needs at least one rank address")
+        self.engines[name] = list(ranks)
+        self._joining.add(name)
+        return (await self.refit(self.version or 0, timeout=timeout, engines=[name]))[name]
+
+    def remove(self, name: str) -> None:
+        """Forget engine ``name`` (gone for good, or about to rejoin on other addresses)."""
+        self.engines.pop(name, None)
+        self._joining.discard(name)
+
+    async def states(self, *, timeout: float = 5.0) -> dict[str, EngineState]:
+        """Every engine's state as a router sees it (``rf.EngineState``: only ``current`` takes traffic)."""
+        ranks = await self.status(timeout=timeout)
+        return {name: rank_summary(name, rs, target=self.version, joining=name in self._joining)
+                for name, rs in ranks.items()}  # fmt: skip
 
     async def status(self, *, timeout: float = 5.0) -> dict[str, list[dict[str, Any] | None]]:
         """Every rank's receiver status (``None`` for a rank that did not answer in time)."""
@@ -109,13 +146,18 @@ class Controller:
         """Ask every agent to stop serving commands (the ranks keep serving their model)."""
         await self._ask_all({"op": "stop", "id": next(self._ids)}, timeout)
 
-    async def _ask_all(self, command: dict[str, Any], deadline: float) -> dict[str, list[dict[str, Any] | None]]:
-        replies: dict[str, list[dict[str, Any] | None]] = {n: [None] * len(rs) for n, rs in self.engines.items()}
+    async def _ask_all(self, command: dict[str, Any], deadline: float,
+                       engines: Sequence[str] | None = None) -> dict[str, list[dict[str, Any] | None]]:  # fmt: skip
+        unknown = sorted(set(engines or ()) - set(self.engines))
+        if unknown:
+            raise ConfigError(f"unknown engines {unknown}: join them first")
+        asked = {n: self.engines[n] for n in (self.engines if engines is None else engines)}
+        replies: dict[str, list[dict[str, Any] | None]] = {n: [None] * len(rs) for n, rs in asked.items()}
         context = zmq.asyncio.Context()
         try:
             with anyio.move_on_after(deadline):
                 async with anyio.create_task_group() as tg:
-                    for name, ranks in self.engines.items():
+                    for name, ranks in asked.items():
                         for i, address in enumerate(ranks):
                             tg.start_soon(_ask, context, self.security, address, command, replies[name], i)
         finally:
@@ -152,4 +194,5 @@ def _report(reply: dict[str, Any] | None) -> RankReport:
     return RankReport(
         committed=bool(r["committed"]), decision=r["decision"], version=r["version"],
         committed_version=r["committed_version"], fence=r["fence"], error=r["error"],
+        pulled_bytes=int(r.get("pulled_bytes") or 0), relay_bytes=int(r.get("relay_bytes") or 0),
     )  # fmt: skip
