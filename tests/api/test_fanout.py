@@ -271,3 +271,25 @@ async def test_receivers_of_a_version_still_relay_it_once_a_newer_one_is_complet
                            held=(HeldBox(0, "w", ((0, 4), (0, 4)), 0, ((0, 4), (0, 4))),))  # fmt: skip
         assert await registry.relay_join(ident, 1, "a", offer=offer) is None
         assert (await registry.relay_join(ident, 1, "b")) == offer  # a laggard reading version 1
+
+
+@pytest.mark.asyncio
+async def test_relayed_names_the_newest_complete_version_a_peer_offers_in_the_registry_and_its_service(ident) -> None:
+    """What a receiver joining a running fleet asks first (``relayed``): the newest version a peer relays —
+    not a newer one nobody relays yet — and None once no peer relays anything; the same over the service."""
+    with anyio.fail_after(30):
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server, rf.RegistryClient(server.address) as client:
+            registry = server.registry
+            await registry.register_receiver(ident, "a")  # not done with version 1: it stays held
+            async with rf.Publisher(registry, identity=ident) as pub:
+                await pub.publish(1, {"w": torch.zeros(4, 4)})
+                assert await registry.relayed(ident) is None and await client.relayed(ident) is None
+                offer = RelayOffer(identity=ident, version=1, receiver="a", source=pub.transport.address(), status=0,
+                                   params=(RelayParam("w", "float32", (4, 4), 0),),
+                                   held=(HeldBox(0, "w", ((0, 4), (0, 4)), 0, ((0, 4), (0, 4))),))  # fmt: skip
+                await registry.relay_join(ident, 1, "a", offer=offer)
+                await registry.relay_join(ident, 1, "reader")  # a reader offers nothing
+                await pub.publish(2, {"w": torch.ones(4, 4)})  # complete, relayed by nobody yet
+                assert await registry.relayed(ident) == 1 and await client.relayed(ident) == 1
+                await registry.relay_leave(ident, "a")
+                assert await registry.relayed(ident) is None and await client.relayed(ident) is None

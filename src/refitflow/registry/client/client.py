@@ -381,3 +381,8 @@ class RegistryClient:
 
     async def versions(self, identity: Identity) -> list[int]:
         return list(await self._request("versions", identity=identity_to_dict(identity)))
+
+    async def relayed(self, identity: Identity) -> int | None:
+        """The newest complete version a receiver relays (``Registry.relayed``), or None."""
+        found = await self._request("relayed", identity=identity_to_dict(identity))
+        return found if type(found) is int else None

@@ -170,3 +170,6 @@ class Handler:
 
     async def op_versions(self, msg: dict[str, Any]) -> Any:
         return await self.registry.versions(identity_from_dict(_arg(msg, "identity", dict)))
+
+    async def op_relayed(self, msg: dict[str, Any]) -> Any:
+        return await self.registry.relayed(identity_from_dict(_arg(msg, "identity", dict)))

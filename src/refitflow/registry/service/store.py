@@ -371,6 +371,13 @@ class RegistryStore:
         """The versions held (complete or not), oldest first."""
         return list(self._peek(identity).order)
 
+    async def relayed(self, identity: Identity) -> int | None:
+        """The newest complete version some receiver relays (offers to its peers), or None: what a receiver
+        joining a running fleet reads from its peers rather than the trainer."""
+        model = self._peek(identity)
+        held = [v for v, relays in model.relays.items() if relays.offers and v in model.completed_at]
+        return max(held, default=None)
+
     async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
         """What this registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
         return near_misses({i: m.versions for i, m in self._models.items()}, identity, min_version)

@@ -466,5 +466,8 @@ class EtcdStore:
     async def versions(self, identity: Identity) -> list[int]:
         return await self.mirror.versions(identity)
 
+    async def relayed(self, identity: Identity) -> int | None:
+        return await self.mirror.relayed(identity)
+
     async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
         return await self.mirror.near_misses(identity, min_version)
