@@ -111,6 +111,8 @@ async def test_versions_land_bit_exactly_in_the_live_parameters_and_padding_is_u
                 await update(engine, version)
                 assert holds(model, expected(kind, version, 2, 1)), f"version {version} is not bit-exact"
                 assert engine.status["committed_version"] == version and engine.status["fence"] == "ready"
+            await update(engine, 2)  # the version it serves (a joiner that caught up ahead of its fleet): done
+            assert engine.status["committed_version"] == 2 and holds(model, expected(kind, 2, 2, 1))
             assert pointers(model) == before  # CUDA graphs keep working
             assert bool((model.param("lm_head.weight")[36:] == SENTINEL).all())  # padding rows: never written
             engine.shutdown()

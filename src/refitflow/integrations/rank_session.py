@@ -21,6 +21,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +42,7 @@ from refitflow.integrations.loop_thread import LoopThread
 from refitflow.registry.keys import DeploymentKeys, client_of, server_of
 from refitflow.registry.security import ClientSecurity
 
-__all__ = ["Build", "RankSession", "SessionConfig", "direct_writer"]
+__all__ = ["Build", "RankSession", "SessionConfig", "direct_writer", "process_id"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,12 @@ class SessionConfig:
         own = sorted(set(self.receiver_options) & set(_OWN))
         if own:
             raise ConfigError(f"receiver_options may not set {own}: the session sets them (shadow commits by copy)")
+
+
+def process_id(engine: str, model: str, place: str) -> str:
+    """A rank's receiver id, unique in a fleet: the servers of one model share their places (every server has
+    a ``dp0-rank0``), so the host and process tell them apart — and a restarted rank is a new receiver."""
+    return f"{engine}-{model}-{place}@{socket.gethostname()}:{os.getpid()}"
 
 
 # ``build`` for ``RankSession.open``: makes this rank's preparer (its resources on ``stack``)
@@ -136,6 +144,26 @@ class RankSession:
         outcome = self.loop.run(self._prepared, version, wait_s, timeout=timeout_s, what="the refitflow update")
         return self._settle(outcome, version)
 
+    def catch_up_version(self, *, wait_s: float) -> int:
+        """The version a rank joining a running fleet refits: the newest its peers relay, waiting up to ``wait_s``
+        for them to relay the newest one held (a fleet about to refit it); 0 (the newest, from the trainer)
+        when no peer relays anything or the registry cannot say."""
+        return int(self.loop.run(self._peers_version, wait_s, timeout=wait_s + 30.0, what="asking what peers hold"))
+
+    async def _peers_version(self, wait_s: float) -> int:
+        registry, identity = getattr(self._member().receiver, "registry", None), self.config.identity
+        relayed, versions = getattr(registry, "relayed", None), getattr(registry, "versions", None)
+        if relayed is None or versions is None:
+            return 0
+        with anyio.move_on_after(wait_s):
+            while True:
+                held, newest = await relayed(identity), max(await versions(identity), default=None)
+                if held is None or newest is None or held >= newest:
+                    break
+                await anyio.sleep(0.2)
+        held = await relayed(identity)
+        return 0 if held is None else int(held)
+
     def begin_update(self, version: int, *, timeout_s: float, wait_s: float) -> None:
         """``update`` in the background (it returns at once): ``poll_update`` says how it went."""
         self._check_idle()
@@ -171,6 +199,9 @@ class RankSession:
         return outcome
 
     def _settle(self, outcome: EngineOutcome, version: int) -> RefitResult | None:
+        if outcome.transaction is None and outcome.committed:  # it already serves the newest version ≥ asked
+            self.pending = None  # (a joiner caught up ahead of its fleet's refit): nothing to commit, not a failure
+            return None
         if outcome.transaction is None:
             raise self._failure(outcome, version)
         self.pending = outcome
@@ -232,7 +263,7 @@ class RankSession:
         ledger = self.member.receiver.ledger
         return {"committed_version": ledger.committed_version, "fence": ledger.fence.state.value,
                 "fence_reason": ledger.fence.reason, "first_failure": ledger.first_failure,
-                "in_doubt": self.member.in_doubt}  # fmt: skip
+                "in_doubt": self.member.in_doubt, **_pulled(self.last_result)}  # fmt: skip
 
     def _member(self) -> EngineMember:
         if self.member is None:
@@ -245,6 +276,14 @@ class RankSession:
                 self.loop.run(self._stack.aclose, timeout=self.config.init_timeout_s, what="closing refitflow")
         finally:
             self.loop.close()
+
+
+def _pulled(result: RefitResult | None) -> dict[str, int]:
+    """What the last refit read: in all, of that from peers (relays) — the rest from the trainer — and from the
+    trainer after a peer failed or stalled."""
+    if result is None:
+        return {"pulled_bytes": 0, "relay_bytes": 0, "rerouted_bytes": 0}
+    return {"pulled_bytes": result.nbytes, "relay_bytes": result.relay_bytes, "rerouted_bytes": result.rerouted_bytes}
 
 
 def direct_writer(derived: Derived) -> Build:

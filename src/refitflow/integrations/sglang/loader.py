@@ -35,7 +35,7 @@ from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
 from refitflow.integrations.fused_model import parameters
 from refitflow.integrations.keys import deployment_keys
-from refitflow.integrations.rank_session import RankSession, SessionConfig
+from refitflow.integrations.rank_session import RankSession, SessionConfig, process_id
 from refitflow.integrations.sglang import answers, payload
 from refitflow.integrations.sglang.place import Place, receiver_layout
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
@@ -115,7 +115,7 @@ class Worker:
         loader, build, _ = writers.choose(init.loader, params, lambda: receiver_layout(model, place), model)
         config = SessionConfig(
             registry=init.registry, identity=Identity(model=init.model, **init.identity),
-            receiver_id=f"sglang-{init.model}-{place.name}", mode=init.mode, budget_bytes=init.budget_bytes,
+            receiver_id=process_id("sglang", init.model, place.name), mode=init.mode, budget_bytes=init.budget_bytes,
             transport=init.transport, vote=vote, vote_rank=place.rank, vote_addresses=addresses,
             vote_timeout_s=init.vote_timeout_s, init_timeout_s=init.init_timeout_s,
             receiver_options=dict(init.receiver_options), keys=deployment_keys(),
