@@ -53,6 +53,19 @@ class VllmServer:
         self.vocab = AutoConfig.from_pretrained(model_dir).vocab_size
 
     async def __aenter__(self) -> Self:
+        await self.launch()
+        with anyio.fail_after(START_S):
+            while True:
+                self.check_alive()
+                try:
+                    if (await self.http.get("/health")).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                await anyio.sleep(1.0)
+
+    async def launch(self) -> None:
+        """Start the server's process (``__aenter__`` then waits for ``/health``)."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    UCX_NET_DEVICES="lo", VLLM_LOGGING_LEVEL="INFO", **self.env)  # fmt: skip
         env.pop("PYTHONPATH", None)  # the venv's own packages, refitflow installed there
@@ -65,16 +78,11 @@ class VllmServer:
                                                  env=env, start_new_session=True)  # fmt: skip
         # a fresh connection per request: uvicorn closes one after a route raised (vLLM's 500s do)
         self.http = httpx.AsyncClient(base_url=self.url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
-        with anyio.fail_after(START_S):
-            while True:
-                if self.proc.returncode is not None:
-                    raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
-                try:
-                    if (await self.http.get("/health")).status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    pass
-                await anyio.sleep(1.0)
+
+    def check_alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.returncode is not None:
+            raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -83,6 +91,8 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.proc is None:  # never launched
+            return
         await self.http.aclose()
         if self.proc is not None and self.proc.returncode is None:
             with anyio.CancelScope(shield=True):

@@ -43,12 +43,12 @@ def plugin_metadata(at: pathlib.Path) -> str:
 
 
 class Server(LineChild):
-    def __init__(self, tmp: pathlib.Path, tp: int = 2) -> None:
+    def __init__(self, tmp: pathlib.Path, tp: int = 2, env: dict[str, str] | None = None) -> None:
         cfg = config("qwen2")
         cfg.architectures = ["Qwen2ForCausalLM"]  # SGLang's ServerArgs reads the model's config from its path
         cfg.save_pretrained(tmp / "model")
         spec = json.dumps({"tp": tp, "config": str(tmp / "model"), "plugins": plugin_metadata(tmp / "plugins")})
-        super().__init__([sys.executable, "-m", "tests.integrations._sglang_server", spec], path=[ROOT])
+        super().__init__([sys.executable, "-m", "tests.integrations._sglang_server", spec], path=[ROOT], env=env)
 
     async def __aenter__(self) -> Self:
         await super().__aenter__()
@@ -197,3 +197,50 @@ async def test_the_fleet_driver_keeps_a_failed_shadow_server_serving_the_previou
             assert result.committed and result.version == 4, result
             for rank in await server.state(seed=4):
                 assert rank["holds"] and rank["pointers_kept"] and rank["committed_version"] == 4, rank
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_joins_refuses_requests_until_the_fleet_refit_it_from_a_peer(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A server started with ``REFITFLOW_JOIN=1`` while the fleet is at version 1 refuses every request and its
+    readiness route says catching up; ``SglangFleet.add`` refits it to version 1 — read from the peer that holds
+    it (``serve_replicas``) wherever the peer holds a piece in one strided read — and takes it in once current;
+    then the two refit together."""
+    with anyio.fail_after(400):
+        async with (
+            Trainer("qwen2") as trainer,
+            Server(tmp_path / "a", tp=1) as a,
+            Server(tmp_path / "b", tp=1, env={"REFITFLOW_JOIN": "1"}) as b,
+        ):
+            init = init_info(trainer.registry, vote_addresses=None, receiver_options={"serve_replicas": True})
+            await trainer.publish(1, seed=1)
+            fleet = SglangFleet({"a": a.url}, init, tp=1)
+            assert (await fleet.refit(1, timeout_s=60))["a"].committed and fleet.version == 1
+
+            refused = await b.http.post("/generate", json={"input_ids": [1, 2, 3]})
+            assert refused.status_code == 400 and "catching up" in refused.text, refused.text
+            ready = await b.http.get("/refitflow/ready")
+            assert ready.status_code == 503 and ready.json()["state"] == "catching_up", ready.text
+            assert (await a.http.get("/refitflow/ready")).json() | {"reason": None} == {
+                "engine": "this server",
+                "state": "current",
+                "version": 1,
+                "reason": None,
+                "ready": True,
+            }
+
+            state = await fleet.add("b", b.url, timeout_s=120)
+            assert state.ready and state.version == 1, state
+            (rank,) = await b.state(seed=1)
+            assert rank["holds"] and rank["committed_version"] == 1, rank
+            # from its peer: everything a relay can serve in one strided read (the trainer only for the pieces its
+            # peer holds in another geometry); no peer read failed
+            assert rank["relay_bytes"] > rank["pulled_bytes"] // 2 and rank["rerouted_bytes"] == 0, rank
+            refused = await b.http.post("/generate", json={"input_ids": [1, 2, 3]})
+            assert "catching up" not in refused.text, refused.text
+
+            await trainer.publish(2, seed=2)
+            assert all(r.committed and r.version == 2 for r in (await fleet.refit(2, timeout_s=60)).values())
+            states = await fleet.states()
+            assert {n: (s.state, s.version) for n, s in states.items()} == {"a": ("current", 2), "b": ("current", 2)}

@@ -5,14 +5,31 @@ paused, or resumed). Needs ``httpx`` (in the ``vllm`` and ``sglang`` extras)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.engine.controller import EngineResult, RankReport
+from refitflow.engine.readiness import STATES, EngineState, against
 
-__all__ = ["ServerError", "client", "each_server", "named_servers", "post", "server_result", "settle", "step"]
+__all__ = ["READY_ROUTE", "ServerError", "client", "each_server", "named_servers", "post", "ready_state",
+           "server_result", "set_ready", "settle", "step"]  # fmt: skip
+
+T = TypeVar("T")
+READY_ROUTE = "refitflow/ready"  # every integration's readiness route (GET: 200 current, 503 otherwise)
+_GAUGE: list[Any] = []
+
+
+def set_ready(ready: bool) -> None:
+    """The server's ``refitflow_server_ready`` gauge (1 or 0) in its process's default Prometheus registry (the
+    one vLLM's and SGLang's ``/metrics`` export)."""
+    if not _GAUGE:
+        from prometheus_client import Gauge
+
+        _GAUGE.append(Gauge("refitflow_server_ready", "1 when this server may take requests, else 0 (refitflow's "
+                            "readiness: not catching up, fenced or behind)"))  # fmt: skip
+    _GAUGE[0].set(1 if ready else 0)
 
 
 class ServerError(RefitError):
@@ -72,11 +89,9 @@ def named_servers(servers: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
     return {name: url.rstrip("/") for name, url in named.items()}
 
 
-async def each_server(
-    servers: Mapping[str, str], one: Callable[[str, str], Awaitable[EngineResult]]
-) -> dict[str, EngineResult]:
+async def each_server(servers: Mapping[str, str], one: Callable[[str, str], Awaitable[T]]) -> dict[str, T]:
     """``one(name, url)`` on every server at once; the results by name."""
-    results: dict[str, EngineResult] = {}
+    results: dict[str, T] = {}
 
     async def run(name: str, url: str) -> None:
         results[name] = await one(name, url)
@@ -115,3 +130,21 @@ async def settle(http: Any, name: str, version: int, *, committed: bool, wrote: 
             paused.discard(name)
         error = error or failed
     return server_result(name, version, committed=committed, fenced=fenced, error=error)
+
+
+async def ready_state(name: str, url: str, *, target: int | None, timeout_s: float) -> EngineState:
+    """Server ``name``'s readiness route, as an ``rf.EngineState``; short of the fleet's version ``target`` a
+    server that calls itself current is behind; no answer: gone."""
+    import httpx
+
+    async with client(url, timeout_s) as http:
+        try:
+            response = await http.get(f"/{READY_ROUTE}")
+            body = response.json() if response.status_code in (200, 503) else None
+        except (httpx.HTTPError, ValueError) as exc:
+            return EngineState(engine=name, state="gone", version=None, reason=f"{type(exc).__name__}: {exc}")
+    if not isinstance(body, dict) or body.get("state") not in STATES:
+        return EngineState(engine=name, state="gone", version=None,
+                           reason=f"no readiness answer at /{READY_ROUTE} ({response.status_code})")  # fmt: skip
+    version = body.get("version") if type(body.get("version")) is int else None
+    return against(EngineState(engine=name, state=body["state"], version=version, reason=body.get("reason")), target)

@@ -14,8 +14,13 @@ in doubt). ``/end_weight_update`` is posted whenever ``/begin_weight_update`` wa
 lost while the session opened), shielded from cancellation, so SGLang's update session is always
 closed. A server whose update failed is continued only if it kept its previous version
 (``mode="shadow"``, and not in doubt); an ``in_place`` server that failed stays paused — fenced — until
-a later version commits on it (``paused`` lists them). Needs ``httpx`` (the ``sglang`` extra); SGLang
-itself is not imported.
+a later version commits on it (``paused`` lists them).
+
+A fleet that changes: ``add(name, url)`` refits a server that joined (started with ``REFITFLOW_JOIN=1``, it
+refuses requests until then) to the fleet's version — the newest a server committed through this driver —
+reading from the peers that relay it, and takes it in once its readiness route says current; ``remove``
+forgets one; ``states()`` polls every server's readiness (``rf.EngineState``). Needs ``httpx`` (the ``sglang``
+extra); SGLang itself is not imported.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import anyio
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
-from refitflow.integrations.http import ServerError, client, each_server, named_servers, post, settle
+from refitflow.engine.readiness import EngineState
+from refitflow.integrations.fleet import Membership
+from refitflow.integrations.http import ServerError, client, each_server, post, settle
 from refitflow.integrations.http import step as post_step
 from refitflow.integrations.sglang.payload import LOADER, encode
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
@@ -38,27 +45,39 @@ __all__ = ["SglangFleet"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class SglangFleet:
+class SglangFleet(Membership):
     def __init__(
         self, servers: Mapping[str, str] | Sequence[str], init: RefitflowInitInfo, *, tp: int = 1,
         pause_mode: str | None = "retract", request_timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
-        self.servers = named_servers(servers)
+        super().__init__(servers, request_timeout_s)
         if pause_mode is not None and pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES} or None (no pause), got {pause_mode!r}")
         if tp < 1:
             raise ConfigError(f"tp must be the servers' TP size (at least 1), got {tp}")
-        self.init, self.tp, self.pause_mode, self.request_timeout_s = init, tp, pause_mode, request_timeout_s
-        self.paused: set[str] = set()  # servers left paused (fenced) by a failed update
+        self.init, self.tp, self.pause_mode = init, tp, pause_mode
 
     async def refit(
         self, version: int, *, timeout_s: float = 600.0, wait_s: float | None = None
     ) -> dict[str, EngineResult]:
         """Update every server to ``version`` (or newer)."""
+        body = self._body(version, timeout_s, wait_s)
+        return self.note(await each_server(self.servers, lambda n, u: self._refit_one(n, u, version, body, timeout_s)))
+
+    async def add(self, name: str, url: str, *, timeout_s: float = 600.0) -> EngineState:
+        """Refit server ``name`` (a name already known is replaced: a restarted or moved server) to the fleet's
+        version, then take it in once its readiness route says current; its state. Not current within
+        ``timeout_s``: ``RefitError`` with its state, and it is not taken in."""
+        version = self.version or 0
+        body = self._body(version, timeout_s, None)
+        url = url.rstrip("/")
+        self.note({name: await self._refit_one(name, url, version, body, timeout_s)})
+        return await self.admit(name, url)
+
+    def _body(self, version: int, timeout_s: float, wait_s: float | None) -> dict[str, Any]:
         update = RefitflowUpdateInfo(version=version, timeout_s=timeout_s, wait_s=wait_s)
-        body = {"serialized_named_tensors": encode(self.init, update, tp=self.tp), "load_format": LOADER,
+        return {"serialized_named_tensors": encode(self.init, update, tp=self.tp), "load_format": LOADER,
                 "flush_cache": True, "weight_version": str(version), "selector": "target"}  # fmt: skip
-        return await each_server(self.servers, lambda name, url: self._refit_one(name, url, version, body, timeout_s))
 
     async def _refit_one(
         self, name: str, url: str, version: int, body: dict[str, Any], timeout_s: float

@@ -12,22 +12,31 @@ own methods, in the processes that have them:
   while it says not serving, ``generate_request`` refuses each request (``ValueError``: SGLang's routes
   answer it with HTTP 400 and the message) and ``continue_generation`` refuses to resume, whatever the
   driver does. A later update that commits on every rank opens both again.
+
+A server started with ``REFITFLOW_JOIN=1`` (joining a running fleet) refuses every request the same way —
+"catching up" — until its first refitflow update committed (``SglangFleet.add`` refits it to the fleet's
+version); a server whose last update failed and that kept its previous version is *behind* (it serves;
+its readiness route says so: ``ready``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from refitflow.integrations.sglang.answers import NOT_SERVING
 from refitflow.integrations.sglang.payload import LOADER
 
-__all__ = ["HOOKS", "closed"]
+__all__ = ["HOOKS", "JOIN_ENV", "behind", "closed", "joining"]
 
 log = logging.getLogger(__name__)
 
+JOIN_ENV = "REFITFLOW_JOIN"
 _STATE = "_refitflow_not_serving"  # on the scheduler / tokenizer manager: why it must not serve, or None
+_JOINED = "_refitflow_joined"  # on the tokenizer manager: a refitflow update committed here
+_BEHIND = "_refitflow_behind"  # on the tokenizer manager: why its last update failed (it serves the one before)
 _SCHED = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 _TOK = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
@@ -35,6 +44,19 @@ _TOK = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 def closed(owner: Any) -> str | None:
     """Why ``owner`` (a scheduler or tokenizer manager) must not serve now, or None."""
     return getattr(owner, _STATE, None)
+
+
+def joining(manager: Any) -> str | None:
+    """Why a server started to join a fleet does not serve yet (no refitflow version committed), or None."""
+    if not os.environ.get(JOIN_ENV) or getattr(manager, _JOINED, False):
+        return None
+    return ("catching up: this server joined a running fleet and serves once a version committed on it (the "
+            "fleet's driver refits it: SglangFleet.add)")  # fmt: skip
+
+
+def behind(manager: Any) -> str | None:
+    """Why the server's last update failed while it kept serving the version before, or None."""
+    return getattr(manager, _BEHIND, None)
 
 
 def _verdict(success: bool, message: str) -> str | None:
@@ -74,6 +96,9 @@ async def updated_tokenizer(original: Callable[..., Any], manager: Any, obj: Any
     if getattr(obj, "load_format", None) == LOADER:
         reason = _verdict(bool(success), str(message))
         setattr(manager, _STATE, reason)
+        setattr(manager, _BEHIND, None if success else f"its update failed: {message}"[:500])
+        if success:
+            setattr(manager, _JOINED, True)
         if reason is not None:
             manager.abort_request(abort_all=True)
     return success, message
@@ -91,7 +116,7 @@ async def continued_tokenizer(original: Callable[..., Any], manager: Any, *args:
 
 
 def _refuse(manager: Any, what: str) -> None:
-    reason = closed(manager)
+    reason = closed(manager) or joining(manager)
     if reason is not None:
         raise ValueError(f"{reason}; {what} is refused until a later version commits on every rank")
 

@@ -7,7 +7,7 @@ answer — SGLang itself would let it stop the scheduler, taking the server down
 reaches the caller as ``{"success": false, "message": ...}``. Other load formats pass through untouched.
 It also registers the serving gate's hooks (``gate.HOOKS``): a server left not serving by an update
 (a rank fenced, in doubt, or on another version) runs no batch and answers no request until a version
-commits on every rank.
+commits on every rank. In the HTTP server's process it adds the readiness route (``ready``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from refitflow.integrations.sglang import gate, loader
+from refitflow.integrations.sglang import gate, loader, ready
 from refitflow.integrations.sglang.payload import LOADER
 
 __all__ = ["TARGET", "guard", "register"]
@@ -37,6 +37,7 @@ def register() -> None:
     HookRegistry.register(TARGET, guard, HookType.AROUND)
     for target, hook in gate.HOOKS.items():
         HookRegistry.register(target, hook, HookType.AROUND)
+    ready.attach()
     _registered = True
 
 

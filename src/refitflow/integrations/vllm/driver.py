@@ -19,6 +19,12 @@ the next update, where the doubtful worker learns the verdict first.
 resume — start → update (answered once prepared, the servers generating all along) → finish (answered
 once swapped in between two steps). A failed update leaves every server generating its previous
 version; a server with a worker in doubt is paused then (its fence) until a later version commits.
+A fleet that changes: ``add(name, url)`` takes a server in once it is current — a server started with
+``REFITFLOW_JOIN`` catches up by itself (``join``); ``add(..., init_info=...)`` initialises a server that
+was not and refits it to the fleet's version first. ``remove(name)`` forgets one; ``states()`` polls every
+server's readiness route (``rf.EngineState`` each: current, catching up, behind, fenced, gone). The fleet's
+version is the newest any server committed through this driver.
+
 Needs ``httpx`` (in the ``vllm`` extra); vLLM itself is not imported.
 """
 
@@ -33,7 +39,9 @@ import anyio
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
-from refitflow.integrations.http import ServerError, each_server, named_servers, server_result, settle
+from refitflow.engine.readiness import EngineState, against
+from refitflow.integrations.fleet import Membership
+from refitflow.integrations.http import ServerError, each_server, server_result, settle
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
 from refitflow.integrations.http import step as post_step
@@ -43,17 +51,16 @@ from refitflow.integrations.vllm.info import LORA_ROOT, RefitflowInitInfo
 __all__ = ["ServerError", "VllmFleet"]
 
 
-class VllmFleet:
+class VllmFleet(Membership):
     def __init__(
         self, servers: Mapping[str, str] | Sequence[str], *, mode: str = "in_place", pause_mode: str = "keep",
         request_timeout_s: float = 30.0, vote_timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
-        self.servers = named_servers(servers)
+        super().__init__(servers, request_timeout_s)
         if mode not in ("in_place", "shadow"):
             raise ConfigError(f"mode must be the backend's: 'in_place' or 'shadow', got {mode!r}")
-        self.mode, self.pause_mode, self.request_timeout_s = mode, pause_mode, request_timeout_s
+        self.mode, self.pause_mode = mode, pause_mode
         self.vote_timeout_s = vote_timeout_s  # the backend's: an update's vote may take this long after its pull
-        self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
         self.adapters: dict[str, dict[str, list[int]]] = {}  # server -> adapter -> the versions it serves by name
 
     @classmethod
@@ -73,7 +80,32 @@ class VllmFleet:
         info = {"version": version, "timeout_s": timeout_s, **update}
         if info.get("no_drain") and self.mode != "shadow":
             raise ConfigError("no_drain updates need mode='shadow' (the previous version serves while one prepares)")
-        return await each_server(self.servers, lambda name, url: self._refit_one(name, url, info, timeout_s))
+        return self.note(await each_server(self.servers, lambda name, url: self._refit_one(name, url, info, timeout_s)))
+
+    async def add(self, name: str, url: str, *, init_info: RefitflowInitInfo | Mapping[str, Any] | None = None,
+                  timeout_s: float = 600.0) -> EngineState:  # fmt: skip
+        """Take server ``name`` in (a name already known is replaced: a restarted or moved server) once it is
+        current; its state. Without ``init_info`` the server catches up by itself (started with
+        ``REFITFLOW_JOIN``: ``join``) and this waits for its readiness route to say so; with it, this
+        initialises the server and refits it to the fleet's version first (it served what it loaded until
+        then). Not current within ``timeout_s``: ``RefitError`` with its state, and it is not taken in."""
+        url = url.rstrip("/")
+        if init_info is None:
+            state = await self.wait_ready(name, url, timeout_s)  # its own catch-up (REFITFLOW_JOIN)
+        else:
+            info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
+            async with _client(url, self.request_timeout_s) as http:
+                await _post(http, "init_weight_transfer_engine", {"init_info": info}, timeout=timeout_s)
+            state = None
+        if state is None or not against(state, self.version).ready:
+            # initialised here, or caught up with a version its peers held that the fleet has since left behind
+            update = {"version": self.version or 0, "timeout_s": timeout_s}
+            self.note({name: await self._refit_one(name, url, update, timeout_s)})
+        return await self.admit(name, url)
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        self.adapters.pop(name, None)
 
     async def refit_adapter(self, adapter: str, version: int, *, max_staleness: int = 1, timeout_s: float = 120.0,
                             lora_root: str = LORA_ROOT) -> dict[str, EngineResult]:  # fmt: skip

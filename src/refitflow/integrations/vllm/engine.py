@@ -35,7 +35,7 @@ from refitflow.core.types import Identity
 from refitflow.integrations import vote_setup, writers
 from refitflow.integrations.fused_model import parameters
 from refitflow.integrations.keys import deployment_keys
-from refitflow.integrations.rank_session import RankSession, SessionConfig
+from refitflow.integrations.rank_session import RankSession, SessionConfig, process_id
 from refitflow.integrations.vllm import kernels, mla
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.vllm.lora import Landing
@@ -79,7 +79,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         gloo = _gloo_group() if vote == "gloo" else None
         config = SessionConfig(
             registry=init_info.registry, identity=Identity(model=init_info.model, **init_info.identity),
-            receiver_id=f"vllm-{init_info.model}-{self.place.name}", mode=init_info.mode,
+            receiver_id=process_id("vllm", init_info.model, self.place.name), mode=init_info.mode,
             shadow_commit=init_info.shadow_commit,
             budget_bytes=init_info.budget_bytes, transport=init_info.transport, vote=vote,
             vote_rank=self.place.global_rank, vote_addresses=addresses, vote_timeout_s=init_info.vote_timeout_s,
@@ -106,6 +106,10 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         session = self._open()
         wait = update_info.wait_s if update_info.wait_s is not None else update_info.timeout_s
         timeout = update_info.timeout_s + session.config.vote_timeout_s
+        if update_info.catch_up_s is not None:  # joining a fleet: the version its peers hold
+            version = max(session.catch_up_version(wait_s=update_info.catch_up_s), update_info.version)
+            session.update(version, timeout_s=timeout, wait_s=wait)
+            return
         if not update_info.no_drain:
             session.update(update_info.version, timeout_s=timeout, wait_s=wait)
             return
@@ -159,7 +163,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
     def _explain(self, hook: str, error: str) -> str:
         fence = self.gate_status()
         now = ("refuses every request (fenced) until a later version commits" if fence["fence"] == "fenced"
-               else f"serves version {fence['version']}" if fence["version"] is not None
+               else f"serves version {fence['committed_version']}" if fence["committed_version"] is not None
                else "serves the weights it loaded")  # fmt: skip
         return (f"refitflow {hook} on {self.place.name} failed: {error} [{self.loader} loader ({self.why}), mode "
                 f"{self.mode}; this worker {now}]")  # fmt: skip
@@ -183,7 +187,8 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
         """What the serving gate reads (``gate.worker_fence``): this worker's fence and why it is closed."""
         status = self.session.status if self.session else {}
         return {"fence": status.get("fence", "ready"), "reason": status.get("fence_reason"),
-                "version": status.get("committed_version")}  # fmt: skip
+                "committed_version": status.get("committed_version"), "open": self.session is not None,
+                **{k: status.get(k, 0) for k in ("pulled_bytes", "relay_bytes", "rerouted_bytes")}}  # fmt: skip
 
     @property
     def _dtype(self) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 from refitflow.integrations.vllm import nodrain
 from refitflow.integrations.vllm._workers import call, worker_fence
 
-__all__ = ["WEIGHT_METHODS", "install"]
+__all__ = ["WEIGHT_METHODS", "behind", "install", "refresh"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ WEIGHT_METHODS = frozenset({
     "shutdown_weight_transfer_engine",
 })  # fmt: skip
 _STATE = "_refitflow_fenced"  # on the engine core / AsyncLLM: the reason, or None
+_WORKERS = "_refitflow_workers"  # on the engine core / AsyncLLM: each worker's last gate status
+_BEHIND = "_refitflow_behind"  # on AsyncLLM: why the last update failed (the version before serves), or None
 _PAUSED = "_refitflow_paused"  # on the engine core: the gate paused scheduling (and resumes it)
 _MARK = "_refitflow_gate"
 _RPC_TIMEOUT_S = 30.0
@@ -107,7 +109,7 @@ def _patch_core(cls: type) -> None:
         setattr(stepped, _MARK, True)
         cls.post_step = stepped  # type: ignore[attr-defined]
     if cls.__name__ == "EngineCore" and "refitflow_gate" not in vars(cls):
-        cls.refitflow_gate = lambda self: getattr(self, _STATE, None)  # type: ignore[attr-defined]
+        cls.refitflow_gate = _gate_utility  # type: ignore[attr-defined]
     if "collective_rpc" in vars(cls) and not hasattr(vars(cls)["collective_rpc"], _MARK):
         rpc = vars(cls)["collective_rpc"]
 
@@ -128,11 +130,22 @@ def _patch_core(cls: type) -> None:
         cls.collective_rpc = collective_rpc  # type: ignore[attr-defined]
 
 
+def _gate_utility(core: Any, refresh: bool = False) -> dict[str, Any]:
+    """The engine core's ``refitflow_gate`` utility: why it does not serve (None: it does), and each worker's
+    last gate status (``refresh``: read again first)."""
+    if refresh and _ours(core):
+        _refresh_core(core)
+    return {"reason": getattr(core, _STATE, None), "workers": getattr(core, _WORKERS, None)}
+
+
 def _refresh_core(core: Any) -> None:
     try:
-        reason = _reason(core.model_executor.collective_rpc(worker_fence, _RPC_TIMEOUT_S))
+        states = core.model_executor.collective_rpc(worker_fence, _RPC_TIMEOUT_S)
+        reason = _reason(states)
+        setattr(core, _WORKERS, list(states))
     except Exception as exc:  # a worker that cannot say: do not serve what it may hold
         reason = f"the workers' fence could not be read ({type(exc).__name__}: {exc})"
+        setattr(core, _WORKERS, None)
     was = getattr(core, _STATE, None)
     setattr(core, _STATE, reason)
     if reason and not was:
@@ -153,11 +166,18 @@ def _patch_async_llm(cls: type) -> None:
     rpc, generate = cls.collective_rpc, cls.generate  # type: ignore[attr-defined]
 
     async def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
+        failed: Exception | None = None
         try:
             return await rpc(self, method, timeout, args, kwargs)
+        except Exception as exc:
+            failed = exc
+            raise
         finally:
             if method in WEIGHT_METHODS and _ours(self):
-                setattr(self, _STATE, await _core_state(self.engine_core))
+                from refitflow.integrations.vllm import join
+
+                _behind(self, method, kwargs, failed)
+                join.judge(self, await refresh(self))
 
     async def gated_generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         _refuse(self)
@@ -172,23 +192,49 @@ def _patch_async_llm(cls: type) -> None:
     cls.generate = gated_generate  # type: ignore[attr-defined]
 
 
-async def _core_state(client: Any) -> str | None:
-    """The engine core's gate (``refitflow_gate``), through its client: a utility call across processes, a
-    plain call in-process."""
+def _behind(llm: Any, method: str, kwargs: Any, failed: Exception | None) -> None:
+    """An update that failed leaves the version before serving (or fences): the server is behind its fleet
+    until a version commits (``finish_weight_update``)."""
+    if method == "update_weights" and failed is not None:
+        info = (kwargs or {}).get("update_info") or {}
+        if not info.get("adapter"):
+            setattr(llm, _BEHIND, f"its update to version {info.get('version')} failed: {failed}"[:500])
+    elif method == "finish_weight_update" and failed is None:
+        setattr(llm, _BEHIND, None)
+
+
+async def refresh(llm: Any, *, workers: bool = False) -> dict[str, Any]:
+    """Read the engine core's gate (``refitflow_gate``) into ``llm`` (``workers``: have it ask the workers
+    again first); what it said. A utility call across processes, a plain call in-process."""
+    client = llm.engine_core
     try:
         if hasattr(client, "call_utility_async"):
-            state: str | None = await client.call_utility_async("refitflow_gate")
-            return state
-        state = client.engine_core.refitflow_gate()
-        return state
+            state: dict[str, Any] = await client.call_utility_async("refitflow_gate", workers)
+        else:
+            state = client.engine_core.refitflow_gate(workers)
     except Exception as exc:
-        return f"the engine core's fence could not be read ({type(exc).__name__}: {exc})"
+        state = {"reason": f"the engine core's fence could not be read ({type(exc).__name__}: {exc})", "workers": None}
+    setattr(llm, _STATE, state["reason"])
+    setattr(llm, _WORKERS, state["workers"])
+    return state
+
+
+def behind(llm: Any) -> str | None:
+    """Why ``llm``'s server is behind its fleet (its last update failed), or None."""
+    return getattr(llm, _BEHIND, None)
 
 
 def _refuse(llm: Any) -> None:
+    from refitflow.integrations.vllm import join
+
     reason = getattr(llm, _STATE, None)
     if reason:
         from vllm.exceptions import RetryableRequestError
 
         raise RetryableRequestError(f"refitflow: this server does not serve while {reason}; it serves again once a "
                                     "later version commits")  # fmt: skip
+    joining = join.joining(llm)
+    if joining:
+        from vllm.exceptions import RetryableRequestError
+
+        raise RetryableRequestError(f"refitflow: this server does not serve yet: {joining}")

@@ -76,6 +76,8 @@ class RefitflowUpdateInfo:
     adapter: str | None = None  # a LoRA adapter's name: land exactly ``version`` of it (docs/lora.md), not weights
     lora_root: str = LORA_ROOT  # adapter: where each worker writes it (vLLM's loader reads it from there)
     keep: int = 2  # adapter: its newest versions kept on disk (serve no older one: vLLM may reload from disk)
+    catch_up_s: float | None = None  # a server joining a fleet: the version its peers relay, waiting this long for
+    # them to relay the newest (REFITFLOW_JOIN sets it; docs/fleet.md)
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0:
@@ -88,6 +90,10 @@ class RefitflowUpdateInfo:
             raise ConfigError(f"no_drain must be true or false, got {self.no_drain!r}")
         if self.adapter is not None and self.no_drain:
             raise ConfigError("an adapter update never drains: drop no_drain (it is for the base weights)")
+        if self.catch_up_s is not None and (
+            not 0 <= self.catch_up_s <= self.timeout_s or self.no_drain or self.adapter is not None
+        ):
+            raise ConfigError("catch_up_s is a plain update's wait (0 to timeout_s s): not with no_drain or adapter")
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
             raise ConfigError(f"keep must be a positive number of adapter versions, got {self.keep!r}")
 

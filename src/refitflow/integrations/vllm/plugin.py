@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "register", "share_vllm_log"]
 
 BACKEND = "refitflow"
 
@@ -27,13 +27,13 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, "refitflow.integrations.vllm.engine", "RefitflowEngine")
     except ValueError:  # registered already, by an earlier run of this hook in this process
         pass
-    _share_vllm_log()
+    share_vllm_log()
     from refitflow.integrations.vllm import gate
 
     gate.install()
 
 
-def _share_vllm_log() -> None:
+def share_vllm_log() -> None:
     """refitflow's records through vLLM's handler (INFO and up), once per process."""
     ours, theirs = logging.getLogger("refitflow"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:

@@ -1,0 +1,65 @@
+"""What both fleet drivers (``VllmFleet``, ``SglangFleet``) keep about a fleet that changes: its servers by
+name, the fleet's version (the newest a server committed through the driver), and every server's state as a
+router sees it (``rf.EngineState``, from each server's readiness route ``GET /refitflow/ready``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import anyio
+
+from refitflow.core.errors import RefitError
+from refitflow.engine.controller import EngineResult
+from refitflow.engine.readiness import EngineState
+from refitflow.integrations.http import each_server, named_servers, ready_state
+
+__all__ = ["Membership"]
+
+
+class Membership:
+    """The servers of a fleet driver and how current each is."""
+
+    def __init__(self, servers: Mapping[str, str] | Sequence[str], request_timeout_s: float) -> None:
+        self.servers = named_servers(servers)
+        self.request_timeout_s = request_timeout_s
+        self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
+        self.version: int | None = None  # the fleet's: the newest version a server committed through this driver
+
+    def note(self, results: Mapping[str, EngineResult]) -> dict[str, EngineResult]:
+        """Raise the fleet's version to the newest any of ``results`` committed; ``results``."""
+        committed = [r.version for r in results.values() if r.committed and r.version is not None]
+        if committed:
+            self.version = max(committed + ([] if self.version is None else [self.version]))
+        return dict(results)
+
+    def remove(self, name: str) -> None:
+        """Forget server ``name`` (gone, or about to be added again at another address)."""
+        self.servers.pop(name, None)
+        self.paused.discard(name)
+
+    async def states(self, *, timeout_s: float = 5.0) -> dict[str, EngineState]:
+        """Every server's ``rf.EngineState`` from its readiness route (only ``current`` takes traffic; short of
+        the fleet's version a server is behind; no answer: gone)."""
+        return await each_server(self.servers, lambda n, u: ready_state(n, u, target=self.version, timeout_s=timeout_s))
+
+    async def wait_ready(self, name: str, url: str, timeout_s: float) -> EngineState:
+        """Poll server ``name``'s readiness route until it says it may serve (by its own account: a server that
+        catches up by itself), or ``RefitError`` with its state after ``timeout_s`` (or once fenced)."""
+        state = None
+        with anyio.move_on_after(timeout_s):
+            while state is None or not (state.ready or state.state == "fenced"):
+                if state is not None:
+                    await anyio.sleep(0.5)
+                state = await ready_state(name, url, target=None, timeout_s=self.request_timeout_s)
+        if state is None or not state.ready:
+            raise RefitError(f"server {name} ({url}) is not ready after {timeout_s} s: {state}")
+        return state
+
+    async def admit(self, name: str, url: str) -> EngineState:
+        """Count server ``name`` in the fleet if it is current (the fleet's version); its state, or
+        ``RefitError`` with it (then it is not taken in)."""
+        state = await ready_state(name, url, target=self.version, timeout_s=self.request_timeout_s)
+        if not state.ready:
+            raise RefitError(f"server {name} ({url}) is not current: {state}")
+        self.servers[name] = url
+        return state

@@ -1,0 +1,163 @@
+"""A vLLM server that joins a running fleet: it catches up before it takes a request, and says when it is ready.
+
+Started with ``REFITFLOW_JOIN`` (the bodies of vLLM's own routes, as JSON: ``{"init_info": {...},
+"update_info": {...}}``; ``update_info`` optional) and ``VLLM_PLUGINS`` naming ``refitflow`` (vLLM loads an
+endpoint plugin only when named), the server's API process, before it listens:
+
+1. refuses every generation request (HTTP 503, "this server does not serve yet: catching up ...") — it holds
+   the weights it loaded from disk, not the fleet's;
+2. runs vLLM's own update sequence on itself: ``init_weight_transfer_engine`` with ``init_info``, then
+   ``start_weight_update`` → ``update_weights`` (``version`` 0 unless given: the newest complete version,
+   waited for) → ``finish_weight_update``, labelled with the version committed. Its workers read the version
+   from the peers that relay it (``receiver_options: {"serve_replicas": true}`` on every server), the trainer
+   only for what no peer offers;
+3. once that commits, serves — and its readiness route (``GET /refitflow/ready``, ``endpoints``) says
+   ``current``. A failed attempt (no version yet, a peer gone, a bad byte) is retried after 1, 2, 4 … 30 s;
+   the server refuses requests meanwhile.
+
+The fleet's driver then refits it like any other server (``VllmFleet.add``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from typing import Any
+
+from refitflow.core.errors import ConfigError
+from refitflow.engine.readiness import EngineState, rank_summary
+from refitflow.integrations.http import set_ready
+from refitflow.integrations.vllm import gate
+from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
+
+__all__ = ["ENV", "JoinSpec", "catch_up", "joining", "judge", "readiness", "spec_from_env", "start"]
+
+log = logging.getLogger(__name__)
+
+ENV = "REFITFLOW_JOIN"
+_JOINING = "_refitflow_joining"  # on AsyncLLM: why it does not serve yet (catching up), or None once current
+_TASK = "_refitflow_join_task"
+_NO_PLUGIN = (f"{ENV} is set but refitflow's endpoint plugin did not start the catch-up: start the server with "
+              "VLLM_PLUGINS naming refitflow (vLLM loads endpoint plugins only when named)")  # fmt: skip
+RETRY_S = (1.0, 30.0)  # first and longest wait between two attempts
+CATCH_UP_S = 10.0  # how long a joiner waits for its peers to relay the newest version before reading it alone
+
+
+class JoinSpec:
+    """``REFITFLOW_JOIN``, checked: the init info and the catch-up's update info (``version`` 0: the newest)."""
+
+    def __init__(self, init_info: dict[str, Any], update_info: dict[str, Any] | None = None) -> None:
+        self.init = RefitflowInitInfo(**init_info).to_dict()
+        update = {"version": 0, "catch_up_s": CATCH_UP_S, **(update_info or {})}
+        parsed = RefitflowUpdateInfo(**update)
+        if parsed.no_drain or parsed.adapter or parsed.catch_up_s is None:
+            raise ConfigError("a catch-up is a plain update that follows its peers: no no_drain, no adapter, and "
+                              "catch_up_s a number of seconds")  # fmt: skip
+        self.update = update
+
+
+def spec_from_env(environ: dict[str, str] | None = None) -> JoinSpec | None:
+    """The server's ``REFITFLOW_JOIN``, or None; a ``ConfigError`` naming what is wrong with it."""
+    raw = (os.environ if environ is None else environ).get(ENV)
+    if not raw:
+        return None
+    try:
+        body = json.loads(raw)
+        return JoinSpec(body["init_info"], body.get("update_info"))
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{ENV} must be JSON {{\"init_info\": {{...}}, \"update_info\": {{...}}}} (the bodies of "
+                          f"vLLM's routes): {type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+
+def joining(llm: Any) -> str | None:
+    """Why ``llm``'s server does not serve yet (catching up), or None."""
+    if _JOINING in vars(llm):
+        return vars(llm)[_JOINING]
+    return _NO_PLUGIN if os.environ.get(ENV) else None
+
+
+def start(llm: Any, spec: JoinSpec) -> None:
+    """Refuse requests and start catching up (once per server)."""
+    if _TASK in vars(llm):
+        return
+    setattr(llm, _JOINING, "catching up: starting")
+    setattr(llm, _TASK, asyncio.get_running_loop().create_task(catch_up(llm, spec), name="refitflow-join"))
+
+
+async def catch_up(llm: Any, spec: JoinSpec) -> int:
+    """vLLM's update sequence on this server until a version commits; that version."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    wait, attempt, opened = RETRY_S[0], 0, False
+    while True:
+        attempt += 1
+        step = "init_weight_transfer_engine"
+        try:
+            if not opened:
+                setattr(llm, _JOINING, "catching up: opening refitflow on every worker")
+                await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=spec.init))
+                opened = True
+            setattr(llm, _JOINING, f"catching up: pulling the newest version ≥ {spec.update['version']} from its "
+                                   "peers and the trainer")  # fmt: skip
+            step = "start_weight_update"
+            await llm.start_weight_update()
+            step = "update_weights"
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=spec.update))
+            step = "finish_weight_update"
+            await llm.finish_weight_update()
+            version = _committed(await gate.refresh(llm, workers=True))
+            if version is not None:
+                await llm.update_weight_version(str(version))
+            setattr(llm, _JOINING, None)
+            judge(llm, await gate.refresh(llm))
+            log.info("refitflow: caught up with version %s (attempt %d); serving", version, attempt)
+            return version if version is not None else -1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"[:400]
+            setattr(llm, _JOINING, f"catching up: attempt {attempt} failed at {step} ({why}); next in {wait:.0f} s")
+            log.warning("refitflow: catch-up attempt %d failed at %s: %s", attempt, step, why)
+            if step == "init_weight_transfer_engine":  # some workers may have opened: start over on all
+                with contextlib.suppress(Exception):
+                    await llm.shutdown_weight_transfer_engine()
+            elif step == "update_weights":  # a worker in doubt keeps its peers' update open: close it
+                with contextlib.suppress(Exception):
+                    await llm.finish_weight_update()
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, RETRY_S[1])
+
+
+def _committed(state: dict[str, Any]) -> int | None:
+    versions = {w.get("committed_version") for w in state.get("workers") or () if isinstance(w, dict)}
+    return versions.pop() if len(versions) == 1 else None
+
+
+async def readiness(llm: Any) -> tuple[EngineState, list[Any]]:
+    """This server as a router sees it (``rf.EngineState``; its workers read now), and each worker's gate
+    status."""
+    state = await gate.refresh(llm, workers=True)
+    return judge(llm, state), list(state.get("workers") or [])
+
+
+def judge(llm: Any, state: dict[str, Any]) -> EngineState:
+    """The server's ``rf.EngineState`` from its engine core's gate (``gate.refresh``); sets the metric."""
+    workers = state.get("workers") or []
+    name, version = "this server", _committed(state)
+    if state.get("reason"):
+        verdict = EngineState(engine=name, state="fenced", version=None, reason=state["reason"])
+    elif joining(llm):
+        verdict = EngineState(engine=name, state="catching_up", version=version, reason=joining(llm))
+    elif gate.behind(llm):
+        verdict = EngineState(engine=name, state="behind", version=version, reason=gate.behind(llm))
+    elif not workers:
+        verdict = EngineState(engine=name, state="gone", version=None, reason="its workers did not answer")
+    else:
+        verdict = rank_summary(name, [w if isinstance(w, dict) else None for w in workers])
+    set_ready(verdict.ready)
+    return verdict
