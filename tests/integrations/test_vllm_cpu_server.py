@@ -22,6 +22,14 @@ from tests.integrations._vllm_cpu import VllmServer
 from tests.integrations._vllm_real import PROMPT, TOKENS, HfTrainer, llama_checkpoint, mixtral_checkpoint, update
 
 DEADLINE_S = 900.0
+READY = {"VLLM_PLUGINS": "refitflow"}  # loads refitflow's endpoint plugin: GET /refitflow/ready
+
+
+async def readiness(server: VllmServer) -> tuple[int, str, int | None]:
+    """The server's readiness route: its status, state and version."""
+    answer = await server.http.get("/refitflow/ready")
+    body = answer.json()
+    return answer.status_code, body["state"], body["version"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ async def test_stock_vllm_refits_in_place_and_never_serves_a_version_that_failed
     llama: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     with anyio.fail_after(DEADLINE_S):
-        server = VllmServer(llama, dtype="float32", log_path=tmp_path / "vllm.log")
+        server = VllmServer(llama, dtype="float32", log_path=tmp_path / "vllm.log", env=READY)
         async with HfTrainer(llama) as trainer, server:
             boot, boot_tokens = await server.checksums(), await server.tokens(PROMPT, TOKENS)
             assert (await server.post("/init_weight_transfer_engine", trainer.init_info())).status_code == 200
@@ -58,11 +66,14 @@ async def test_stock_vllm_refits_in_place_and_never_serves_a_version_that_failed
             assert refused.status_code == 503 and "fenced" in refused.text, refused.text
             assert (await server.post("/resume")).status_code != 200  # whatever the driver does
             assert (await server.completion(PROMPT, TOKENS)).status_code == 503
+            assert await readiness(server) == (503, "fenced", None)
 
             expected = await trainer.publish(3, seed=0)  # the boot checkpoint again
             assert await update(server, 3) == (200, '{"message":"Weights updated"}')
             assert await server.tokens(PROMPT, TOKENS) == boot_tokens and expected.matches(boot_tokens, "float32")
             assert await server.checksums() == boot  # bit for bit what vLLM's own loader made
+            assert await readiness(server) == (200, "current", 3)
+            assert "refitflow_server_ready 1.0" in (await server.http.get("/metrics")).text
 
             # vLLM's own load_weights, inside its layerwise reload (a bare load_weights fails on a processed
             # layer: 'Parameter' object has no attribute 'weight_loader'); shadow: a failure after some layers
@@ -91,7 +102,7 @@ async def test_a_bf16_server_takes_an_fp32_megatron_trainer_in_shadow_and_bad_in
     ``lossy_casts``; shadow mode, so every failure leaves the previous version serving."""
     with anyio.fail_after(DEADLINE_S):
         trainer = HfTrainer(llama, layout="megatron", tp=2, dtype="float32", serve_dtype="bfloat16")
-        async with trainer, VllmServer(llama, dtype="bfloat16", log_path=tmp_path / "vllm.log") as server:
+        async with trainer, VllmServer(llama, dtype="bfloat16", log_path=tmp_path / "vllm.log", env=READY) as server:
             boot, boot_tokens = await server.checksums(), await server.tokens(PROMPT, TOKENS)
             strict = await server.post("/init_weight_transfer_engine", trainer.init_info(mode="shadow"))
             assert strict.status_code == 200
@@ -111,6 +122,7 @@ async def test_a_bf16_server_takes_an_fp32_megatron_trainer_in_shadow_and_bad_in
             status, body = await update(server, 3)
             assert status == 500 and "IntegrityError" in body and "serves version 2" in body, body
             assert await server.tokens(PROMPT, TOKENS) == served  # the previous version, untouched
+            assert await readiness(server) == (503, "behind", 2)  # it serves, an older policy than asked for
 
             await trainer.publish(4, seed=4, widen=True)  # another shape: refused before a byte is read
             status, body = await update(server, 4)
@@ -125,6 +137,7 @@ async def test_a_bf16_server_takes_an_fp32_megatron_trainer_in_shadow_and_bad_in
             assert await update(server, 5) == (200, '{"message":"Weights updated"}')
             assert await server.tokens(PROMPT, TOKENS) == boot_tokens and v5.matches(boot_tokens, "bfloat16")
             assert await server.checksums() == boot
+            assert await readiness(server) == (200, "current", 5)
 
             await trainer.publish(6, seed=6)
             await trainer.kill()  # the trainer (and the registry it serves) dies before the pull
