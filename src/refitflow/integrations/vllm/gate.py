@@ -31,7 +31,7 @@ from typing import Any
 from refitflow.integrations.vllm import nodrain
 from refitflow.integrations.vllm._workers import call, worker_fence
 
-__all__ = ["WEIGHT_METHODS", "behind", "install", "refresh"]
+__all__ = ["WEIGHT_METHODS", "behind", "cached", "install", "refresh"]
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,10 @@ def _patch_core(cls: type) -> None:
         cls.collective_rpc = collective_rpc  # type: ignore[attr-defined]
 
 
-def _gate_utility(core: Any, refresh: bool = False) -> dict[str, Any]:
+def _gate_utility(core: Any, ask_workers: bool = False) -> dict[str, Any]:
     """The engine core's ``refitflow_gate`` utility: why it does not serve (None: it does), and each worker's
-    last gate status (``refresh``: read again first)."""
-    if refresh and _ours(core):
+    last gate status (``ask_workers``: read again first)."""
+    if ask_workers and _ours(core):
         _refresh_core(core)
     return {"reason": getattr(core, _STATE, None), "workers": getattr(core, _WORKERS, None)}
 
@@ -217,6 +217,12 @@ async def refresh(llm: Any, *, workers: bool = False) -> dict[str, Any]:
     setattr(llm, _STATE, state["reason"])
     setattr(llm, _WORKERS, state["workers"])
     return state
+
+
+def cached(llm: Any) -> dict[str, Any] | None:
+    """What ``refresh`` last read into ``llm`` (after every weight-transfer call), or None before the first."""
+    workers = getattr(llm, _WORKERS, None)
+    return None if workers is None else {"reason": getattr(llm, _STATE, None), "workers": workers}
 
 
 def behind(llm: Any) -> str | None:

@@ -7,10 +7,12 @@ endpoint plugin only when named), the server's API process, before it listens:
 1. refuses every generation request (HTTP 503, "this server does not serve yet: catching up ...") — it holds
    the weights it loaded from disk, not the fleet's;
 2. runs vLLM's own update sequence on itself: ``init_weight_transfer_engine`` with ``init_info``, then
-   ``start_weight_update`` → ``update_weights`` (``version`` 0 unless given: the newest complete version,
-   waited for) → ``finish_weight_update``, labelled with the version committed. Its workers read the version
-   from the peers that relay it (``receiver_options: {"serve_replicas": true}`` on every server), the trainer
-   only for what no peer offers;
+   ``start_weight_update`` → ``update_weights`` → ``finish_weight_update``, labelled with the version
+   committed. The update (``catch_up_s``, 10 s) refits the version its peers relay
+   (``receiver_options: {"serve_replicas": true}`` on every server; the registry's ``relayed``), waiting up
+   to ``catch_up_s`` for them to relay the newest one held (a fleet about to refit it); when no peer relays
+   anything, the newest version (``version``, 0: any), waited for. Its workers read it from those peers, the
+   trainer only for what no peer offers;
 3. once that commits, serves — and its readiness route (``GET /refitflow/ready``, ``endpoints``) says
    ``current``. A failed attempt (no version yet, a peer gone, a bad byte) is retried after 1, 2, 4 … 30 s;
    the server refuses requests meanwhile.
@@ -102,8 +104,7 @@ async def catch_up(llm: Any, spec: JoinSpec) -> int:
                 setattr(llm, _JOINING, "catching up: opening refitflow on every worker")
                 await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=spec.init))
                 opened = True
-            setattr(llm, _JOINING, f"catching up: pulling the newest version ≥ {spec.update['version']} from its "
-                                   "peers and the trainer")  # fmt: skip
+            setattr(llm, _JOINING, "catching up: pulling the version its peers hold")
             step = "start_weight_update"
             await llm.start_weight_update()
             step = "update_weights"
@@ -139,9 +140,10 @@ def _committed(state: dict[str, Any]) -> int | None:
 
 
 async def readiness(llm: Any) -> tuple[EngineState, list[Any]]:
-    """This server as a router sees it (``rf.EngineState``; its workers read now), and each worker's gate
-    status."""
-    state = await gate.refresh(llm, workers=True)
+    """This server as a router sees it (``rf.EngineState``), and each worker's gate status: as read after the
+    last weight-transfer call (a worker's fence changes only in one), so a poll never waits for an update
+    that is running; the workers are asked only before the first such call."""
+    state = gate.cached(llm) or await gate.refresh(llm, workers=True)
     return judge(llm, state), list(state.get("workers") or [])
 
 
