@@ -4,13 +4,12 @@ killed and replaced and a fifth joins; the joiners catch up from their peers bef
 The servers run in shadow mode and relay what they hold (``serve_replicas``, ``shadow_commit="swap"``: a
 server refitting the next version still serves — and relays — the one before from its live storage). A
 joiner is started with ``REFITFLOW_JOIN`` (and ``VLLM_PLUGINS=refitflow``, which loads the readiness route):
-it refuses every completion (503) and its ``/refitflow/ready`` says ``catching_up`` until the newest version
-committed on it; the driver takes it in with ``VllmFleet.add``. A prober asks every server, all along, for
-its readiness and a completion: every answer from a server that said it was ready must be a version at
-least the fleet's when the question was asked (a version's greedy tokens identify it: every version is a
-fresh random model), and a joiner must never answer before it is current. The catch-ups together read at
-most one model copy from the trainer (``pulled_bytes - relay_bytes`` of each worker's catch-up, from the
-readiness route).
+it catches up by itself from its peers, and refuses every completion (503) — its ``/refitflow/ready`` says
+``catching_up`` — until the driver took it in with ``VllmFleet.add`` (a refit to the fleet's version). A
+prober asks every server, all along, for its readiness and a completion: every answer from a server that
+said it was ready must be a version at least the fleet's when the question was asked (a version's greedy
+tokens identify it: every version is a fresh random model). The catch-ups together read at most one model
+copy from the trainer (``pulled_bytes - relay_bytes`` of each worker's catch-up, from the readiness route).
 """
 
 from __future__ import annotations
@@ -76,9 +75,10 @@ async def _probe(servers: dict[str, VllmServer], fleet: VllmFleet, log: Log, sto
 
 async def _join(name: str, server: VllmServer, fleet: VllmFleet, servers: dict[str, VllmServer],
                 log: Log) -> dict[str, Any]:  # fmt: skip
-    """Start a joiner and ask it for a completion every 50 ms from the moment it listens: refused (503,
-    catching up) until it answers; once it answered, its readiness must say current (read before the fleet
-    refits it: its catch-up's figures). Then the driver takes it in."""
+    """Start a joiner and, from the moment it listens, ask it every 50 ms for a completion, then its readiness:
+    every completion is refused (503) while it catches up from its peers and until its fleet's driver took it
+    in (``VllmFleet.add``: a refit to the fleet's version). Its readiness body once caught up (before the
+    driver's refit: the catch-up's figures)."""
     await server.launch()
     servers[name] = server  # the prober asks it too
     with anyio.fail_after(420):
@@ -86,20 +86,21 @@ async def _join(name: str, server: VllmServer, fleet: VllmFleet, servers: dict[s
             server.check_alive()
             try:
                 answer = await server.completion(PROMPT, TOKENS)
+                ready = await server.http.get("/refitflow/ready")
             except httpx.TransportError:  # not listening yet
                 await anyio.sleep(0.05)
                 continue
-            if answer.status_code == 200:
-                break
-            assert answer.status_code == 503 and "catching up" in answer.text, answer.text
+            assert answer.status_code == 503 and "does not serve yet" in answer.text, answer.text
             log.refused_while_joining[name] = log.refused_while_joining.get(name, 0) + 1
+            body = ready.json()
+            assert ready.status_code == 503 and body["state"] == "catching_up" and not body["ready"], body
+            if body["caught_up"] is not None:  # its own catch-up committed: the driver's turn
+                break
             await anyio.sleep(0.05)
-    ready = await server.http.get("/refitflow/ready")
-    body = ready.json()
-    assert ready.status_code == 200 and body["state"] == "current", body
-    assert body["version"] is not None and answer.json()["choices"][0]["token_ids"], body
+    assert (await server.completion(PROMPT, TOKENS)).status_code == 503  # not taken in yet: still refused
     state = await fleet.add(name, server.url)
-    assert state.ready and state.state == "current", state
+    assert state.ready and state.state == "current" and state.version == fleet.version, state
+    assert (await server.completion(PROMPT, TOKENS)).status_code == 200
     return dict(body)
 
 

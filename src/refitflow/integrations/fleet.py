@@ -4,22 +4,28 @@ router sees it (``rf.EngineState``, from each server's readiness route ``GET /re
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import anyio
 
 from refitflow.core.errors import RefitError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState
-from refitflow.integrations.http import each_server, named_servers, ready_state
+from refitflow.integrations.http import each_server, named_servers, ready_answer, ready_state
 
 __all__ = ["Membership"]
 
+Done = Callable[[EngineState, dict[str, Any]], bool]  # a server's state (by its own account), its route's body
+
 
 class Membership:
-    """The servers of a fleet driver and how current each is."""
+    """The servers of a fleet driver and how current each is. ``membership`` (an ``anyio.Lock``): a driver's
+    refits and adds run one at a time, so no refit of the fleet completes while a server is being brought to
+    the fleet's version outside it."""
 
     def __init__(self, servers: Mapping[str, str] | Sequence[str], request_timeout_s: float) -> None:
+        self.membership = anyio.Lock()
         self.servers = named_servers(servers)
         self.request_timeout_s = request_timeout_s
         self.paused: set[str] = set()  # servers left paused (fenced) by a failed in-place update
@@ -42,17 +48,18 @@ class Membership:
         the fleet's version a server is behind; no answer: gone)."""
         return await each_server(self.servers, lambda n, u: ready_state(n, u, target=self.version, timeout_s=timeout_s))
 
-    async def wait_ready(self, name: str, url: str, timeout_s: float) -> EngineState:
-        """Poll server ``name``'s readiness route until it says it may serve (by its own account: a server that
-        catches up by itself), or ``RefitError`` with its state after ``timeout_s`` (or once fenced)."""
-        state = None
+    async def wait_until(self, name: str, url: str, timeout_s: float, done: Done) -> EngineState:
+        """Poll server ``name``'s readiness route until ``done(state, body)`` (its state by its own account, and
+        the route's body) or it is fenced; ``RefitError`` with its state after ``timeout_s``."""
+        state: EngineState | None = None
         with anyio.move_on_after(timeout_s):
-            while state is None or not (state.ready or state.state == "fenced"):
-                if state is not None:
-                    await anyio.sleep(0.5)
-                state = await ready_state(name, url, target=None, timeout_s=self.request_timeout_s)
-        if state is None or not state.ready:
-            raise RefitError(f"server {name} ({url}) is not ready after {timeout_s} s: {state}")
+            while True:
+                state, body = await ready_answer(name, url, target=None, timeout_s=self.request_timeout_s)
+                if done(state, body) or state.state == "fenced":
+                    break
+                await anyio.sleep(0.5)
+        if state is None or not done(state, body):
+            raise RefitError(f"server {name} ({url}) did not get there within {timeout_s} s: {state}")
         return state
 
     async def admit(self, name: str, url: str) -> EngineState:

@@ -13,8 +13,8 @@ from refitflow.core.errors import ConfigError, RefitError
 from refitflow.engine.controller import EngineResult, RankReport
 from refitflow.engine.readiness import STATES, EngineState, against
 
-__all__ = ["READY_ROUTE", "ServerError", "client", "each_server", "named_servers", "post", "ready_state",
-           "server_result", "set_ready", "settle", "step"]  # fmt: skip
+__all__ = ["READY_ROUTE", "ServerError", "client", "each_server", "named_servers", "post", "ready_answer",
+           "ready_state", "server_result", "set_ready", "settle", "step"]  # fmt: skip
 
 T = TypeVar("T")
 READY_ROUTE = "refitflow/ready"  # every integration's readiness route (GET: 200 current, 503 otherwise)
@@ -135,6 +135,12 @@ async def settle(http: Any, name: str, version: int, *, committed: bool, wrote: 
 async def ready_state(name: str, url: str, *, target: int | None, timeout_s: float) -> EngineState:
     """Server ``name``'s readiness route, as an ``rf.EngineState``; short of the fleet's version ``target`` a
     server that calls itself current is behind; no answer: gone."""
+    return (await ready_answer(name, url, target=target, timeout_s=timeout_s))[0]
+
+
+async def ready_answer(name: str, url: str, *, target: int | None,
+                       timeout_s: float) -> tuple[EngineState, dict[str, Any]]:  # fmt: skip
+    """``ready_state`` and the route's whole body (empty when there was none)."""
     import httpx
 
     async with client(url, timeout_s) as http:
@@ -142,9 +148,10 @@ async def ready_state(name: str, url: str, *, target: int | None, timeout_s: flo
             response = await http.get(f"/{READY_ROUTE}")
             body = response.json() if response.status_code in (200, 503) else None
         except (httpx.HTTPError, ValueError) as exc:
-            return EngineState(engine=name, state="gone", version=None, reason=f"{type(exc).__name__}: {exc}")
+            return EngineState(engine=name, state="gone", version=None, reason=f"{type(exc).__name__}: {exc}"), {}
     if not isinstance(body, dict) or body.get("state") not in STATES:
-        return EngineState(engine=name, state="gone", version=None,
-                           reason=f"no readiness answer at /{READY_ROUTE} ({response.status_code})")  # fmt: skip
+        reason = f"no readiness answer at /{READY_ROUTE} ({response.status_code})"
+        return EngineState(engine=name, state="gone", version=None, reason=reason), {}
     version = body.get("version") if type(body.get("version")) is int else None
-    return against(EngineState(engine=name, state=body["state"], version=version, reason=body.get("reason")), target)
+    state = EngineState(engine=name, state=body["state"], version=version, reason=body.get("reason"))
+    return against(state, target), body

@@ -62,17 +62,21 @@ class SglangFleet(Membership):
     ) -> dict[str, EngineResult]:
         """Update every server to ``version`` (or newer)."""
         body = self._body(version, timeout_s, wait_s)
-        return self.note(await each_server(self.servers, lambda n, u: self._refit_one(n, u, version, body, timeout_s)))
+        async with self.membership:
+            return self.note(
+                await each_server(self.servers, lambda n, u: self._refit_one(n, u, version, body, timeout_s))
+            )
 
     async def add(self, name: str, url: str, *, timeout_s: float = 600.0) -> EngineState:
         """Refit server ``name`` (a name already known is replaced: a restarted or moved server) to the fleet's
         version, then take it in once its readiness route says current; its state. Not current within
         ``timeout_s``: ``RefitError`` with its state, and it is not taken in."""
-        version = self.version or 0
-        body = self._body(version, timeout_s, None)
         url = url.rstrip("/")
-        self.note({name: await self._refit_one(name, url, version, body, timeout_s)})
-        return await self.admit(name, url)
+        async with self.membership:
+            version = self.version or 0
+            body = self._body(version, timeout_s, None)
+            self.note({name: await self._refit_one(name, url, version, body, timeout_s)})
+            return await self.admit(name, url)
 
     def _body(self, version: int, timeout_s: float, wait_s: float | None) -> dict[str, Any]:
         update = RefitflowUpdateInfo(version=version, timeout_s=timeout_s, wait_s=wait_s)

@@ -22,18 +22,17 @@ its readiness route says so: ``ready``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from refitflow.integrations.keys import join_setting
 from refitflow.integrations.sglang.answers import NOT_SERVING
 from refitflow.integrations.sglang.payload import LOADER
 
-__all__ = ["HOOKS", "JOIN_ENV", "behind", "closed", "joining"]
+__all__ = ["HOOKS", "behind", "closed", "joining"]
 
 log = logging.getLogger(__name__)
 
-JOIN_ENV = "REFITFLOW_JOIN"
 _STATE = "_refitflow_not_serving"  # on the scheduler / tokenizer manager: why it must not serve, or None
 _JOINED = "_refitflow_joined"  # on the tokenizer manager: a refitflow update committed here
 _BEHIND = "_refitflow_behind"  # on the tokenizer manager: why its last update failed (it serves the one before)
@@ -48,7 +47,7 @@ def closed(owner: Any) -> str | None:
 
 def joining(manager: Any) -> str | None:
     """Why a server started to join a fleet does not serve yet (no refitflow version committed), or None."""
-    if not os.environ.get(JOIN_ENV) or getattr(manager, _JOINED, False):
+    if join_setting() is None or getattr(manager, _JOINED, False):
         return None
     return ("catching up: this server joined a running fleet and serves once a version committed on it (the "
             "fleet's driver refits it: SglangFleet.add)")  # fmt: skip

@@ -80,7 +80,8 @@ class VllmFleet(Membership):
         info = {"version": version, "timeout_s": timeout_s, **update}
         if info.get("no_drain") and self.mode != "shadow":
             raise ConfigError("no_drain updates need mode='shadow' (the previous version serves while one prepares)")
-        return self.note(await each_server(self.servers, lambda name, url: self._refit_one(name, url, info, timeout_s)))
+        async with self.membership:
+            return self.note(await each_server(self.servers, lambda n, u: self._refit_one(n, u, info, timeout_s)))
 
     async def add(self, name: str, url: str, *, init_info: RefitflowInitInfo | Mapping[str, Any] | None = None,
                   timeout_s: float = 600.0) -> EngineState:  # fmt: skip
@@ -90,18 +91,20 @@ class VllmFleet(Membership):
         initialises the server and refits it to the fleet's version first (it served what it loaded until
         then). Not current within ``timeout_s``: ``RefitError`` with its state, and it is not taken in."""
         url = url.rstrip("/")
-        if init_info is None:
-            state = await self.wait_ready(name, url, timeout_s)  # its own catch-up (REFITFLOW_JOIN)
+        if init_info is None:  # its own catch-up (REFITFLOW_JOIN) first: from its peers, ahead of this refit
+            state = await self.wait_until(
+                name, url, timeout_s, lambda s, body: s.ready or body.get("caught_up") is not None
+            )
         else:
             info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
             async with _client(url, self.request_timeout_s) as http:
                 await _post(http, "init_weight_transfer_engine", {"init_info": info}, timeout=timeout_s)
             state = None
-        if state is None or not against(state, self.version).ready:
-            # initialised here, or caught up with a version its peers held that the fleet has since left behind
-            update = {"version": self.version or 0, "timeout_s": timeout_s}
-            self.note({name: await self._refit_one(name, url, update, timeout_s)})
-        return await self.admit(name, url)
+        async with self.membership:  # no refit of the fleet completes meanwhile
+            if state is None or not against(state, self.version).ready:  # a joiner's is the driver's to finish
+                update = {"version": self.version or 0, "timeout_s": timeout_s}
+                self.note({name: await self._refit_one(name, url, update, timeout_s)})
+            return await self.admit(name, url)
 
     def remove(self, name: str) -> None:
         super().remove(name)

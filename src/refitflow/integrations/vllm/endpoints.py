@@ -37,7 +37,8 @@ class Endpoints:
             if llm is None:
                 return JSONResponse({"ready": False, "state": "gone", "reason": "no engine"}, status_code=503)
             state, workers = await join.readiness(llm)
-            return JSONResponse(state.to_dict() | {"workers": workers}, status_code=200 if state.ready else 503)
+            body = state.to_dict() | {"caught_up": join.caught_up(llm), "workers": workers}
+            return JSONResponse(body, status_code=200 if state.ready else 503)
 
         app.add_api_route(f"/{READY_ROUTE}", ready, methods=["GET"], include_in_schema=False)
 

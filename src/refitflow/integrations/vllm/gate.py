@@ -25,13 +25,13 @@ A vLLM that lacks these hooks (another version) logs that the gate is off.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from refitflow.integrations.vllm import nodrain
 from refitflow.integrations.vllm._workers import call, worker_fence
 
-__all__ = ["WEIGHT_METHODS", "behind", "cached", "install", "refresh"]
+__all__ = ["AFTER_CALL", "REFUSALS", "WEIGHT_METHODS", "behind", "cached", "install", "refresh"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,10 @@ _WORKERS = "_refitflow_workers"  # on the engine core / AsyncLLM: each worker's 
 _BEHIND = "_refitflow_behind"  # on AsyncLLM: why the last update failed (the version before serves), or None
 _PAUSED = "_refitflow_paused"  # on the engine core: the gate paused scheduling (and resumes it)
 _MARK = "_refitflow_gate"
+# what else the API server's gate runs (``join`` adds its own): after every weight-transfer call, with the
+# engine core's state (``refresh``), and before every request (a reason to refuse it, or None)
+AFTER_CALL: list[Callable[[Any, str, Exception | None, dict[str, Any]], None]] = []
+REFUSALS: list[Callable[[Any], str | None]] = []
 _RPC_TIMEOUT_S = 30.0
 
 
@@ -174,10 +178,10 @@ def _patch_async_llm(cls: type) -> None:
             raise
         finally:
             if method in WEIGHT_METHODS and _ours(self):
-                from refitflow.integrations.vllm import join
-
                 _behind(self, method, kwargs, failed)
-                join.judge(self, await refresh(self))
+                state = await refresh(self)
+                for hook in AFTER_CALL:
+                    hook(self, method, failed, state)
 
     async def gated_generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         _refuse(self)
@@ -231,16 +235,10 @@ def behind(llm: Any) -> str | None:
 
 
 def _refuse(llm: Any) -> None:
-    from refitflow.integrations.vllm import join
-
     reason = getattr(llm, _STATE, None)
-    if reason:
+    refusal = (f"this server does not serve while {reason}; it serves again once a later version commits"
+               if reason else next(filter(None, (check(llm) for check in REFUSALS)), None))  # fmt: skip
+    if refusal:
         from vllm.exceptions import RetryableRequestError
 
-        raise RetryableRequestError(f"refitflow: this server does not serve while {reason}; it serves again once a "
-                                    "later version commits")  # fmt: skip
-    joining = join.joining(llm)
-    if joining:
-        from vllm.exceptions import RetryableRequestError
-
-        raise RetryableRequestError(f"refitflow: this server does not serve yet: {joining}")
+        raise RetryableRequestError(f"refitflow: {refusal}")

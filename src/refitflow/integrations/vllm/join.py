@@ -13,11 +13,12 @@ endpoint plugin only when named), the server's API process, before it listens:
    to ``catch_up_s`` for them to relay the newest one held (a fleet about to refit it); when no peer relays
    anything, the newest version (``version``, 0: any), waited for. Its workers read it from those peers, the
    trainer only for what no peer offers;
-3. once that commits, serves — and its readiness route (``GET /refitflow/ready``, ``endpoints``) says
-   ``current``. A failed attempt (no version yet, a peer gone, a bad byte) is retried after 1, 2, 4 … 30 s;
-   the server refuses requests meanwhile.
-
-The fleet's driver then refits it like any other server (``VllmFleet.add``).
+3. once that commits it still refuses requests — its readiness route (``GET /refitflow/ready``,
+   ``endpoints``) says ``catching_up``, with ``caught_up`` the version it holds — until its fleet's driver
+   takes it in: ``VllmFleet.add`` refits it to the fleet's version (nothing to read when the fleet has not
+   moved on since) and from that commit on it serves. So it never serves a version its fleet has left
+   behind while outside the driver's refits. A failed attempt (no version yet, a peer gone, a bad byte) is
+   retried after 1, 2, 4 … 30 s.
 """
 
 from __future__ import annotations
@@ -26,22 +27,24 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from typing import Any
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.readiness import EngineState, rank_summary
 from refitflow.integrations.http import set_ready
+from refitflow.integrations.keys import JOIN_ENV, join_setting
 from refitflow.integrations.vllm import gate
 from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 
-__all__ = ["ENV", "JoinSpec", "catch_up", "joining", "judge", "readiness", "spec_from_env", "start"]
+__all__ = ["ENV", "JoinSpec", "catch_up", "caught_up", "install", "joining", "judge", "readiness", "spec_from_env",
+           "start", "taken_in"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-ENV = "REFITFLOW_JOIN"
+ENV = JOIN_ENV
 _JOINING = "_refitflow_joining"  # on AsyncLLM: why it does not serve yet (catching up), or None once current
 _TASK = "_refitflow_join_task"
+_CAUGHT_UP = "_refitflow_caught_up"  # on AsyncLLM: the version its own catch-up committed (the driver's turn now)
 _NO_PLUGIN = (f"{ENV} is set but refitflow's endpoint plugin did not start the catch-up: start the server with "
               "VLLM_PLUGINS naming refitflow (vLLM loads endpoint plugins only when named)")  # fmt: skip
 RETRY_S = (1.0, 30.0)  # first and longest wait between two attempts
@@ -61,10 +64,10 @@ class JoinSpec:
         self.update = update
 
 
-def spec_from_env(environ: dict[str, str] | None = None) -> JoinSpec | None:
+def spec_from_env() -> JoinSpec | None:
     """The server's ``REFITFLOW_JOIN``, or None; a ``ConfigError`` naming what is wrong with it."""
-    raw = (os.environ if environ is None else environ).get(ENV)
-    if not raw:
+    raw = join_setting()
+    if raw is None:
         return None
     try:
         body = json.loads(raw)
@@ -80,7 +83,20 @@ def joining(llm: Any) -> str | None:
     """Why ``llm``'s server does not serve yet (catching up), or None."""
     if _JOINING in vars(llm):
         return vars(llm)[_JOINING]
-    return _NO_PLUGIN if os.environ.get(ENV) else None
+    return _NO_PLUGIN if join_setting() is not None else None
+
+
+def caught_up(llm: Any) -> int | None:
+    """The version this server's own catch-up committed while it waits for its fleet's driver, or None."""
+    return getattr(llm, _CAUGHT_UP, None) if joining(llm) else None
+
+
+def taken_in(llm: Any) -> None:
+    """A weight update committed after the catch-up — the fleet's driver's (``gate``, on every
+    ``finish_weight_update`` that succeeded): the server is one of the fleet now, and serves."""
+    if _CAUGHT_UP in vars(llm) and vars(llm).get(_JOINING):
+        setattr(llm, _JOINING, None)
+        log.info("refitflow: taken in by the fleet's driver; serving")
 
 
 def start(llm: Any, spec: JoinSpec) -> None:
@@ -114,9 +130,12 @@ async def catch_up(llm: Any, spec: JoinSpec) -> int:
             version = _committed(await gate.refresh(llm, workers=True))
             if version is not None:
                 await llm.update_weight_version(str(version))
-            setattr(llm, _JOINING, None)
+            setattr(llm, _JOINING, f"caught up with version {version}: waiting for its fleet's driver to take it "
+                                   "in (VllmFleet.add refits it to the fleet's version)")  # fmt: skip
+            setattr(llm, _CAUGHT_UP, version)
             judge(llm, await gate.refresh(llm))
-            log.info("refitflow: caught up with version %s (attempt %d); serving", version, attempt)
+            log.info("refitflow: caught up with version %s (attempt %d); serving once the fleet's driver takes it in",
+                     version, attempt)  # fmt: skip
             return version if version is not None else -1
         except asyncio.CancelledError:
             raise
@@ -163,3 +182,23 @@ def judge(llm: Any, state: dict[str, Any]) -> EngineState:
         verdict = rank_summary(name, [w if isinstance(w, dict) else None for w in workers])
     set_ready(verdict.ready)
     return verdict
+
+
+def _after_call(llm: Any, method: str, failed: Exception | None, state: dict[str, Any]) -> None:
+    if method == "finish_weight_update" and failed is None:
+        taken_in(llm)
+    judge(llm, state)
+
+
+def _refusal(llm: Any) -> str | None:
+    waiting = joining(llm)
+    return None if waiting is None else f"this server does not serve yet: {waiting}"
+
+
+def install() -> None:
+    """Add the join's hooks to the API server's gate (idempotent; ``plugin.register`` runs it): a
+    ``REFITFLOW_JOIN`` server refuses requests until taken in, and every weight-transfer call updates its
+    readiness (and the gauge)."""
+    if _after_call not in gate.AFTER_CALL:
+        gate.AFTER_CALL.append(_after_call)
+        gate.REFUSALS.append(_refusal)

@@ -8,7 +8,7 @@ refitflow's receiver) is imported only when vLLM creates the engine. The hook al
   path, why a worker is fenced) appears in the server's log beside vLLM's own lines;
 - installs the serving gate (``gate.install``): in vLLM's engine-core process, a fenced worker pauses
   scheduling and refuses ``resume`` until a version commits; in the API server, requests are refused with
-  the reason.
+  the reason — and, on a server joining a fleet (``join.install``), until its fleet's driver took it in.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def register() -> None:
     except ValueError:  # registered already, by an earlier run of this hook in this process
         pass
     share_vllm_log()
-    from refitflow.integrations.vllm import gate
+    from refitflow.integrations.vllm import gate, join
 
     gate.install()
+    join.install()
 
 
 def share_vllm_log() -> None:
