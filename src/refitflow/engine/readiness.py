@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["STATES", "EngineState", "against", "rank_summary"]
+__all__ = ["STATES", "EngineState", "against", "gated", "rank_summary"]
 
 STATES = ("current", "catching_up", "behind", "fenced", "gone")
 
@@ -62,6 +62,17 @@ def rank_summary(engine: str, ranks: Sequence[dict[str, Any] | None], *, target:
         to = f"to version {target}" if target is not None else "with the fleet"
         return EngineState(engine=engine, state="catching_up", version=version, reason=f"joining: catching up {to}")
     return against(EngineState(engine=engine, state="current", version=version), target)
+
+
+def gated(engine: str, version: int | None, *, fenced: str | None, joining: str | None,
+          behind: str | None) -> EngineState | None:  # fmt: skip
+    """A server's state when one of its own gates keeps it from taking traffic — fenced, catching up, behind,
+    checked in that order, each given as its reason or None — else None."""
+    for state, reason in (("fenced", fenced), ("catching_up", joining), ("behind", behind)):
+        if reason:
+            return EngineState(engine=engine, state=state, version=None if state == "fenced" else version,
+                               reason=reason)  # fmt: skip
+    return None
 
 
 def against(state: EngineState, target: int | None) -> EngineState:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from refitflow.engine.readiness import EngineState
+from refitflow.engine.readiness import EngineState, gated
 from refitflow.integrations.http import READY_ROUTE, set_ready
 from refitflow.integrations.sglang import gate
 
@@ -23,13 +23,10 @@ def state_of(manager: Any) -> EngineState:
     label = getattr(manager, "weight_version", None) or getattr(getattr(manager, "server_args", None),
                                                                  "weight_version", None)  # fmt: skip
     version = int(label) if isinstance(label, str) and label.isdigit() else None
-    if gate.closed(manager):
-        return EngineState(engine=name, state="fenced", version=None, reason=gate.closed(manager))
-    if gate.joining(manager):
-        return EngineState(engine=name, state="catching_up", version=None, reason=gate.joining(manager))
-    if gate.behind(manager):
-        return EngineState(engine=name, state="behind", version=version, reason=gate.behind(manager))
-    return EngineState(engine=name, state="current", version=version)
+    joining = gate.joining(manager)
+    verdict = gated(name, None if joining else version, fenced=gate.closed(manager), joining=joining,
+                    behind=gate.behind(manager))  # fmt: skip
+    return verdict or EngineState(engine=name, state="current", version=version)
 
 
 def attach() -> None:

@@ -30,7 +30,7 @@ import logging
 from typing import Any
 
 from refitflow.core.errors import ConfigError
-from refitflow.engine.readiness import EngineState, rank_summary
+from refitflow.engine.readiness import EngineState, gated, rank_summary
 from refitflow.integrations.http import set_ready
 from refitflow.integrations.keys import JOIN_ENV, join_setting
 from refitflow.integrations.vllm import gate
@@ -127,13 +127,14 @@ async def catch_up(llm: Any, spec: JoinSpec) -> int:
             await llm.update_weights(WeightTransferUpdateRequest(update_info=spec.update))
             step = "finish_weight_update"
             await llm.finish_weight_update()
-            version = _committed(await gate.refresh(llm, workers=True))
+            state = await gate.refresh(llm, workers=True)
+            version = _committed(state)
             if version is not None:
                 await llm.update_weight_version(str(version))
             setattr(llm, _JOINING, f"caught up with version {version}: waiting for its fleet's driver to take it "
                                    "in (VllmFleet.add refits it to the fleet's version)")  # fmt: skip
             setattr(llm, _CAUGHT_UP, version)
-            judge(llm, await gate.refresh(llm))
+            judge(llm, state)  # the workers' state as just read (setting the label is no weight call)
             log.info("refitflow: caught up with version %s (attempt %d); serving once the fleet's driver takes it in",
                      version, attempt)  # fmt: skip
             return version if version is not None else -1
@@ -169,16 +170,11 @@ async def readiness(llm: Any) -> tuple[EngineState, list[Any]]:
 def judge(llm: Any, state: dict[str, Any]) -> EngineState:
     """The server's ``rf.EngineState`` from its engine core's gate (``gate.refresh``); sets the metric."""
     workers = state.get("workers") or []
-    name, version = "this server", _committed(state)
-    if state.get("reason"):
-        verdict = EngineState(engine=name, state="fenced", version=None, reason=state["reason"])
-    elif joining(llm):
-        verdict = EngineState(engine=name, state="catching_up", version=version, reason=joining(llm))
-    elif gate.behind(llm):
-        verdict = EngineState(engine=name, state="behind", version=version, reason=gate.behind(llm))
-    elif not workers:
+    name = "this server"
+    verdict = gated(name, _committed(state), fenced=state.get("reason"), joining=joining(llm), behind=gate.behind(llm))
+    if verdict is None and not workers:
         verdict = EngineState(engine=name, state="gone", version=None, reason="its workers did not answer")
-    else:
+    elif verdict is None:
         verdict = rank_summary(name, [w if isinstance(w, dict) else None for w in workers])
     set_ready(verdict.ready)
     return verdict
