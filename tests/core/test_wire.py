@@ -33,11 +33,11 @@ def test_manifest_roundtrip() -> None:
         lambda d: d.__setitem__("version", "7"),
         lambda d: d.__setitem__("version", True),
         lambda d: d.__setitem__("rank", 5),
-        lambda d: d["shards"][0].__setitem__(1, "float7"),
-        lambda d: d["shards"][0].__setitem__(5, 99),
-        lambda d: d["shards"][0].__setitem__(6, ""),
-        lambda d: d["shards"][0].__setitem__(6, "0123456789abcdeg"),  # not hexadecimal
-        lambda d: d["shards"].append(list(d["shards"][0])),
+        lambda d: d["shards"]["same"].__setitem__("dtype", "float7"),
+        lambda d: d["shards"]["same"].__setitem__("stop", 99),
+        lambda d: d["shards"]["same"].__setitem__("digest", ""),
+        lambda d: d["shards"]["same"].__setitem__("digest", "0123456789abcdeg"),  # not hexadecimal
+        lambda d: d["shards"].__setitem__("count", 2),  # the one shard twice
         lambda d: d.__setitem__("revision", "0" * 32),
         lambda d: d["identity"].__setitem__("colour", "red"),
         lambda d: d["source"].__setitem__("metadata", "!!"),
@@ -120,13 +120,13 @@ def test_a_manifest_half_pending_is_refused() -> None:
                     source=rf.SourceAddress(transport="loopback", agent="x"), shards=(a, b))  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", [None, 1, True, 2, 2.0, "3"])
+@pytest.mark.parametrize("fmt", [None, 1, True, 2, 3, 3.0, "4"])
 def test_a_manifest_of_another_format_is_refused_not_misread(fmt) -> None:
     d = manifest_to_dict(_manifest())
     if fmt is None:
         del d["format"]
-        d["shards"] = [row[:9] for row in d["shards"]]  # what a format-1 publisher sent
+        d["shards"] = [["w", "bfloat16", [8, 4], 0, 0, 4, "0123456789abcdef", 3, 0]]  # what format 1 sent
     else:
-        d["format"] = fmt  # 2: digests were never pending
-    with pytest.raises(rf.ManifestError, match=r"manifest format .* is not supported: this refitflow reads format 3"):
+        d["format"] = fmt  # 2: digests were never pending; 3: rows, not columns
+    with pytest.raises(rf.ManifestError, match=r"manifest format .* is not supported: this refitflow reads format 4"):
         manifest_from_dict(d)

@@ -230,8 +230,8 @@ async def test_an_oversize_frame_and_a_wrong_frame_count_get_typed_answers() -> 
             assert (await client.request("hello"))["ok"]
             shards = tuple(
                 rf.ShardSpec(name=f"w{i}", dtype="float32", global_shape=(2,), axis=None, start=0, stop=2,
-                             digest="0" * 16, region=i)
-                for i in range(100)
+                             digest=f"{i:016x}", region=i)
+                for i in range(300)
             )  # fmt: skip
             large = rf.Manifest(identity=ID, version=1, rank=0, world_size=1, shards=shards,
                                 source=rf.SourceAddress(transport="loopback", agent="a"))  # fmt: skip

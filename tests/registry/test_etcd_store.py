@@ -47,7 +47,7 @@ async def replicas(url: str, n: int = 2, *, lease_s: float = 10.0) -> AsyncItera
 
 def big_manifest(version: int, tensors: int) -> Manifest:
     shards = tuple(ShardSpec(name=f"layers.{i}.weight", dtype="bfloat16", global_shape=(64, 64), axis=0, start=0,
-                             stop=64, digest="0123456789abcdef", region=0) for i in range(tensors))  # fmt: skip
+                             stop=64, digest=f"{i:016x}", region=i) for i in range(tensors))  # fmt: skip
     return Manifest(identity=ID, version=version, rank=0, world_size=1, shards=shards,
                     source=SourceAddress(transport="loopback", agent="big"))  # fmt: skip
 
@@ -125,7 +125,7 @@ async def test_leases_live_in_etcd_and_heartbeats_rewrite_no_manifest(etcd: Clus
 async def test_a_large_manifest_is_written_once_in_chunks_below_etcds_request_limit(etcd: Cluster) -> None:
     with anyio.fail_after(120):
         async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
-            big = big_manifest(1, 16_000)  # ≈ 1.4 MB: a head and 2 chunks
+            big = big_manifest(1, 40_000)  # ≈ 1.7 MB (names, digests and regions differ): a head and 2 chunks
             await ca.publish(big)
             got = await cb.wait_complete(ID, 1, 90)
             assert got.manifests[0] == big

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import anyio
+import orjson
 import pytest
 import zmq
 import zmq.asyncio
@@ -14,6 +15,7 @@ import zmq.asyncio
 import refitflow as rf
 from refitflow.cli.registry_cmd import keys_main
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
+from refitflow.core.wire import digests_to_dict, manifest_to_dict
 from refitflow.registry.client.client import RegistryClient
 from refitflow.registry.security import ClientSecurity, ServerSecurity
 from tests._procs import ends_within
@@ -220,6 +222,60 @@ async def test_a_version_announced_before_its_digests_is_offered_early_only_to_w
             assert not complete.pending and complete.revision != early.revision
             await trainer.publish(pending[0])  # a late retry of the announcement changes nothing
             assert (await reader.latest(ID, early=True)) == complete
+
+
+def wide(version: int, *, pending: bool, tensors: int = 200) -> Manifest:
+    """One rank of ``tensors`` shards, announced pending (the layout) or complete (its digests)."""
+    shards = tuple(ShardSpec(name=f"layers.{i}.mlp.weight", dtype="bfloat16", global_shape=(64, 64), axis=None,
+                             start=0, stop=64, digest="" if pending else f"{i + version:016x}", region=i)
+                   for i in range(tensors))  # fmt: skip
+    return Manifest(identity=ID, version=version, rank=0, world_size=1, shards=shards,
+                    source=SourceAddress(transport="loopback", agent="a0"))  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_the_digests_of_an_announced_layout_go_alone_and_a_registry_without_it_gets_the_whole() -> None:
+    """Two-phase publication's second message carries the digests alone (the registry holds the layout); a
+    registry that does not hold the announcement any more refuses them, and the client sends the whole manifest."""
+    with anyio.fail_after(30):
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server, RegistryClient(server.address) as trainer:
+            sent: list[tuple[str, int]] = []
+            request = trainer._request
+
+            async def spy(op: str, **args: object) -> object:
+                if op in ("publish", "complete"):
+                    sent.append((op, len(orjson.dumps(args))))
+                return await request(op, **args)
+
+            trainer._request = spy  # type: ignore[method-assign]
+            await trainer.publish(wide(1, pending=True))
+            await trainer.publish(wide(1, pending=False))
+            _, (op, digests) = sent
+            whole = len(orjson.dumps(manifest_to_dict(wide(1, pending=False))))
+            assert op == "complete" and digests < whole / 2  # the names, shapes and regions went once, with the layout
+            got = await trainer.latest(ID)
+            assert got is not None and got.manifests == (wide(1, pending=False),)
+
+            await trainer.publish(wide(2, pending=True))
+            server.registry.withdraw(ID, 2, 0)  # e.g. its lease ran out meanwhile
+            sent.clear()
+            await trainer.publish(wide(2, pending=False))
+            assert [op for op, _ in sent] == ["complete", "publish"]
+            got = await trainer.latest(ID)
+            assert got is not None and got.manifests == (wide(2, pending=False),)
+
+            await trainer.publish(wide(3, pending=True))
+            whole = digests_to_dict(wide(3, pending=False))
+            short = {**whole, "digests": {**whole["digests"], "count": 199}}
+            bad = dict(whole, digests={**whole["digests"], "each": {**whole["digests"]["each"],
+                                                                     "digest": ["0" * 15] * 200}})  # fmt: skip
+            for digests in (short, bad, {**whole, "revision": "0" * 32}):
+                with pytest.raises(rf.ManifestError):
+                    await request("complete", identity={"model": "m"}, version=3, rank=0, owner=trainer.client_id,
+                                  digests=digests)  # fmt: skip
+            assert (await trainer.latest(ID, early=True)).pending  # type: ignore[union-attr]
+            await trainer.publish(wide(3, pending=False))
+            assert (await trainer.latest(ID)).version == 3  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("address", ["tcp://not a host:7100", "tcp://-:7100", "ipc:///tmp/" + "x" * 200])

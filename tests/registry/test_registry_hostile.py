@@ -14,6 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from refitflow.core.columns import FIELDS
 from refitflow.core.wire import PROTOCOL_VERSION
 from tests.registry._procs import spawn_registry, stop, sync_dealer
 
@@ -21,12 +22,17 @@ NO_TILES = ["xxh3", 0, 0, ""]  # digest algorithm, tile rows, tile columns, base
 VALID_SHARD = ["w", "float32", [8, 3], 0, 0, 4, "0123456789abcdef", 0, 0, *NO_TILES]
 
 
+def columns(rows: list[list[Any]]) -> dict[str, Any]:
+    """Shard rows (the field order of ``core.columns.FIELDS``) in the wire's column form."""
+    return {"count": len(rows), "same": {}, "each": {f: [r[i] for r in rows] for i, f in enumerate(FIELDS[:13])}}
+
+
 def manifest(rank: int = 0, shards: Any = None, **over: Any) -> dict[str, Any]:
     return {
         "format": PROTOCOL_VERSION,
         "identity": {"model": "hostile"}, "version": 1, "rank": rank, "world_size": 2, "revision": "",
         "metadata": {}, "source": {"transport": "loopback", "agent": "a", "metadata": ""},
-        "shards": [VALID_SHARD] if shards is None else shards, **over,
+        "shards": columns([VALID_SHARD] if shards is None else shards), **over,
     }  # fmt: skip
 
 
@@ -152,7 +158,12 @@ hostile = st.fixed_dictionaries({"format": st.one_of(st.just(PROTOCOL_VERSION), 
     "identity": st.one_of(junk, st.just({"model": "hostile"})), "version": st.one_of(st.integers(-2, 3), junk),
     "rank": st.integers(-1, 3), "world_size": st.one_of(st.integers(-1, 3), junk), "revision": st.text(max_size=4),
     "metadata": junk, "source": st.one_of(junk, st.just({"transport": "t", "agent": "a"})),
-    "shards": st.lists(shard, max_size=3),
+    "shards": st.one_of(st.lists(shard, max_size=3), st.lists(shard, min_size=1, max_size=3).map(
+        lambda rows: {"count": len(rows), "same": {}, "each": {f: [r[i] if i < len(r) else None for r in rows]
+                                                               for i, f in enumerate(FIELDS[:13])}}),
+        st.fixed_dictionaries({"count": st.one_of(st.integers(-1, 3), junk)}, optional={
+            "same": st.dictionaries(st.sampled_from(FIELDS), st.one_of(words, junk), max_size=15),
+            "each": st.dictionaries(st.sampled_from(FIELDS), st.lists(st.one_of(words, junk), max_size=3))})),
 })  # fmt: skip
 
 

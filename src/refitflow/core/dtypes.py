@@ -6,7 +6,7 @@ import torch
 
 from refitflow.core.errors import PlanError
 
-__all__ = ["dtype_from_name", "dtype_name", "itemsize", "known_name"]
+__all__ = ["dtype_from_name", "dtype_name", "itemsize", "known_name", "known_names"]
 
 _BY_NAME: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -23,6 +23,7 @@ _BY_NAME: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _BY_DTYPE = {v: k for k, v in _BY_NAME.items()}
+_NAMES = frozenset(_BY_NAME)
 
 
 def dtype_from_name(name: str, *, tensor: str | None = None) -> torch.dtype:
@@ -42,6 +43,11 @@ def dtype_name(dtype: torch.dtype, *, tensor: str | None = None) -> str:
 def known_name(dtype: torch.dtype) -> str | None:
     """The wire name of ``dtype``, None when refitflow does not move it."""
     return _BY_DTYPE.get(dtype)
+
+
+def known_names() -> frozenset[str]:
+    """Every dtype name refitflow moves."""
+    return _NAMES
 
 
 def itemsize(name: str) -> int:

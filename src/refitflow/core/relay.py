@@ -25,7 +25,7 @@ from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 from refitflow.core.types import MAX_DIMS, MAX_INT, TENSOR_NAME, Identity, SourceAddress
 
-__all__ = ["HeldBox", "RelayOffer", "RelayParam", "check_offer_shape", "relay_layout"]
+__all__ = ["HeldBox", "RelayLayouts", "RelayOffer", "RelayParam", "check_offer_shape", "relay_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,3 +119,39 @@ def _volume(box: Box) -> int:
     for a, b in box:
         n *= b - a
     return n
+
+
+class RelayLayouts:
+    """The relay geometries a peer has seen, by layout digest (most recent ``size``): what lets offers of a known
+    layout travel as their address, status and regions alone (``core.wire.offer_to_dict(compact=True)``). A
+    geometry is recorded from a whole offer, whose layout digest the recorder computed itself."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._geometry: dict[str, tuple[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[HeldBox, ...]]] = {}
+
+    def add(self, offer: RelayOffer) -> None:
+        if offer.layout in self._geometry:
+            self._geometry[offer.layout] = self._geometry.pop(offer.layout)  # the most recent last
+            return
+        self._geometry[offer.layout] = (tuple((p.name, p.dtype, p.shape) for p in offer.params), offer.held)
+        while len(self._geometry) > self.size:
+            del self._geometry[next(iter(self._geometry))]
+
+    def __contains__(self, layout: object) -> bool:
+        return layout in self._geometry
+
+    def names(self) -> list[str]:
+        return list(self._geometry)
+
+    def params(self, layout: str, regions: list[int]) -> tuple[tuple[RelayParam, ...], tuple[HeldBox, ...]] | None:
+        """The tensors (with ``regions``) and held boxes of ``layout``; None when unknown here."""
+        geometry = self._geometry.get(layout)
+        if geometry is None:
+            return None
+        tensors, held = geometry
+        if len(regions) != len(tensors):
+            raise ManifestError(f"relay offer: {len(regions)} regions for the {len(tensors)} tensors of its layout")
+        for r in set(regions):
+            _int(r, "region")
+        return tuple(RelayParam(n, t, s, r) for (n, t, s), r in zip(tensors, regions, strict=True)), held

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import binascii
 import math
+import operator
 import re
 import string
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from refitflow.core.digests import ALGORITHMS, Tiling
 from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 
-__all__ = ["Identity", "Manifest", "Publication", "ShardSpec", "SourceAddress", "revision_of"]
+__all__ = ["Identity", "Manifest", "Publication", "ShardSpec", "SourceAddress", "revision_of", "shard_tiling"]
 
 _HEX = frozenset(string.hexdigits)
 
@@ -164,7 +165,7 @@ class ShardSpec:
     @property
     def tiling(self) -> Tiling:
         """The digest geometry (``core.digests.Tiling``)."""
-        return _tiling(self.algo, self.shape, itemsize(self.dtype), self.tile_rows, self.tile_cols)
+        return shard_tiling(self.algo, self.shape, itemsize(self.dtype), self.tile_rows, self.tile_cols)
 
     @property
     def digest_bytes(self) -> bytes:
@@ -204,10 +205,7 @@ class ShardSpec:
 
     def layout_key(self) -> tuple[Any, ...]:
         """Everything that shapes a plan, nothing that changes with the bytes."""
-        return (
-            self.name, self.dtype, self.global_shape, self.axis, self.start, self.stop, self.region, self.offset,
-            self.algo, self.tile_rows, self.tile_cols,
-        )  # fmt: skip
+        return _LAYOUT(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,14 +232,14 @@ class Manifest:
         _check_manifest_limits(self)
         if not 0 <= self.rank < self.world_size:
             raise ManifestError(f"rank {self.rank} outside world size {self.world_size}", version=self.version)
-        names = [s.name for s in self.shards]
+        names = list(map(_NAME, self.shards))
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ManifestError(f"tensor names repeated in one manifest: {dup[:20]}", version=self.version)
-        pending = {s.pending for s in self.shards}
-        if len(pending) > 1:
+        digests = set(map(_DIGEST, self.shards))
+        if "" in digests and len(digests) > 1:
             raise ManifestError("a manifest's digests are all pending or none", version=self.version)
-        expected = "" if True in pending else revision_of(self.shards)
+        expected = "" if "" in digests else revision_of(self.shards)
         if not self.revision:
             object.__setattr__(self, "revision", expected)
         elif self.revision != expected:
@@ -251,7 +249,7 @@ class Manifest:
             for key in ("quant", "digests"):  # quantised pairs and row-only digests shape plans too
                 if key in self.metadata:
                     h.update(f"{key}={self.metadata[key]}".encode())
-            h.update(orjson.dumps([s.layout_key() for s in self.shards]))
+            h.update(orjson.dumps(list(map(_LAYOUT, self.shards))))
             object.__setattr__(self, "layout_digest", h.hexdigest())
 
     @property
@@ -264,7 +262,7 @@ class Manifest:
         head = lambda m: (m.identity, m.version, m.rank, m.world_size, m.source, m.metadata)  # noqa: E731
         return (
             pending.pending and not self.pending and head(self) == head(pending)
-            and [s.layout_key() for s in self.shards] == [s.layout_key() for s in pending.shards]
+            and list(map(_LAYOUT, self.shards)) == list(map(_LAYOUT, pending.shards))
         )  # fmt: skip
 
 
@@ -281,7 +279,7 @@ def _check_manifest_limits(m: Manifest) -> None:
 # Derived from a spec's fields, cached by value outside the (frozen) specs, so ``vars(spec)`` holds
 # only fields: a plan asks for it per tensor, and shapes repeat layer after layer.
 @lru_cache(maxsize=1 << 14)
-def _tiling(algo: str, shape: tuple[int, ...], item: int, tile_rows: int, tile_cols: int) -> Tiling:
+def shard_tiling(algo: str, shape: tuple[int, ...], item: int, tile_rows: int, tile_cols: int) -> Tiling:
     return Tiling(algo, shape, item, tile_rows, tile_cols)
 
 
@@ -290,11 +288,16 @@ def _digest_bytes(blocks: str, digest: str) -> bytes:
 
 
 def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
-    """A content revision: the digest of every shard's identity and digest, in name order."""
-    h = xxhash.xxh3_128()
-    for s in sorted(shards, key=lambda s: s.name):
-        h.update(f"{s.name}|{s.dtype}|{s.global_shape}|{s.axis}|{s.start}|{s.stop}|{s.digest};".encode())
-    return h.hexdigest()
+    """A content revision: the digest of every shard's identity and digest, in manifest order (the order is
+    content: it orders the version's digest vector). ≈ 0.3 µs a shard."""
+    return xxhash.xxh3_128_hexdigest(orjson.dumps(list(map(_REVISION, shards))))
+
+
+_LAYOUT = operator.attrgetter(
+    "name", "dtype", "global_shape", "axis", "start", "stop", "region", "offset", "algo", "tile_rows", "tile_cols"
+)  # ShardSpec.layout_key
+_NAME, _DIGEST = operator.attrgetter("name"), operator.attrgetter("digest")
+_REVISION = operator.attrgetter("name", "dtype", "global_shape", "axis", "start", "stop", "digest")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,7 @@
 
 A manifest dict carries ``"format": PROTOCOL_VERSION``; one of another format (or none: format 1,
 before per-shard digest algorithms and tiles) is refused, never read with the wrong meaning.
-A shard is a list: name, dtype, global shape, axis, start, stop, digest, region, offset, digest
-algorithm, tile rows, tile columns, base64 digests [, compile target, compile metadata].
+The shard specs are columns (``core/columns.py``): a field every shard shares is sent and checked once.
 """
 
 from __future__ import annotations
@@ -13,16 +12,27 @@ from typing import Any
 
 import orjson
 
+from refitflow.core.columns import DIGESTS, completed_columns, shards_from_columns, shards_to_columns
 from refitflow.core.errors import ManifestError, RefitError
-from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, check_offer_shape
-from refitflow.core.types import Identity, Manifest, ShardSpec, SourceAddress
+from refitflow.core.relay import HeldBox, RelayLayouts, RelayOffer, RelayParam, check_offer_shape
+from refitflow.core.types import Identity, Manifest, SourceAddress
 
 __all__ = [
-    "PROTOCOL_VERSION", "decode", "encode", "manifest_from_dict", "manifest_to_dict", "offer_from_dict",
+    "PROTOCOL_VERSION",
+    "UNKNOWN_LAYOUT",
+    "decode",
+    "digests_to_dict",
+    "encode",
+    "manifest_completed",
+    "manifest_from_dict",
+    "manifest_to_dict",
+    "offer_from_dict",
     "offer_to_dict",
 ]  # fmt: skip
 
-PROTOCOL_VERSION = 3  # 2: per-shard digest algorithm (xxh3 | mix64) and 2-D tiles; 3: pending digests
+UNKNOWN_LAYOUT = "a layout this peer does not hold"  # a compact relay offer's refusal: send the whole offer
+MAX_OFFER_TENSORS = 1 << 24  # the tensors of one relay offer, at most
+PROTOCOL_VERSION = 4  # 2: per-shard digest algorithm (xxh3 | mix64) and 2-D tiles; 3: pending digests; 4: columns
 
 
 def encode(obj: Any) -> bytes:
@@ -54,6 +64,10 @@ def _source_from(src: Any) -> SourceAddress:
 
 
 def manifest_to_dict(m: Manifest) -> dict[str, Any]:
+    return {**_head(m), "shards": shards_to_columns(m.shards)}
+
+
+def _head(m: Manifest) -> dict[str, Any]:
     return {
         "format": PROTOCOL_VERSION,
         "identity": _identity(m.identity),
@@ -64,26 +78,22 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
         "layout_digest": m.layout_digest,
         "metadata": m.metadata,
         "source": _source(m.source),
-        "shards": [
-            [
-                s.name,
-                s.dtype,
-                list(s.global_shape),
-                s.axis,
-                s.start,
-                s.stop,
-                s.digest,
-                s.region,
-                s.offset,
-                s.algo,
-                s.tile_rows,
-                s.tile_cols,
-                s.blocks,
-            ]
-            + ([s.compile_target, dict(s.compile_metadata)] if s.compile_target else [])
-            for s in m.shards
-        ],
     }
+
+
+def digests_to_dict(m: Manifest) -> dict[str, Any]:
+    """The second message of two-phase publication: ``m``'s revision and digests alone (its layout went first)."""
+    return {"format": PROTOCOL_VERSION, "revision": m.revision, "digests": shards_to_columns(m.shards, DIGESTS)}
+
+
+def manifest_completed(pending: Manifest, d: Any) -> Manifest:
+    """``pending`` (a manifest announced before its digests) with the digests of ``d`` (``digests_to_dict``),
+    checked whole as ``manifest_from_dict`` checks a manifest."""
+    if not isinstance(d, dict):
+        raise ManifestError("digests: a JSON object")
+    _check_format(d)
+    return manifest_from_dict({**_head(pending), "revision": d.get("revision"),
+                               "shards": completed_columns(pending.shards, d.get("digests"))})  # fmt: skip
 
 
 def _check_format(d: Any) -> None:
@@ -98,7 +108,7 @@ def manifest_from_dict(d: Any) -> Manifest:
     """Build and validate a manifest; every malformed field raises ``ManifestError``."""
     try:
         _check_format(d)
-        shards = tuple(_shard(row) for row in d["shards"])
+        shards = shards_from_columns(d["shards"])
         return Manifest(
             identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),
             version=_typed(d["version"], int),
@@ -114,32 +124,6 @@ def manifest_from_dict(d: Any) -> Manifest:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from exc
-
-
-# the JSON types of a shard row's 13 fixed fields (axis: null or an integer); exact types, so a bool is no int
-_ROW = (str, str, list, type(None), int, int, str, int, int, str, int, int, str)
-_ROW_AXIS = (*_ROW[:3], int, *_ROW[4:])
-
-
-def _shard(row: Any) -> ShardSpec:
-    """One shard row: the common row (exact JSON types) checked in one pass, any other field by field (the
-    error names the value)."""
-    name, dtype, shape, axis, start, stop, digest, region, offset, algo, tile_rows, tile_cols, blocks, *rest = row
-    types = tuple(map(type, row[:13]))
-    if not ((types == _ROW or types == _ROW_AXIS) and set(map(type, shape)) <= {int}):
-        axes = () if axis is None else ((axis, int),)
-        for value, kind in ((name, str), (dtype, str), *((x, int) for x in shape), *axes, (start, int), (stop, int),
-                            (digest, str), (region, int), (offset, int), (algo, str), (tile_rows, int),
-                            (tile_cols, int), (blocks, str)):  # fmt: skip
-            _typed(value, kind)
-    return ShardSpec(
-        name=name, dtype=dtype, global_shape=tuple(shape), axis=axis, start=start, stop=stop, digest=digest,
-        region=region, offset=offset, algo=algo, tile_rows=tile_rows, tile_cols=tile_cols, blocks=blocks,
-        compile_target=_typed(rest[0], str) if rest else "",
-        compile_metadata=tuple(sorted((_typed(k, str), _typed(v, str)) for k, v in rest[1].items()))
-        if len(rest) > 1
-        else (),
-    )  # fmt: skip
 
 
 def _typed(value: Any, kind: type) -> Any:
@@ -159,32 +143,45 @@ def _unflat(v: Any) -> tuple[tuple[int, int], ...]:
     return tuple(zip(xs[::2], xs[1::2], strict=True))
 
 
-def offer_to_dict(o: RelayOffer) -> dict[str, Any]:
-    """A relay offer (``core.relay``); held boxes are rows ``[rank, tensor, sbox, param, dbox]``, boxes flat."""
-    return {
+def offer_to_dict(o: RelayOffer, *, compact: bool = False) -> dict[str, Any]:
+    """A relay offer (``core.relay``); held boxes are rows ``[rank, tensor, sbox, param, dbox]``, boxes flat.
+    ``compact``: for a peer that knows its layout (``RelayLayouts``), the layout digest and the tensors' regions
+    (as runs ``[first, count]`` of consecutive regions) instead of the tensors and the held boxes."""
+    head = {
         "format": PROTOCOL_VERSION,
         "identity": _identity(o.identity),
         "version": o.version,
         "receiver": o.receiver,
         "source": _source(o.source),
         "status": o.status,
-        "params": [[p.name, p.dtype, list(p.shape), p.region] for p in o.params],
-        "held": [[h.rank, h.tensor, _flat(h.sbox), h.param, _flat(h.dbox)] for h in o.held],
     }
+    if compact:
+        return {**head, "layout": o.layout, "regions": _runs([p.region for p in o.params])}
+    return {**head, "params": [[p.name, p.dtype, list(p.shape), p.region] for p in o.params],
+            "held": [[h.rank, h.tensor, _flat(h.sbox), h.param, _flat(h.dbox)] for h in o.held]}  # fmt: skip
 
 
-def offer_from_dict(d: Any) -> RelayOffer:
-    """Build and check a relay offer; anything malformed raises ``ManifestError``."""
+def offer_from_dict(d: Any, layouts: RelayLayouts | None = None) -> RelayOffer:
+    """Build and check a relay offer (a compact one from the geometry ``layouts`` holds: a ``ManifestError``
+    saying ``UNKNOWN_LAYOUT`` when it holds none); anything malformed raises ``ManifestError``."""
     try:
         _check_format(d)
-        params = tuple(
-            RelayParam(_typed(n, str), _typed(t, str), tuple(_typed(x, int) for x in s), _typed(r, int))
-            for n, t, s, r in d["params"]
-        )
-        held = tuple(
-            HeldBox(_typed(r, int), _typed(n, str), _unflat(sb), _typed(p, int), _unflat(db))
-            for r, n, sb, p, db in d["held"]
-        )
+        if "layout" in d:
+            layout = _typed(d["layout"], str)
+            known = None if layouts is None else layouts.params(layout, _unruns(d["regions"]))
+            if known is None:
+                raise ManifestError(f"relay offer: {UNKNOWN_LAYOUT} ({layout:.32})")
+            params, held = known
+        else:
+            layout = ""
+            params = tuple(
+                RelayParam(_typed(n, str), _typed(t, str), tuple(_typed(x, int) for x in s), _typed(r, int))
+                for n, t, s, r in d["params"]
+            )
+            held = tuple(
+                HeldBox(_typed(r, int), _typed(n, str), _unflat(sb), _typed(p, int), _unflat(db))
+                for r, n, sb, p, db in d["held"]
+            )
         offer = RelayOffer(
             identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),
             version=_typed(d["version"], int),
@@ -193,10 +190,32 @@ def offer_from_dict(d: Any) -> RelayOffer:
             status=_typed(d["status"], int),
             params=params,
             held=held,
+            layout=layout,
         )
     except RefitError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ManifestError(f"malformed relay offer: {type(exc).__name__}: {exc}") from exc
-    check_offer_shape(offer)
+    if not layout:  # a known layout's geometry was checked when it was recorded
+        check_offer_shape(offer)
+        if layouts is not None:
+            layouts.add(offer)
     return offer
+
+
+def _runs(values: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] + runs[-1][1] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def _unruns(runs: Any) -> list[int]:
+    if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 for r in runs):
+        raise ManifestError("relay offer: regions are runs [first, count]")
+    if sum(_typed(n, int) for _, n in runs) > MAX_OFFER_TENSORS:
+        raise ManifestError("relay offer: more regions than a relay offer may hold")
+    return [_typed(first, int) + i for first, n in runs for i in range(n)]

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Collection, Mapping
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -29,9 +30,9 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, ManifestError, RefitError, RefitTimeoutError, VersionError
-from refitflow.core.relay import RelayOffer
+from refitflow.core.relay import RelayLayouts, RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import manifest_to_dict, offer_from_dict, offer_to_dict
+from refitflow.core.wire import UNKNOWN_LAYOUT, digests_to_dict, manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.address import check_addresses
 from refitflow.registry.client.announcements import Announcements
 from refitflow.registry.client.fetched import Fetched
@@ -86,6 +87,7 @@ class RegistryClient:
         self._fetched = Fetched(self._request, cache_size)
         self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
         self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
+        self._layouts = RelayLayouts()  # relay geometries known here (and to the registry): offers travel compact
         self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
 
     @property
@@ -213,11 +215,29 @@ class RegistryClient:
         the registry answers again (with every other version held), so receivers get it after the outage.
 
         A rank another live client publishes (a predecessor that crashed, whose lease has not run out yet) is
-        asked again until one lease has passed; then the registry's ``VersionError`` is raised."""
+        asked again until one lease has passed; then the registry's ``VersionError`` is raised.
+
+        The digests of a manifest this client announced pending (two-phase publication) go alone, without the
+        layout the registry holds already; a registry that no longer holds it gets the whole manifest."""
         hello = await self.hello()
         loop = asyncio.get_running_loop()
         give_up = loop.time() + float(hello.get("lease_s", 10.0)) + 1.0
         try:
+            if self._completes(manifest):
+                try:
+                    await self._request(
+                        "complete",
+                        identity=identity_to_dict(manifest.identity),
+                        version=manifest.version,
+                        rank=manifest.rank,
+                        owner=self.client_id,
+                        digests=digests_to_dict(manifest),
+                        max_bytes=hello.get("max_message_bytes"),
+                    )
+                    self._hold(manifest)
+                    return
+                except VersionError as exc:
+                    log.info("registry client: digests alone refused (%s); publishing the whole manifest", exc.reason)
             while True:
                 try:
                     await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
@@ -234,6 +254,12 @@ class RegistryClient:
             raise RefitTimeoutError(f"{exc.reason}; version {manifest.version} is held and will be announced when "
                                     "the registry answers again", version=manifest.version) from exc  # fmt: skip
         self._hold(manifest)
+
+    def _completes(self, manifest: Manifest) -> bool:
+        """Whether ``manifest`` holds the digests of the pending manifest this client announced for its rank and
+        version (``Manifest.completes``: the same head and layout, ≈ 0.5 µs a shard)."""
+        held = self._held.get((manifest.identity.key(), manifest.rank), {}).get(manifest.version)
+        return held is not None and manifest.completes(held)
 
     def _hold(self, manifest: Manifest) -> None:
         held = self._held.setdefault((manifest.identity.key(), manifest.rank), {})
@@ -262,15 +288,30 @@ class RegistryClient:
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
     ) -> RelayOffer | None:
-        """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None."""
-        found = await self._request(
-            "relay_join", identity=identity_to_dict(identity), version=version, receiver_id=receiver_id,
-            layout=layout, offer=None if offer is None else offer_to_dict(offer),
-            max_bytes=(await self.hello()).get("max_message_bytes"),
-        )  # fmt: skip
+        """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None.
+
+        An offer of a layout this client sent or received whole before goes compact (address, status, regions),
+        and so does the upstream's when this client knows its layout (``core.relay.RelayLayouts``); a registry
+        that does not hold the layout (it restarted, another replica answered) gets the whole offer."""
+        compact = offer is not None and offer.layout in self._layouts
+        if offer is not None:  # known here from now: an upstream of this layout may come back compact
+            self._layouts.add(offer)
+        while True:
+            try:
+                found = await self._request(
+                    "relay_join", identity=identity_to_dict(identity), version=version, receiver_id=receiver_id,
+                    layout=layout, offer=None if offer is None else offer_to_dict(offer, compact=compact),
+                    layouts=self._layouts.names(), max_bytes=(await self.hello()).get("max_message_bytes"),
+                )  # fmt: skip
+                break
+            except ManifestError as exc:
+                if not compact or UNKNOWN_LAYOUT not in exc.reason:
+                    raise
+                compact = False
         if found is None:
             return None
-        return await asyncio.to_thread(offer_from_dict, found) if len(found["held"]) > 256 else offer_from_dict(found)
+        decode = partial(offer_from_dict, layouts=self._layouts)
+        return await asyncio.to_thread(decode, found) if len(found.get("held", ())) > 256 else decode(found)
 
     async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
         await self._request("relay_leave", identity=identity_to_dict(identity), receiver_id=receiver_id)

@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.to_thread
+import orjson
 
 from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
-from refitflow.core.relay import RelayOffer
+from refitflow.core.relay import RelayLayouts, RelayOffer
 from refitflow.core.types import Manifest
-from refitflow.core.wire import manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
+from refitflow.core.wire import (
+    encode,
+    manifest_completed,
+    manifest_from_dict,
+    manifest_to_dict,
+    offer_from_dict,
+    offer_to_dict,
+)
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.service.store_api import Store
 
-__all__ = ["MAX_WAIT_S", "OFF_LOOP_SHARDS", "Handler"]
+__all__ = ["MAX_WAIT_S", "OFF_LOOP_SHARDS", "WIRE_CACHE", "Handler"]
 
 MAX_WAIT_S = 30.0  # the longest a server-side wait lasts before the client asks again
 OFF_LOOP_SHARDS = 256  # a manifest with more shard specs than this is checked in a worker thread
+WIRE_CACHE = 256  # manifests kept encoded for the next fetch (a version of 256 ranks; one rank of 256 versions)
 
 
 def _arg(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -30,6 +40,14 @@ def _arg(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
     if value is not default and ((isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)):
         raise ManifestError(f"request argument {name!r} has the wrong type {type(value).__name__}")
     return value
+
+
+def _rows(value: Any) -> int:
+    """How many rows a list (a relay offer's tensors or boxes) or a column form (a manifest's shards) holds."""
+    if isinstance(value, list):
+        return len(value)
+    count = value.get("count") if isinstance(value, dict) else None
+    return count if type(count) is int else 0
 
 
 def _filters(msg: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +74,8 @@ class Handler:
         self.limits = limits
         self._announce = announce
         self._checking = anyio.CapacityLimiter(2)  # large manifests checked at once (CPU and memory)
+        self._layouts = RelayLayouts()  # relay geometries seen in whole offers (compact offers name them)
+        self._wire: dict[int, tuple[Manifest, orjson.Fragment]] = {}  # id -> (manifest, its bytes), oldest first
 
     async def _manifest(self, msg: dict[str, Any]) -> Manifest:
         """The request's manifest, checked; a large one off the event loop, so everyone else is served."""
@@ -65,7 +85,7 @@ class Handler:
 
     async def _decode(self, d: dict[str, Any], parts: tuple[str, ...], decode: Callable[[Any], Any]) -> Any:
         """Decode a manifest or relay offer within ``max_shards`` rows; a large one in a worker thread."""
-        count = sum(len(d[k]) if isinstance(d.get(k), list) else 0 for k in parts)
+        count = sum(_rows(d.get(k)) for k in parts)
         if count > self.limits.max_shards:
             raise ManifestError(f"{count} shard specs in one manifest, over the registry's limit of "
                                 f"{self.limits.max_shards}")  # fmt: skip
@@ -92,12 +112,29 @@ class Handler:
 
     async def op_publish(self, msg: dict[str, Any]) -> Any:
         owner = _arg(msg, "owner", str)  # a remote publish is lease-bound: it ends with its client
-        manifest = await self._manifest(msg)
+        await self._publish(await self._manifest(msg), owner)
+
+    async def op_complete(self, msg: dict[str, Any]) -> Any:
+        """Two-phase publication's second message: the digests of a manifest announced pending (its layout is
+        held here already); a ``VersionError`` when it is not (the client then publishes the whole manifest)."""
+        owner = _arg(msg, "owner", str)
+        identity = identity_from_dict(_arg(msg, "identity", dict))
+        version, rank = _arg(msg, "version", int), _arg(msg, "rank", int)
+        pending = self.registry.announced(identity, version, rank)
+        if pending is None or not pending.pending:
+            raise VersionError(f"rank {rank} has no pending announcement of this version here", version=version)
+        d = _arg(msg, "digests", dict)
+        if len(pending.shards) <= OFF_LOOP_SHARDS:
+            manifest = manifest_completed(pending, d)
+        else:
+            manifest = await anyio.to_thread.run_sync(manifest_completed, pending, d, limiter=self._checking)
+        await self._publish(manifest, owner)
+
+    async def _publish(self, manifest: Manifest, owner: str) -> None:
         await self.registry.publish(manifest, owner=owner)
         # complete, or laid out (early readers); a store that announces itself does (etcd: from its watch)
         if not self.registry.announces and self.registry.is_newest(manifest.identity, manifest.version):
             await self._announce(identity_to_dict(manifest.identity), manifest.version)
-        return None
 
     async def op_latest(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))
@@ -108,15 +145,23 @@ class Handler:
                 "revisions": [m.revision for m in pub.manifests]}  # fmt: skip
 
     async def op_relay_join(self, msg: dict[str, Any]) -> Any:
-        """Join a version's relays (with an offer, or none: a reader); the upstream's offer, or None."""
+        """Join a version's relays (with an offer, or none: a reader); the upstream's offer, or None. An offer of a
+        layout held here may come compact, and the upstream's goes compact when the joiner lists its layout
+        (``layouts``): a join then costs O(1) bytes and checks, not O(tensors)."""
         identity = identity_from_dict(_arg(msg, "identity", dict))
         d = _arg(msg, "offer", dict, None)
-        offer: RelayOffer | None = None if d is None else await self._decode(d, ("params", "held"), offer_from_dict)
+        offer: RelayOffer | None = None
+        if d is not None:
+            decode = partial(offer_from_dict, layouts=self._layouts)
+            offer = await self._decode(d, ("params", "held"), decode)
         if offer is not None and offer.receiver != _arg(msg, "receiver_id", str):
             raise ManifestError("a relay offer names the receiver that joins with it")
         up = await self.registry.relay_join(identity, _arg(msg, "version", int), _arg(msg, "receiver_id", str),
                                             layout=_arg(msg, "layout", str, ""), offer=offer)  # fmt: skip
-        return None if up is None else offer_to_dict(up)
+        if up is None:
+            return None
+        known = _arg(msg, "layouts", list, [])
+        return offer_to_dict(up, compact=up.layout in known and up.layout in self._layouts)
 
     async def op_relay_leave(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))
@@ -129,7 +174,18 @@ class Handler:
         if pub is None or pub.version != version:
             raise VersionError("no longer offered (superseded, released or its publisher's lease expired)",
                                version=version)  # fmt: skip
-        return [manifest_to_dict(m) for m in pub.manifests]
+        return [self._encoded(m) for m in pub.manifests]
+
+    def _encoded(self, manifest: Manifest) -> orjson.Fragment:
+        """``manifest`` as the reply carries it, encoded once for every receiver that fetches it (an LRU of the
+        manifests served last, each held beside its bytes: an entry is the same object, never an equal one)."""
+        hit = self._wire.pop(id(manifest), None)
+        if hit is None or hit[0] is not manifest:
+            hit = (manifest, orjson.Fragment(encode(manifest_to_dict(manifest))))
+            while len(self._wire) >= WIRE_CACHE:
+                del self._wire[next(iter(self._wire))]
+        self._wire[id(manifest)] = hit
+        return hit[1]
 
     async def op_register_receiver(self, msg: dict[str, Any]) -> Any:
         identity = identity_from_dict(_arg(msg, "identity", dict))

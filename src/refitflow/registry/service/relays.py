@@ -47,6 +47,7 @@ class Relays:
     def __init__(self) -> None:
         self.offers: dict[str, RelayOffer] = {}
         self.readers: dict[str, int] = {}
+        self.checked: set[str] = set()  # the layouts whose offers fit this version (``check_offer``, once each)
 
     def join(self, receiver_id: str, layout: str, offer: RelayOffer | None) -> RelayOffer | None:
         """Record ``offer`` (if any) and return the upstream of ``receiver_id`` (None: the trainer)."""

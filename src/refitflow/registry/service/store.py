@@ -196,6 +196,10 @@ class RegistryStore:
         self._collect(model)
         self._notify()
 
+    def announced(self, identity: Identity, version: int, rank: int) -> Manifest | None:
+        """The manifest ``rank`` announced for ``version`` (pending or complete), if held."""
+        return self._peek(identity).versions.get(version, {}).get(rank)
+
     def newest_complete(self, identity: Identity) -> int | None:
         """The newest complete version held for exactly ``identity`` (no filters), or None."""
         return self._peek(identity).newest
@@ -284,7 +288,10 @@ class RegistryStore:
         for v, relays in model.relays.items():
             if v != version:
                 relays.leave(receiver_id)
-        return model.relays.setdefault(version, Relays()).join(receiver_id, layout, offer)
+        relays = model.relays.setdefault(version, Relays())
+        if offer is not None:
+            relays.checked.add(offer.layout)
+        return relays.join(receiver_id, layout, offer)
 
     def check_relay(self, identity: Identity, version: int, offer: RelayOffer | None) -> None:
         """Raise unless ``version`` is complete and still held, and ``offer`` (if any) fits its shards."""
@@ -292,7 +299,8 @@ class RegistryStore:
         ranks = model.versions.get(version)
         if ranks is None or version not in model.completed_at:  # complete, still held (newer ones may exist)
             raise VersionError("relays need their version complete and still offered", version=version)
-        if offer is not None:
+        relays = model.relays.get(version)
+        if offer is not None and (relays is None or offer.layout not in relays.checked):  # once per layout
             manifests = tuple(ranks[r] for r in range(len(ranks)))
             check_offer(Publication(identity=manifests[0].identity, version=version, manifests=manifests), offer)
 

@@ -441,6 +441,9 @@ class EtcdStore:
     def is_newest(self, identity: Identity, version: int) -> bool:
         return self.mirror.is_newest(identity, version)
 
+    def announced(self, identity: Identity, version: int, rank: int) -> Manifest | None:
+        return self.mirror.announced(identity, version, rank)
+
     async def latest(self, identity: Identity, min_version: int = 0, *, compile_targets: Collection[str] | None = None,
                      metadata: Mapping[str, str] | None = None, early: bool = False,
                      skip: Collection[int] = ()) -> Publication | None:  # fmt: skip

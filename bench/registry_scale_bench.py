@@ -1,0 +1,260 @@
+"""The registry at 1,000 receivers: every one joins, fetches and relays one version of 60,000 tensors.
+
+    python bench/registry_scale_bench.py [--receivers 1000] [--tensors 60000] [--world 8] [--workers 4]
+                                         [--baseline 1680af6] [--versions 2]
+
+The real registry service (``refitflow registry``, its own process, open) and real sockets: a trainer client
+publishes each version two-phase (every rank's layout, then its digests: ``--world`` ranks, the tensors dealt
+round-robin, rank r holding ``layers.{t}`` for t ≡ r mod world); ``--receivers`` receivers (RegistryClients,
+tasks in ``--workers`` processes) then each, at once: wait for the version, fetch its manifests, join its
+relays with an offer (receiver i holds what trainer rank i mod world publishes — a ``--world``-way expert
+layout: one relay layout per rank position), and report it done. Printed per version: the registry's CPU
+seconds (``/proc/<pid>/stat``), the bytes on its sockets (its peers count every frame to and from it), and
+p50/p99 of each request as the receivers saw it. Version 1 is every layout's first sight;
+later ones are the steady state of a fleet that refits.
+
+``--baseline COMMIT`` runs the same with an earlier refitflow's source tree (``git archive``), registry and
+clients alike, in the same run (before, then this tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds used so far by process ``pid``."""
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+MOVED = [0]  # bytes this process sent to and received from the registry (every socket here talks to it)
+
+
+def _count_bytes() -> None:
+    """Count every frame this process's asyncio ZMQ sockets send and receive (the registry's traffic, seen
+    from its peers: the same figure for any refitflow tree)."""
+    import zmq.asyncio
+
+    send, recv = zmq.asyncio.Socket.send, zmq.asyncio.Socket.recv_multipart
+
+    def counted_send(self: Any, data: Any, *a: Any, **kw: Any) -> Any:
+        MOVED[0] += len(data)
+        return send(self, data, *a, **kw)
+
+    async def counted_recv(self: Any, *a: Any, **kw: Any) -> Any:
+        frames = await recv(self, *a, **kw)
+        MOVED[0] += sum(len(f) for f in frames)
+        return frames
+
+    zmq.asyncio.Socket.send = counted_send  # type: ignore[method-assign]
+    zmq.asyncio.Socket.recv_multipart = counted_recv  # type: ignore[method-assign]
+
+
+def _names(tensors: int, world: int, rank: int) -> list[str]:
+    return [f"model.layers.{t // 384}.mlp.experts.{t % 384}.weight" for t in range(rank, tensors, world)]
+
+
+def _manifest(version: int, rank: int, world: int, tensors: int, *, pending: bool) -> Any:
+    import refitflow as rf
+
+    shards = tuple(
+        rf.ShardSpec(name=n, dtype="bfloat16", global_shape=(16, 64), axis=None, start=0, stop=16, region=i,
+                     digest="" if pending else f"{(version << 32) + i:016x}")
+        for i, n in enumerate(_names(tensors, world, rank))
+    )  # fmt: skip
+    return rf.Manifest(identity=rf.Identity(model="scale"), version=version, rank=rank, world_size=world,
+                       shards=shards, source=rf.SourceAddress(transport="nixl", agent=f"trainer-{rank}",
+                                                              metadata=b"\x01" * 2048))  # fmt: skip
+
+
+def _offer(version: int, receiver: int, world: int, tensors: int) -> Any:
+    import refitflow as rf
+    from refitflow.core.relay import HeldBox, RelayOffer, RelayParam
+
+    rank = receiver % world
+    names = _names(tensors, world, rank)
+    box = ((0, 16), (0, 64))
+    return RelayOffer(
+        identity=rf.Identity(model="scale"), version=version, receiver=f"r{receiver}",
+        source=rf.SourceAddress(transport="nixl", agent=f"r{receiver}", metadata=b"\x02" * 2048), status=len(names),
+        params=tuple(RelayParam(n, "bfloat16", (16, 64), i) for i, n in enumerate(names)),
+        held=tuple(HeldBox(rank, n, box, i, box) for i, n in enumerate(names)),
+    )  # fmt: skip
+
+
+async def _receivers(address: str, ids: list[int], world: int, tensors: int, versions: int, conn: Any) -> None:
+    import refitflow as rf
+    from refitflow.registry.client.client import RegistryClient
+
+    _count_bytes()
+    ident = rf.Identity(model="scale")
+    clients = [RegistryClient(address, request_timeout_s=300) for _ in ids]
+    for c in clients:
+        await c.__aenter__()
+    await asyncio.gather(*(c.register_receiver(ident, f"r{i}") for c, i in zip(clients, ids, strict=True)))
+    offers = {i: _offer(1, i, world, tensors) for i in ids}  # built once: the bench times the registry
+    conn.send("ready")
+    for version in range(1, versions + 1):
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # published
+        times: dict[str, list[float]] = {"latest": [], "manifests": [], "relay_join": [], "report": []}
+        MOVED[0] = 0
+
+        async def one(c: Any, i: int, v: int = version, times: dict[str, list[float]] = times) -> None:
+            t = time.perf_counter()
+            found = await c._request("latest", identity={"model": "scale"}, min_version=v)
+            times["latest"].append(time.perf_counter() - t)
+            assert found is not None and found["version"] == v, found
+            t = time.perf_counter()
+            await c._request("manifests", identity={"model": "scale"}, version=v)  # the bytes, as every rank asks
+            times["manifests"].append(time.perf_counter() - t)
+            offer = offers[i]
+            offer = type(offer)(
+                **{
+                    **{
+                        k: getattr(offer, k)
+                        for k in ("identity", "receiver", "source", "status", "params", "held", "layout")
+                    },
+                    "version": v,
+                }
+            )
+            t = time.perf_counter()
+            await c.relay_join(ident, v, f"r{i}", layout=offer.layout, offer=offer)
+            times["relay_join"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await c.report(ident, f"r{i}", v)
+            times["report"].append(time.perf_counter() - t)
+
+        await asyncio.gather(*(one(c, i) for c, i in zip(clients, ids, strict=True)))
+        conn.send((times, MOVED[0]))
+    for c in clients:
+        await c.__aexit__(None, None, None)
+
+
+def _worker(address: str, ids: list[int], world: int, tensors: int, versions: int, conn: Any) -> None:
+    asyncio.run(_receivers(address, ids, world, tensors, versions, conn))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """This interpreter's refitflow, registry and clients: the figures of each version."""
+    from refitflow.registry.client.client import RegistryClient
+
+    _count_bytes()
+    code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
+    flags = ("--bind", "tcp://127.0.0.1:*", "--lease-s", "600", "--open")
+    registry = await asyncio.create_subprocess_exec(sys.executable, "-c", code, *flags, stdout=asyncio.subprocess.PIPE)
+    assert registry.stdout is not None
+    address = (await registry.stdout.readline()).decode().split(" serving at ")[1].split()[0]
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for w in range(args.workers):
+        ids = list(range(w, args.receivers, args.workers))
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(address, ids, args.world, args.tensors, args.versions, theirs))
+        proc.start()
+        pipes.append(mine)
+        procs.append(proc)
+    loop = asyncio.get_running_loop()
+    for p in pipes:
+        assert await loop.run_in_executor(None, p.recv) == "ready"
+    out: dict[str, Any] = {"versions": []}
+    try:
+        async with RegistryClient(address, request_timeout_s=300) as trainer:
+            for version in range(1, args.versions + 1):
+                pending = [_manifest(version, r, args.world, args.tensors, pending=True) for r in range(args.world)]
+                done = [_manifest(version, r, args.world, args.tensors, pending=False) for r in range(args.world)]
+                cpu0, MOVED[0] = _cpu(registry.pid), 0
+                t0 = time.perf_counter()
+                for m in pending:
+                    await trainer.publish(m)
+                for m in done:
+                    await trainer.publish(m)
+                published = time.perf_counter() - t0
+                cpu1, published_bytes = _cpu(registry.pid), MOVED[0]
+                for p in pipes:
+                    p.send("go")
+                times: dict[str, list[float]] = {}
+                moved = published_bytes
+                for p in pipes:
+                    worker_times, worker_bytes = await loop.run_in_executor(None, p.recv)
+                    moved += worker_bytes
+                    for op, values in worker_times.items():
+                        times.setdefault(op, []).extend(values)
+                took = time.perf_counter() - t0
+                cpu2 = _cpu(registry.pid)
+                out["versions"].append({
+                    "publish_s": published, "publish_cpu": cpu1 - cpu0, "publish_bytes": published_bytes,
+                    "cpu": cpu2 - cpu0, "bytes": moved, "wall": took,
+                    "ops": {op: (_pct(v, 50), _pct(v, 99)) for op, v in times.items()},
+                })  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.join(60)
+        registry.terminate()
+        await registry.wait()
+    return out
+
+
+def _pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def baseline(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "src"], check=True,
+                                 capture_output=True)  # fmt: skip
+        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        argv = [a for a in sys.argv[1:]]
+        env = {**os.environ, "PYTHONPATH": f"{tmp}/src"}
+        run_ = subprocess.run([sys.executable, __file__, "--json", *argv], check=True, capture_output=True,
+                              text=True, env=env)  # fmt: skip
+        return dict(json.loads(run_.stdout.strip().splitlines()[-1]))
+
+
+def show(label: str, out: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"{label}:")
+    for v, row in enumerate(out["versions"], 1):
+        ops = "  ".join(f"{op} {p50 * 1e3:.1f}/{p99 * 1e3:.1f}" for op, (p50, p99) in row["ops"].items())
+        print(f"  version {v}: registry CPU {row['cpu']:.2f} s (publish {row['publish_cpu']:.2f} s), "
+              f"{row['bytes'] / 1e9:.2f} GB moved, all done in {row['wall']:.1f} s; "
+              f"p50/p99 ms: {ops}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--receivers", type=int, default=1000)
+    ap.add_argument("--tensors", type=int, default=60_000)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--versions", type=int, default=2)
+    ap.add_argument("--baseline", default="", help="an earlier refitflow (a git commit) to run first")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.json:
+        print(json.dumps(asyncio.run(run(args))))
+        return
+    print(f"{args.receivers} receivers, one version of {args.tensors} tensors from {args.world} trainer ranks, "
+          f"{args.versions} versions; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    if args.baseline:
+        show(args.baseline, baseline(args), args)
+    show("this tree", asyncio.run(run(args)), args)
+
+
+if __name__ == "__main__":
+    main()
