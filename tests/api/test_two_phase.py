@@ -269,3 +269,35 @@ async def test_a_version_found_with_some_ranks_already_complete_commits(ident) -
                 await anyio.sleep(0.2)  # the receiver reads what it found
                 RankOneHeld.gate.set()
             assert result[0].version == 1 and torch.equal(dst["a"], a) and torch.equal(dst["b"], b)
+
+
+def test_by_default_a_publisher_announces_early_once_versions_change_every_byte_and_not_after_a_frozen_one(
+    ident,
+) -> None:
+    """``announce_early=None`` (the default): two-phase publication only where it costs receivers no delta
+    skipping — after a version that changed every byte against the one before, not after one that kept half."""
+
+    async def main() -> list[bool]:
+        registry, pending = rf.Registry(), []
+        publish = registry.publish
+
+        async def spy(m: rf.Manifest, *, owner: str | None = None) -> None:
+            pending.append(m.pending)
+            await publish(m, owner=owner)
+
+        registry.publish = spy  # type: ignore[method-assign]
+        a, b = torch.zeros(64, 64), torch.zeros(64, 64)
+        early = []
+        async with rf.Publisher(registry, identity=ident) as pub:
+            assert pub.announce_early is None
+            for version, change in enumerate((a, a, a, b, a, a), 1):
+                change.add_(1)  # v2: a changed; v4, v5: half frozen; v6: a
+                if version in (2, 3):
+                    b.add_(1)  # v2, v3: every byte changed
+                pending.clear()
+                await pub.publish(version, {"a": a, "b": b})
+                assert pending == ([True, False] if pub.announced_early else [False])
+                early.append(pub.announced_early)
+        return early
+
+    assert anyio.run(main) == [False, False, True, True, False, False]

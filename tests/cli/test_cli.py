@@ -26,6 +26,8 @@ def test_default_demo_refits_a_real_model_from_megatron_into_fused_engines(trans
     if transport == "nixl":  # processes around a registry service: CURVE, with the deployment's keys
         assert f"CURVE on: keys in {KEYS.folder}" in out
     assert "trainer: Megatron layout, TP 2" in out and "engine tp2: vLLM fused layout, TP 2" in out
+    early = [("announced early" in line) for line in out.splitlines() if re.match(r"v\d published", line.strip())]
+    assert early == [False, False, True], out  # auto two-phase: once a version changed every byte
     for version in (1, 2, 3):
         assert out.count(f"v{version} published") == 1
         for engine in ("tp1", "tp2"):  # the engines' logits after each version: the trainer's, bit for bit
@@ -49,6 +51,8 @@ def test_synthetic_demo_runs_and_verifies_every_version(transport: str) -> None:
     assert "all versions verified and committed on every receiver" in out
     for version in (1, 2, 3):
         assert out.count(f"v{version} published") == 1
+    assert "announced early" in out.split("v3 published")[1].splitlines()[0], out  # v2 changed every byte
+    assert "announced early" not in out.split("v3 published")[0]
     assert out.count("verified, committed") == 6  # 2 receivers x 3 versions
     assert out.count("/metrics") == 2 and "per-stage busy time" in out
 

@@ -19,10 +19,11 @@ from refitflow.api._digests import DIGEST_CHOICES, _digest_one_at_a_time, _geome
 from refitflow.api._dtensor import is_dtensor, local_part
 from refitflow.api._sharded import Sharded
 from refitflow.api._transport import choose_transport
+from refitflow.core.columns import specs_of
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
 from refitflow.core.gil import off_loop
-from refitflow.core.types import Identity, Manifest, ShardSpec
+from refitflow.core.types import Identity, Manifest
 from refitflow.layouts.quant_layout import quant_metadata
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
@@ -42,6 +43,9 @@ class PublishRegistry(Protocol):
     ) -> None: ...
     async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool: ...
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
+
+
+EARLY_CHANGED = 0.99  # announce early (``announce_early=None``) after a version that changed this share of bytes
 
 
 class Publisher:
@@ -76,10 +80,13 @@ class Publisher:
       pass, 1.7–2.3× faster (``bench/digest_bench.py``) — announced in ``metadata["digests"]``;
       a receiver that would read a column slice then refuses the publication (``PlanError``). For
       deployments whose receivers hold whole rows (DP, EP, row-sliced TP only).
-    - ``announce_early`` (False): two-phase publication — announce each version's layout before digesting
-      it, then its digests: receivers (``read_early``, their default) start reading while the trainer
-      hashes, and compare every byte once the digests arrive. Receivers then skip nothing of that version
-      as unchanged (delta refits), so leave it off when much of the model stays frozen between versions.
+    - ``announce_early`` (None: auto): two-phase publication — announce each version's layout before
+      digesting it, then its digests: receivers (``read_early``, their default) start reading while the
+      trainer hashes, and compare every byte once the digests arrive. Receivers skip nothing of such a
+      version as unchanged (delta refits), so ``None`` announces early only where that costs nothing: after
+      a version that changed at least ``EARLY_CHANGED`` (99 %) of this rank's bytes against the one before
+      (full fine-tuning), and not again after one that kept more unchanged (frozen layers, LoRA bases) — at
+      most one version's delta is lost when training starts freezing. True / False: always / never.
 
     - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``, e.g.
       ``rf.find_keys(os.environ, Path.home())``: the folder ``refitflow registry`` made) or an
@@ -103,7 +110,7 @@ class Publisher:
         observer: PublishObserver = NULL_OBSERVER,
         release_policy: ReleasePolicy | None = None,
         digest: str = "auto",
-        announce_early: bool = False,
+        announce_early: bool | None = None,
         security: ClientSecurity | DeploymentKeys | None = None,
         column_digests: bool = True,
     ) -> None:
@@ -115,6 +122,9 @@ class Publisher:
             raise ConfigError(f"digest must be one of {list(DIGEST_CHOICES)}, got {digest!r}")
         self._digest_choice = digest
         self.announce_early = announce_early
+        self.announced_early = False  # whether the last publish announced its layout before its digests
+        self._digests: dict[str, str] = {}  # the last version's digest of each tensor (``announce_early=None``)
+        self._changed: float | None = None  # the share of bytes the last version changed against the one before
         self.column_digests = column_digests
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
@@ -233,11 +243,11 @@ class Publisher:
         source = self.transport.address()
         items = [(t, digest_algorithm(t, self._digest_choice)) for _, t, _ in prepared]
 
-        def build(fields: list[dict[str, Any]] | None) -> Manifest:  # every spec checked: ≈ 15–30 µs a tensor
+        def build(fields: list[dict[str, Any]] | None) -> Manifest:  # every spec checked, a column at a time
             if fields is None:  # pending: the digest geometry alone
                 fields = [_geometry(_tiling(t, algo, self.column_digests)) for t, algo in items]
-            shards = tuple(
-                ShardSpec(name=name, region=regions[name], **spec, **digests)
+            shards = specs_of(
+                {"name": name, "region": regions[name], **spec, **digests}
                 for (name, _, spec), digests in zip(prepared, fields, strict=True)
             )
             return Manifest(identity=self.identity, version=version, rank=self.rank, world_size=self.world_size,
@@ -248,16 +258,35 @@ class Publisher:
             await self.registry.publish(manifest)
             return manifest
 
-        if self.announce_early:  # the layout first: receivers read while the digests are computed
+        self.announced_early = self.announces_early
+        if self.announced_early:  # the layout first: receivers read while the digests are computed
             await announce(None)
         fields = await anyio.to_thread.run_sync(_digest_one_at_a_time, items, self.column_digests)
         manifest = await announce(fields)
+        if self.announce_early is None:
+            self._learn_changes(manifest)
         self.observer.version_published(version, sum(s.nbytes for s in manifest.shards))
         self.published.append(version)
         self._regions_by_version[version] = set(regions.values())
         self._known_regions |= set(regions.values())
         await self._forget_released()
         return manifest
+
+    @property
+    def announces_early(self) -> bool:
+        """Whether the next ``publish`` announces its layout before its digests (``announce_early``)."""
+        if self.announce_early is not None:
+            return self.announce_early
+        return self._changed is not None and self._changed >= EARLY_CHANGED
+
+    def _learn_changes(self, manifest: Manifest) -> None:
+        """The share of this version's bytes whose digest differs from the last version's (auto announce)."""
+        last, total, changed = self._digests, 0, 0
+        for s in manifest.shards:
+            total += s.nbytes
+            changed += s.nbytes if last.get(s.name) != s.digest else 0
+        self._changed = changed / total if last and total else None
+        self._digests = {s.name: s.digest for s in manifest.shards}
 
     async def released(self, version: int, timeout: float | None = None) -> None:
         """Return when ``version`` is released per the release policy (its tensors may change then)."""

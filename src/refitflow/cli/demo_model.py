@@ -22,7 +22,7 @@ import torch
 
 from refitflow.api.publisher import Publisher
 from refitflow.api.receiver import Receiver
-from refitflow.cli.demo_roles import ProgressMetrics, Report, RoleConfig, refit_event, wait_for_receivers
+from refitflow.cli.demo_roles import ProgressMetrics, Report, RoleConfig, publish_all, refit_event, wait_for_receivers
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity, Publication
 from refitflow.engine.member import EngineMember
@@ -139,10 +139,12 @@ async def trainer_role(registry: Any, cfg: RoleConfig, receivers: int, report: R
                     for name, t in from_canonical(layout, canon).items():
                         mine[name].copy_(t)
             t0 = time.perf_counter()
-            manifests = [await pub.publish(version, tensors) for pub, tensors in zip(pubs, shards, strict=True)]
+            early = pubs[0].announces_early  # auto: once a version changed (nearly) every byte
+            manifests = await publish_all(pubs, shards, version, at_once=early)
             seconds = time.perf_counter() - t0
             revision = Publication(identity=IDENTITY, version=version, manifests=tuple(manifests)).revision
-            report({"kind": "published", "version": version, "revision": revision, "seconds": seconds})
+            report({"kind": "published", "version": version, "revision": revision, "seconds": seconds,
+                    "early": early})  # fmt: skip
             logits = await anyio.to_thread.run_sync(probe_logits, canon)
             report({"kind": "trainer_logits", "version": version, "logits": logits})
         await pubs[0].released(cfg.versions, timeout=cfg.timeout_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ class RoleConfig:
     device: str = "cpu"  # where the trainer's and the receivers' tensors live ("cuda:0": VRAM on both sides)
     receiver_device: str | None = None  # the receivers' device, when not ``device``
     shadow_commit: str = "swap"  # the shadow receiver's commit ("copy": CUDA-graph safe)
-    announce_early: bool = False  # two-phase publication: both ranks announce, then digest, at once
+    announce_early: bool | None = None  # two-phase publication (None: auto, rf.Publisher): ranks publish at once
     keys: DeploymentKeys | None = None  # CURVE for every registry client and vote (None: open)
 
     def security(self, registry: Any) -> ClientSecurity | None:
@@ -98,29 +98,30 @@ async def publisher_role(registry: Any, cfg: RoleConfig, receivers: int, report:
                 for t in model.values():  # a training step changes the weights in place
                     t.add_(0.25)
             t_go = time.monotonic()  # the trainer's go: its digests count
-            m0, m1 = await _publish_both(p0, p1, version, model, at_once=cfg.announce_early)
-            revision = Publication(identity=IDENTITY, version=version, manifests=(m0, m1)).revision
+            early = p0.announces_early
+            manifests = await publish_all([p0, p1], [_shards(model, 0), _shards(model, 1)], version, at_once=early)
+            revision = Publication(identity=IDENTITY, version=version, manifests=tuple(manifests)).revision
             report({"kind": "published", "version": version, "revision": revision, "t_go": t_go,
-                    "seconds": time.monotonic() - t_go})  # fmt: skip
+                    "seconds": time.monotonic() - t_go, "early": early})  # fmt: skip
         await p0.released(cfg.versions, timeout=cfg.timeout_s)
         report({"kind": "trainer_done", "rss": peak_rss_bytes(), "digest": weights_digest(model)})
 
 
-async def _publish_both(p0: Publisher, p1: Publisher, version: int, model: dict[str, torch.Tensor], *,
-                        at_once: bool) -> tuple[Manifest, Manifest]:  # fmt: skip
-    """Both ranks' manifests of ``version``: one rank after the other, or both at once (as two trainer
-    processes would: each announces its layout, then digests)."""
+async def publish_all(pubs: list[Publisher], shards: Sequence[Mapping[str, torch.Tensor | Sharded]], version: int, *,
+                      at_once: bool) -> list[Manifest]:  # fmt: skip
+    """Every rank's manifest of ``version``: one rank after the other, or all at once (as trainer processes
+    would, each announcing its layout, then digesting: two-phase publication)."""
     if not at_once:
-        return await p0.publish(version, _shards(model, 0)), await p1.publish(version, _shards(model, 1))
+        return [await pub.publish(version, tensors) for pub, tensors in zip(pubs, shards, strict=True)]
     out: dict[int, Manifest] = {}
 
-    async def one(rank: int, pub: Publisher) -> None:
-        out[rank] = await pub.publish(version, _shards(model, rank))
+    async def one(rank: int) -> None:
+        out[rank] = await pubs[rank].publish(version, shards[rank])
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(one, 0, p0)
-        tg.start_soon(one, 1, p1)
-    return out[0], out[1]
+        for rank in range(len(pubs)):
+            tg.start_soon(one, rank)
+    return [out[rank] for rank in range(len(pubs))]
 
 
 async def wait_for_receivers(pub: Publisher, receivers: int, timeout_s: float) -> None:

@@ -59,8 +59,9 @@ class DemoView:
             self.say(f"trainer: {event['tensors']} tensors over {event.get('ranks', 2)} ranks{layout}")
         elif kind == "published":
             self.revisions[event["version"]] = event["revision"]
+            early = ", announced early: receivers read while the trainer digests" if event.get("early") else ""
             self.say(f"v{event['version']} published, revision {event['revision'][:12]}… "
-                     f"(digests in {event['seconds'] * 1e3:.0f} ms)")  # fmt: skip
+                     f"(digests in {event['seconds'] * 1e3:.0f} ms{early})")  # fmt: skip
         elif kind == "trainer_logits":
             self.trainer_logits[event["version"]] = event["logits"]
             self._check_logits()

@@ -12,9 +12,10 @@ spec gives. ``tests/core/test_columns.py`` holds the two to the same verdict on 
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import operator
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import repeat
 from typing import Any
 
@@ -23,15 +24,18 @@ from refitflow.core.dtypes import itemsize, known_names
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import MAX_DIMS, MAX_ELEMENTS, MAX_INT, ShardSpec, shard_tiling
 
-__all__ = ["DIGESTS", "FIELDS", "KINDS", "completed_columns", "shards_from_columns", "shards_to_columns"]
+__all__ = ["DIGESTS", "FIELDS", "KINDS", "completed_columns", "shards_from_columns", "shards_to_columns", "specs_of"]
 
 FIELDS = ("name", "dtype", "global_shape", "axis", "start", "stop", "digest", "region", "offset", "algo",
           "tile_rows", "tile_cols", "blocks", "compile_target", "compile_metadata")  # fmt: skip
 _DEFAULTS = {"compile_target": "", "compile_metadata": {}}  # left out of the wire when no shard has any
+_SPEC_DEFAULTS = {  # a spec's fields and their defaults (None: required)
+    f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(ShardSpec)
+}
 KINDS: dict[str, tuple[type, ...]] = {
-    "name": (str,), "dtype": (str,), "global_shape": (list,), "axis": (int, type(None)), "start": (int,),
+    "name": (str,), "dtype": (str,), "global_shape": (list, tuple), "axis": (int, type(None)), "start": (int,),
     "stop": (int,), "digest": (str,), "region": (int,), "offset": (int,), "algo": (str,), "tile_rows": (int,),
-    "tile_cols": (int,), "blocks": (str,), "compile_target": (str,), "compile_metadata": (dict,),
+    "tile_cols": (int,), "blocks": (str,), "compile_target": (str,), "compile_metadata": (dict, tuple),
 }  # fmt: skip
 _WIRE = {"global_shape": list, "compile_metadata": dict}
 DIGESTS = ("digest", "blocks")  # what the second message of two-phase publication carries
@@ -56,6 +60,20 @@ def shards_to_columns(shards: Iterable[ShardSpec], fields: tuple[str, ...] = FIE
         else:
             each[name] = list(column)
     return {"count": len(rows), "same": same, "each": each}
+
+
+def specs_of(rows: Iterable[Mapping[str, Any]]) -> tuple[ShardSpec, ...]:
+    """``ShardSpec``s of field mappings (a publisher's: absent fields take their defaults), checked as the wire
+    form is — a column at a time, ≈ 1–2 µs a spec where one ``ShardSpec(...)`` each takes 5–10."""
+    rows = list(rows)
+    columns = {f: [r.get(f, default) for r in rows] for f, default in _SPEC_DEFAULTS.items()}
+    same: dict[str, Any] = {}
+    for name, column in columns.items():
+        first = column[0] if column else None
+        if column and all(v == first for v in column):
+            same[name] = first
+    return shards_from_columns({"count": len(rows), "same": same,
+                                "each": {f: v for f, v in columns.items() if f not in same}})  # fmt: skip
 
 
 def completed_columns(pending: tuple[ShardSpec, ...], digests: Any) -> dict[str, Any]:
@@ -155,6 +173,10 @@ def _checked(c: _Columns) -> tuple[ShardSpec, ...]:
 def _frozen(name: str, value: Any) -> Any:
     if name == "global_shape":
         return tuple(value)
+    if isinstance(value, tuple):  # a spec's own form (``specs_of``): pairs
+        if not all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+            raise ManifestError("shards: compile metadata maps strings to strings")
+        value = dict(value)
     if not all(type(k) is str and type(v) is str for k, v in value.items()):
         raise ManifestError("shards: compile metadata maps strings to strings")
     return tuple(sorted(value.items()))
