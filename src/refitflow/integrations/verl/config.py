@@ -29,7 +29,7 @@ class VerlBackendConfig:
     registry: str | None = None  # a refitflow registry service's address; None: trainer rank 0 serves one
     registry_bind: str = "tcp://127.0.0.1:*"  # where trainer rank 0's registry binds (multi-node: the head's IP)
     digest: str = "auto"  # the publisher's digest algorithm (rf.Publisher's ``digest``)
-    announce_early: bool = False  # two-phase publication (rf.Publisher's ``announce_early``): for full fine-tuning
+    announce_early: bool | None = None  # two-phase publication (rf.Publisher's ``announce_early``; None: auto)
     publish_timeout_s: float = 600.0  # registering, digesting and announcing one version
     release_timeout_s: float = 600.0  # send_weights waits this long for every inference rank to be done
     init_timeout_s: float = 120.0  # opening the publisher (NIXL agent) or the registry
