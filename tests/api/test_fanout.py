@@ -302,10 +302,10 @@ async def test_relayed_names_the_newest_complete_version_a_peer_offers_in_the_re
 async def test_offers_of_a_layout_the_registry_holds_travel_compact_and_a_registry_that_lost_it_gets_them_whole(
     ident,
 ) -> None:
-    """A relay's offer goes whole once; later offers of its layout (next versions, other receivers' of the same
-    geometry) carry the address, status and regions alone, and the upstream comes back compact to a joiner that
-    knows its layout — the same offers on both sides. A registry that does not hold the layout (restarted)
-    refuses the compact form and gets the whole offer."""
+    """An offer goes compact (address, status and regions alone) — refused by a registry that does not hold its
+    layout, which then gets it whole, once — so later offers of that layout (next versions, other receivers of
+    the same geometry) cost O(1); the upstream comes back compact to a joiner that knows its layout — the same
+    offers on both sides."""
 
     def offer(version: int, receiver: str, first_region: int) -> RelayOffer:
         params = tuple(RelayParam(f"w{i}", "float32", (4, 4), first_region + i) for i in range(50))
@@ -339,16 +339,16 @@ async def test_offers_of_a_layout_the_registry_holds_travel_compact_and_a_regist
                 for v in (1, 2):
                     await pub.publish(v, {f"w{i}": torch.zeros(4, 4) for i in range(50)})
                 assert await a.relay_join(ident, 1, "a", offer=offer(1, "a", 0)) is None
+                assert ["params" in o for o in sent] == [False, True]  # a layout nobody sent: refused, then whole
                 assert await a.relay_join(ident, 2, "a", offer=offer(2, "a", 50)) is None
-                assert "params" in sent[0] and sent[1]["regions"] == [[50, 50]] and "params" not in sent[1]
-                assert len(orjson.dumps(sent[1])) < len(orjson.dumps(sent[0])) / 10
-                up = await b.relay_join(ident, 2, "b", offer=offer(2, "b", 0))  # b sends its layout whole
+                assert sent[2]["regions"] == [[50, 50]] and "params" not in sent[2]
+                assert len(orjson.dumps(sent[2])) < len(orjson.dumps(sent[1])) / 10
+                up = await b.relay_join(ident, 2, "b", offer=offer(2, "b", 0))  # compact: a's layout, held there
                 assert up == offer(2, "a", 50) and "layout" in replies[-1]  # its layout: it came compact
                 assert await b.relay_join(ident, 2, "reader") == offer(2, "b", 0) and "layout" in replies[-1]
                 await pub.publish(3, {f"w{i}": torch.zeros(4, 4) for i in range(50)})
                 sent.clear()
                 other = dataclasses.replace(offer(3, "a", 0), params=offer(3, "a", 0).params[:49],
                                             held=offer(3, "a", 0).held[:49], layout="")  # fmt: skip
-                a._layouts.add(other)  # as if sent before, to a registry since restarted: it holds no such layout
-                assert await a.relay_join(ident, 3, "a", offer=other) is None
-                assert "layout" in sent[0] and "params" in sent[-1]  # compact refused, then whole
+                assert await a.relay_join(ident, 3, "a", offer=other) is None  # a layout the registry does not hold
+                assert ["params" in o for o in sent] == [False, True]  # compact refused, then whole

@@ -160,3 +160,10 @@ def test_any_value_in_any_field_gets_the_verdict_a_single_spec_gives(field: str,
     else:
         with pytest.raises(rf.ManifestError):
             _manifest(wire)
+
+
+def test_a_huge_count_of_shards_sharing_every_field_is_refused_at_once() -> None:
+    wire = shards_to_columns(_specs(1))
+    wire["count"] = 10**15  # every field in same: nothing but the count says how many
+    with pytest.raises(rf.ManifestError, match="of one name"):
+        shards_from_columns(wire)

@@ -107,6 +107,8 @@ class _Columns:
             raise ManifestError(f"shards: each of {FIELDS} once, in same or in each")
         if any(not isinstance(v, list) or len(v) != n for v in each.values()):
             raise ManifestError(f"shards: every column in each holds {n} values")
+        if n > 1 and "name" not in each:  # (a count alone must not make work: nothing else bounds it)
+            raise ManifestError(f"shards: {n} shards of one name")
         self.n, self.same, self.each = n, {**{k: v for k, v in _DEFAULTS.items() if k not in given}, **same}, each
 
     def distinct(self, name: str) -> list[Any]:

@@ -290,10 +290,11 @@ class RegistryClient:
     ) -> RelayOffer | None:
         """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None.
 
-        An offer of a layout this client sent or received whole before goes compact (address, status, regions),
-        and so does the upstream's when this client knows its layout (``core.relay.RelayLayouts``); a registry
-        that does not hold the layout (it restarted, another replica answered) gets the whole offer."""
-        compact = offer is not None and offer.layout in self._layouts
+        An offer goes compact (address, status, regions) — the registry holds its layout when any receiver of
+        that geometry joined whole before — and the upstream's comes back so when this client knows its layout
+        (``core.relay.RelayLayouts``); a registry that does not hold the layout (the first of its geometry, a
+        restart, another replica) refuses the compact form and gets the whole offer: one more round trip."""
+        compact = offer is not None
         if offer is not None:  # known here from now: an upstream of this layout may come back compact
             self._layouts.add(offer)
         while True:
