@@ -38,6 +38,12 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _peak_rss(pid: int) -> int:
+    """The peak resident memory of process ``pid``, bytes."""
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
 def _cpu(pid: int) -> float:
     """CPU seconds used so far by process ``pid``."""
     stat = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -220,7 +226,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 cpu2 = _cpu(registry.pid)
                 out["versions"].append({
                     "publish_s": published, "publish_cpu": cpu1 - cpu0, "publish_bytes": published_bytes,
-                    "cpu": cpu2 - cpu0, "bytes": moved, "wall": took,
+                    "cpu": cpu2 - cpu0, "bytes": moved, "wall": took, "rss": _peak_rss(registry.pid),
                     "ops": {op: (_pct(v, 50), _pct(v, 99)) for op, v in times.items()},
                 })  # fmt: skip
     finally:
@@ -254,7 +260,8 @@ def show(label: str, out: dict[str, Any], args: argparse.Namespace) -> None:
     for v, row in enumerate(out["versions"], 1):
         ops = "  ".join(f"{op} {p50 * 1e3:.1f}/{p99 * 1e3:.1f}" for op, (p50, p99) in row["ops"].items())
         print(f"  version {v}: registry CPU {row['cpu']:.2f} s (publish {row['publish_cpu']:.2f} s), "
-              f"{row['bytes'] / 1e9:.2f} GB moved, all done in {row['wall']:.1f} s; "
+              f"{row['bytes'] / 1e9:.2f} GB moved, peak RSS {row.get('rss', 0) / 1e9:.1f} GB, "
+              f"all done in {row['wall']:.1f} s; "
               f"p50/p99 ms: {ops}")  # fmt: skip
 
 

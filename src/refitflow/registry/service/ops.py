@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -75,7 +76,7 @@ class Handler:
         self._announce = announce
         self._checking = anyio.CapacityLimiter(2)  # large manifests checked at once (CPU and memory)
         self._layouts = RelayLayouts()  # relay geometries seen in whole offers (compact offers name them)
-        self._wire: dict[int, tuple[Manifest, orjson.Fragment]] = {}  # id -> (manifest, its bytes), oldest first
+        self._wire: dict[int, tuple[weakref.ref[Manifest], orjson.Fragment]] = {}  # id -> (manifest, its bytes)
 
     async def _manifest(self, msg: dict[str, Any]) -> Manifest:
         """The request's manifest, checked; a large one off the event loop, so everyone else is served."""
@@ -177,11 +178,12 @@ class Handler:
         return [self._encoded(m) for m in pub.manifests]
 
     def _encoded(self, manifest: Manifest) -> orjson.Fragment:
-        """``manifest`` as the reply carries it, encoded once for every receiver that fetches it (an LRU of the
-        manifests served last, each held beside its bytes: an entry is the same object, never an equal one)."""
+        """``manifest`` as the reply carries it, encoded once for every receiver that fetches it: an LRU of the
+        last ``WIRE_CACHE`` manifests served, each entry its bytes and a weak reference to the very object it
+        encoded (a manifest the store dropped is not kept alive, and an equal one is not taken for it)."""
         hit = self._wire.pop(id(manifest), None)
-        if hit is None or hit[0] is not manifest:
-            hit = (manifest, orjson.Fragment(encode(manifest_to_dict(manifest))))
+        if hit is None or hit[0]() is not manifest:
+            hit = (weakref.ref(manifest), orjson.Fragment(encode(manifest_to_dict(manifest))))
             while len(self._wire) >= WIRE_CACHE:
                 del self._wire[next(iter(self._wire))]
         self._wire[id(manifest)] = hit
