@@ -63,7 +63,8 @@ async def main() -> None:
     spec = json.loads(sys.argv[1])
     identity = rf.Identity(model=spec.get("model", "xproc"))
     tensors: dict[str, torch.Tensor] | None = None
-    async with rf.Publisher(LineRegistry(), identity=identity, transport="nixl") as pub:
+    # one manifest a version on the line (the test feeds it to its registry): no two-phase publication
+    async with rf.Publisher(LineRegistry(), identity=identity, transport="nixl", announce_early=False) as pub:
         print(PREFIX + json.dumps({"ready": True}), flush=True)
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
