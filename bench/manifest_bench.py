@@ -19,12 +19,12 @@ import os
 import pathlib
 import subprocess
 import sys
-import tarfile
-import tempfile
 import timeit
-from io import BytesIO
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _tree import source_of  # noqa: E402
 
 
 def measure(shards: int, rounds: int) -> dict[str, float]:
@@ -77,13 +77,10 @@ def measure(shards: int, rounds: int) -> dict[str, float]:
 
 
 def baseline(commit: str, shards: int, rounds: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "src"], check=True, capture_output=True)
-        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
+    with source_of(commit) as src:
         code = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); import manifest_bench as b; "
                 f"print(json.dumps(b.measure({shards}, {rounds})))")  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(pathlib.Path(tmp) / "src")}
+        env = {**os.environ, "PYTHONPATH": str(src)}
         run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
         return dict(json.loads(run.stdout.strip().splitlines()[-1]))
 

@@ -29,13 +29,13 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
-from io import BytesIO
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _tree import source_of  # noqa: E402
 
 
 def _peak_rss(pid: int) -> int:
@@ -242,13 +242,9 @@ def _pct(values: list[float], q: int) -> float:
 
 
 def baseline(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "src"], check=True,
-                                 capture_output=True)  # fmt: skip
-        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
+    with source_of(args.baseline) as src:
         argv = [a for a in sys.argv[1:]]
-        env = {**os.environ, "PYTHONPATH": f"{tmp}/src"}
+        env = {**os.environ, "PYTHONPATH": str(src)}
         run_ = subprocess.run([sys.executable, __file__, "--json", *argv], capture_output=True, text=True, env=env)
         if run_.returncode:
             raise SystemExit(f"the baseline run failed:\n{run_.stderr[-4000:]}")
