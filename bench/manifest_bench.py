@@ -88,11 +88,11 @@ def baseline(commit: str, shards: int, rounds: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=10_000)
-    ap.add_argument("--baseline", default="1680af6", help="the earlier refitflow (a git commit)")
+    ap.add_argument("--baseline", default="1680af6", help="the earlier refitflow (a git commit; '': none)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    before = baseline(args.baseline, args.shards, args.rounds)
     after = measure(args.shards, args.rounds)
+    before = baseline(args.baseline, args.shards, args.rounds) if args.baseline else after
     print(f"one manifest of {args.shards} shards; µs a shard (best of {args.rounds}); load {os.getloadavg()[0]:.2f}")
     print(f"{'':28}{args.baseline:>14}{'this tree':>14}{'ratio':>8}")
     for key, label, unit in (("parse", "parse (bytes → Manifest)", 1e6), ("encode", "encode", 1e6),

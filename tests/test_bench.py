@@ -103,3 +103,16 @@ def test_digest_bench_runs_at_a_small_size() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.endswith("GB/s")]
     assert len(rows) == 4 and all(float(r.split()[-2]) > 0 for r in rows), done.stdout
+
+
+def test_the_manifest_and_registry_scale_benches_run_at_a_small_size() -> None:
+    """The column wire form's bench and the 1,000-receiver registry bench, tiny, against this tree alone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "REFITFLOW_KEYS": "open"}
+    cmd = [sys.executable, "bench/manifest_bench.py", "--shards", "200", "--rounds", "1", "--baseline", ""]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "parse (bytes → Manifest)" in done.stdout, done.stdout + done.stderr[-3000:]
+    cmd = [sys.executable, "bench/registry_scale_bench.py", "--receivers", "6", "--tensors", "64", "--workers", "1",
+           "--versions", "2"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("registry CPU") == 2 and "GB moved" in done.stdout, done.stdout
