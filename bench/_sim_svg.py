@@ -1,0 +1,84 @@
+"""A small hand-built SVG for ``bench/simulate.py --svg``: time to all committed against GPU NIC bandwidth
+(log-log), as built and with the what-if changes, beside the published anchors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from typing import Any
+
+__all__ = ["BANDWIDTHS", "plot"]
+
+BANDWIDTHS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0)
+ANCHORS = (  # (seconds, label, colour)
+    (1.3, "Kimi-K2 256→128 GPUs, RDMA WRITE, static schedule: 1.3 s", "#d62728"),
+    (1.93, "NeMo-RL DeepSeek-V3 reshard: 1.93–2.83 s", "#9467bd"),
+    (2.83, "", "#9467bd"),
+    (7.53, "vLLM NIXL pull, Kimi-K2 on 48×8 H100: 7.53 s", "#8c564b"),
+    (15.0, "checkpoint-engine: 14–16 s", "#7f7f7f"),
+)
+W, H, L, R, T, B = 760, 560, 60, 250, 20, 150
+Y0, Y1 = 0.3, 300.0
+
+
+def _x(gbps: float) -> float:
+    lo, hi = math.log(BANDWIDTHS[0]), math.log(BANDWIDTHS[-1])
+    return L + (math.log(gbps) - lo) / (hi - lo) * (W - L - R)
+
+
+def _y(s: float) -> float:
+    s = min(max(s, Y0), Y1)
+    return T + (1 - (math.log(s) - math.log(Y0)) / (math.log(Y1) - math.log(Y0))) * (H - T - B)
+
+
+def curves(runs: dict[str, Any], p: Any, best: dict[str, object]) -> list[tuple[str, str, list]]:
+    """(label, colour, [(GB/s, seconds)]) per scenario: as built with and without relays, and
+    without relays with every what-if change."""
+    out = []
+    colours = {"kimi": ("#1f77b4", "#aec7e8", "#17becf"), "dsv3": ("#2ca02c", "#98df8a", "#bcbd22")}
+    for name, run in runs.items():
+        if name not in colours:
+            continue
+        relay, pull, changed = [], [], []
+        for g in BANDWIDTHS:
+            q = dataclasses.replace(p, gpu_gbps=g)
+            relay.append((g, run.sim(q, True).committed))
+            pull.append((g, run.sim(q, False).committed))
+            changed.append((g, run.sim(q, False, best).committed))
+        out.append((f"{name}: refitflow as built, relays", colours[name][0], relay))
+        out.append((f"{name}: refitflow as built, no relays", colours[name][1], pull))
+        out.append((f"{name}: no relays, every what-if change (fp8 on the wire)", colours[name][2], changed))
+    return out
+
+
+def plot(runs: dict[str, Any], p: Any, path: pathlib.Path, best: dict[str, object]) -> None:
+    lines = curves(runs, p, best)
+    e = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+         f'<rect width="{W}" height="{H}" fill="white"/>']  # fmt: skip
+    for s in (0.3, 1, 3, 10, 30, 100, 300):
+        y = _y(s)
+        e.append(f'<line x1="{L}" x2="{W - R}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
+        e.append(f'<text x="{L - 6}" y="{y + 4:.1f}" text-anchor="end">{s:g} s</text>')
+    for g in BANDWIDTHS:
+        x = _x(g)
+        e.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{T}" y2="{H - B}" stroke="#eee"/>')
+        e.append(f'<text x="{x:.1f}" y="{H - B + 16}" text-anchor="middle">{g:g}</text>')
+    e.append(f'<text x="{(L + W - R) / 2:.0f}" y="{H - B + 34}" text-anchor="middle">GPU NIC bandwidth, GB/s '
+             "(each direction)</text>")  # fmt: skip
+    e.append(f'<text x="14" y="{(T + H - B) / 2:.0f}" transform="rotate(-90 14 {(T + H - B) / 2:.0f})" '
+             'text-anchor="middle">time to all committed</text>')  # fmt: skip
+    for s, label, colour in ANCHORS:
+        y = _y(s)
+        e.append(f'<line x1="{L}" x2="{W - R}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colour}" stroke-dasharray="5,4"/>')
+        if label:
+            e.append(f'<text x="{W - R + 6}" y="{y + 4:.1f}" fill="{colour}" font-size="9">{label}</text>')
+    for k, (label, colour, pts) in enumerate(lines):
+        d = " ".join(f"{'M' if i == 0 else 'L'}{_x(g):.1f},{_y(s):.1f}" for i, (g, s) in enumerate(pts))
+        e.append(f'<path d="{d}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        e += [f'<circle cx="{_x(g):.1f}" cy="{_y(s):.1f}" r="3" fill="{colour}"/>' for g, s in pts]
+        y = H - B + 56 + 14 * k
+        e.append(f'<line x1="{L + 10}" x2="{L + 30}" y1="{y - 4}" y2="{y - 4}" stroke="{colour}" stroke-width="2"/>')
+        e.append(f'<text x="{L + 36}" y="{y}">{label}</text>')
+    e.append("</svg>")
+    path.write_text("\n".join(e) + "\n")
