@@ -15,7 +15,7 @@ import binascii
 import dataclasses
 import operator
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -48,18 +48,25 @@ _GEOMETRY = ("global_shape", "axis", "start", "stop", "dtype", "algo", "tile_row
 def shards_to_columns(shards: Iterable[ShardSpec], fields: tuple[str, ...] = FIELDS) -> dict[str, Any]:
     """The wire form of ``shards`` (of ``fields`` alone: a digests-only completion sends two)."""
     rows = list(map(operator.attrgetter(*fields), shards))
+    columns = zip(fields, zip(*rows, strict=True) if len(fields) > 1 else (rows,), strict=True)
+    # as JSON carries them: a shape a list, compile metadata an object
+    wire = {name: tuple(map(_WIRE[name], c)) if name in _WIRE else c for name, c in columns}
+    return _split(wire, len(rows), _DEFAULTS)
+
+
+def _split(columns: Mapping[str, Sequence[Any]], count: int, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The column form: a column of one value once in ``same`` (left out where it is its ``defaults`` entry),
+    any other whole in ``each``."""
     same: dict[str, Any] = {}
     each: dict[str, Any] = {}
-    for name, column in zip(fields, zip(*rows, strict=True) if len(fields) > 1 else (rows,), strict=True):
-        if name in _WIRE:  # as JSON carries them: a shape a list, compile metadata an object
-            column = tuple(map(_WIRE[name], column))
-        first = column[0]
-        if all(v == first for v in column):
-            if _DEFAULTS.get(name, ...) != first:
+    for name, column in columns.items():
+        first = column[0] if column else None
+        if column and all(v == first for v in column):
+            if defaults.get(name, ...) != first:
                 same[name] = first
         else:
             each[name] = list(column)
-    return {"count": len(rows), "same": same, "each": each}
+    return {"count": count, "same": same, "each": each}
 
 
 def specs_of(rows: Iterable[Mapping[str, Any]]) -> tuple[ShardSpec, ...]:
@@ -67,13 +74,7 @@ def specs_of(rows: Iterable[Mapping[str, Any]]) -> tuple[ShardSpec, ...]:
     form is — a column at a time, ≈ 1–2 µs a spec where one ``ShardSpec(...)`` each takes 5–10."""
     rows = list(rows)
     columns = {f: [r.get(f, default) for r in rows] for f, default in _SPEC_DEFAULTS.items()}
-    same: dict[str, Any] = {}
-    for name, column in columns.items():
-        first = column[0] if column else None
-        if column and all(v == first for v in column):
-            same[name] = first
-    return shards_from_columns({"count": len(rows), "same": same,
-                                "each": {f: v for f, v in columns.items() if f not in same}})  # fmt: skip
+    return shards_from_columns(_split(columns, len(rows), {}))
 
 
 def completed_columns(pending: tuple[ShardSpec, ...], digests: Any) -> dict[str, Any]:
