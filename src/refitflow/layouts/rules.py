@@ -26,7 +26,9 @@ layers (``stages``: layers per stage), named by their global index or, Megatron'
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
@@ -145,7 +147,7 @@ def _qkv(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Par
         parts = []
         for g in range(g0, g1):
             parts += [rows(q, g * qpg, qpg), rows(k, g, 1), rows(v, g, 1)]
-        return concat(parts)
+        return concat(parts, shapes=shapes)
     h0, h1 = _part(d.heads, par.tp, par.tp_rank, "attention heads")
     if par.tp >= d.kv_heads:
         _part(par.tp, d.kv_heads, 0, "tp over kv heads")
@@ -153,7 +155,7 @@ def _qkv(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Par
     else:
         k0, k1 = _part(d.kv_heads, par.tp, par.tp_rank, "kv heads")
         kn = k1 - k0
-    return concat([rows(q, h0, h1 - h0), rows(k, k0, kn), rows(v, k0, kn)])
+    return concat([rows(q, h0, h1 - h0), rows(k, k0, kn), rows(v, k0, kn)], shapes=shapes)
 
 
 def _vocab(name: str, shape: tuple[int, ...], padded: int, par: Parallel) -> LocalTensor:
@@ -164,33 +166,56 @@ def _vocab(name: str, shape: tuple[int, ...], padded: int, par: Parallel) -> Loc
     if real <= 0:  # all padding (a small vocabulary over many ranks)
         return LocalTensor(local, ())
     cbox = _with(full(shape), 0, (lo, lo + real))
-    return LocalTensor(local, (Segment(name, cbox, _with(full(local), 0, (0, real))),))
+    return LocalTensor(local, (Segment(name, cbox, _with(full(local), 0, (0, real)), shape),))
 
 
 def _experts(kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int) -> LocalTensor:
     e0, e1 = expert_range(d.experts, par.ep, par.ep_rank)
     if kind.startswith("expert_"):
         e0, e1 = e0 + j, e0 + j + 1
+    return next(_per_expert(kind, names, shapes, e0, e1, par, one=True))
+
+
+def _per_expert(kind: str, names: tuple[str, ...], shapes: dict, e0: int, e1: int, par: Parallel, one: bool = False
+                ) -> Iterator[LocalTensor]:  # fmt: skip
+    """Experts ``[e0, e1)`` as one local tensor (``one``, or a stacked kind), else one local tensor each."""
+    whole = tuple(tuple(shapes[n]) for n in names)
+    try:
+        for lo, hi in [(e0, e1)] if one or not kind.startswith("expert_") else [(e, e + 1) for e in range(e0, e1)]:
+            local, boxes = _expert_boxes(kind, whole, lo, hi, par.etp, par.etp_rank)
+            segments = tuple(Segment(n, c, b, s) for n, (c, b), s in zip(names, boxes, whole, strict=True))
+            yield LocalTensor(local, segments)
+    except ConfigError:  # name the tensor whose experts do not split
+        for n in names:
+            _part(shapes[n][1 if kind.endswith("col") else 2], par.etp, par.etp_rank, n)
+        raise
+
+
+@lru_cache(maxsize=1 << 12)
+def _expert_boxes(kind: str, shapes: tuple[tuple[int, ...], ...], e0: int, e1: int, etp: int, etp_rank: int
+                  ) -> tuple[tuple[int, ...], tuple[tuple[Box, Box], ...]]:  # fmt: skip
+    """The local shape and (canonical box, local box) per part of experts ``[e0, e1)``: the same for every
+    layer of a model (a trillion-parameter trainer rank has 138,000 per-expert entries)."""
     axis = 1 if kind.endswith("col") else 2
     parts = []
-    for n in names:
-        box = _with(full(shapes[n]), 0, (e0, e1))
-        parts.append((n, _with(box, axis, _part(shapes[n][axis], par.etp, par.etp_rank, n))))
-    if kind.startswith("expert_"):
-        return concat(parts, axis=0, drop=1)
-    return concat(parts, axis=1)
+    for k, shape in enumerate(shapes):
+        box = _with(full(shape), 0, (e0, e1))
+        parts.append((str(k), _with(box, axis, _part(shape[axis], etp, etp_rank, f"expert part {k}"))))
+    lt = concat(parts, axis=0, drop=1) if kind.startswith("expert_") else concat(parts, axis=1)
+    return lt.shape, tuple((g.cbox, g.lbox) for g in lt.segments)
 
 
 def _rule(
     kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int, vocab_rows: int
 ) -> LocalTensor:
     if kind == "rep":
-        return concat([(n, full(shapes[n])) for n in names])
+        return concat([(n, full(shapes[n])) for n in names], shapes=shapes)
     if kind == "col":
-        return concat([(n, _with(full(shapes[n]), 0, _part(shapes[n][0], par.tp, par.tp_rank, n))) for n in names])
+        parts = [(n, _with(full(shapes[n]), 0, _part(shapes[n][0], par.tp, par.tp_rank, n))) for n in names]
+        return concat(parts, shapes=shapes)
     if kind == "row":
         n = names[0]
-        return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))])
+        return concat([(n, _with(full(shapes[n]), 1, _part(shapes[n][1], par.tp, par.tp_rank, n)))], shapes=shapes)
     if kind == "vocab":
         return _vocab(names[0], shapes[names[0]], vocab_rows, par)
     if kind.startswith("qkv"):
@@ -229,7 +254,9 @@ def build(
         if local in out:
             raise ConfigError(f"two table entries make the local tensor {local!r}")
         # every segment knows its canonical tensor's whole shape: a publication of another shape is refused
-        out[local] = LocalTensor(lt.shape, tuple(replace(g, shape=shapes[g.canonical]) for g in lt.segments))
+        if any(g.shape is None for g in lt.segments):  # the rules' own segments have it already
+            lt = LocalTensor(lt.shape, tuple(replace(g, shape=shapes[g.canonical]) for g in lt.segments))
+        out[local] = lt
 
     top = (tables.first if par.pp_rank == 0 else {}) | (tables.last if par.pp_rank == par.pp - 1 else {})
     for local, (kind, names) in top.items():
@@ -241,6 +268,10 @@ def build(
         for suffix, (kind, names) in tables.of_layer(d, i).items():
             full_names = tuple(f"model.layers.{i}.{n}" for n in names)
             if not all(n in shapes for n in full_names):
+                continue
+            if "{j}" in suffix and kind.startswith("expert_"):  # one entry per expert: the boxes once per rank
+                for j, lt in enumerate(_per_expert(kind, full_names, shapes, e0, e1, par)):
+                    add(at + suffix.format(j=j), lt)
                 continue
             for j in range(e1 - e0) if "{j}" in suffix else [0]:
                 add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))
