@@ -298,6 +298,8 @@ _LAYOUT = operator.attrgetter(
 )  # ShardSpec.layout_key
 _NAME, _DIGEST = operator.attrgetter("name"), operator.attrgetter("digest")
 _REVISION = operator.attrgetter("name", "dtype", "global_shape", "axis", "start", "stop", "digest")
+TILING_KEY = operator.attrgetter("algo", "global_shape", "axis", "start", "stop", "dtype", "tile_rows", "tile_cols")
+"""What fixes a shard's ``tiling``: shards equal in it share one (a plan looks them up by it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,18 +325,6 @@ class Publication:
     def pending(self) -> bool:
         """Some rank announced it before its digests: the plan and the reads may start, not the checks."""
         return any(m.pending for m in self.manifests)
-
-    def digest_geometry(self) -> str:
-        """A digest of what fixes the digest vector's layout — every shard's name, dtype, shape, range, digest
-        algorithm and tiles, in order — but not where its bytes lie: digests of two versions compare unit by
-        unit only when this is equal (delta refits). O(shards): computed once per plan."""
-        rows = [
-            (m.rank, m.world_size,
-             [(s.name, s.dtype, s.global_shape, s.axis, s.start, s.stop, s.algo, s.tile_rows, s.tile_cols)
-              for s in m.shards])
-            for m in self.manifests
-        ]  # fmt: skip
-        return xxhash.xxh3_128_hexdigest(orjson.dumps(rows))
 
     @property
     def nbytes(self) -> int:

@@ -22,6 +22,10 @@ class ReceiverConfig:
     - ``bucket_bytes`` (half the budget, at most 32 MiB): the staging size of one bucket, the unit that
       flows through the stages; two buckets in flight overlap pulling with applying.
     - ``direct_bucket_bytes`` (64 MiB): how many bytes of direct reads (no staging) go in one batch.
+    - ``max_direct_buckets`` (2048): a rank whose direct bytes would fill more batches than this makes them
+      larger (its direct bytes / this): every batch costs a fixed ≈ 0.5–1 ms (a worker-thread hop, the
+      transport's post and completion, verify's hop), seconds per refit over the 6,000 batches of a 1/16
+      slice of a 3-T-parameter model at 64 MiB. The relay cap (``relay_bucket_bytes``) gives way to it too.
     - ``max_reads_per_bucket`` (4096): reads handed to the transport in one call.
     - ``mode`` (``"in_place"``): ``"in_place"`` writes the live parameters behind the fence (a failure
       leaves the rank fenced); ``"shadow"`` writes a copy and swaps it in at commit (a failure leaves the
@@ -61,6 +65,7 @@ class ReceiverConfig:
     bucket_bytes: int | None = None  # default: half the budget, at most 32 MiB (two buckets in flight)
     direct_bucket_bytes: int = 64 * MiB  # direct reads use no staging; this only sizes their batches
     max_reads_per_bucket: int = 4096
+    max_direct_buckets: int = 2048
     mode: ApplyMode = ApplyMode.IN_PLACE
     shadow_commit: ShadowCommit = ShadowCommit.SWAP  # "copy": CUDA-graph safe shadow (see docs/device.md)
     lossy_casts: bool = False
@@ -92,8 +97,8 @@ class ReceiverConfig:
             )
         if self.direct_bucket_bytes < 64:
             raise ConfigError("direct_bucket_bytes must be at least 64 bytes")
-        if self.max_reads_per_bucket < 1 or self.stream_depth < 1:
-            raise ConfigError("max_reads_per_bucket and stream_depth must be at least 1")
+        if self.max_reads_per_bucket < 1 or self.stream_depth < 1 or self.max_direct_buckets < 1:
+            raise ConfigError("max_reads_per_bucket, max_direct_buckets and stream_depth must be at least 1")
         if self.verify not in ("strict", "pulled"):
             raise ConfigError(f"verify must be 'strict' or 'pulled', got {self.verify!r}")
         if self.max_strided_runs < 1 or self.min_run_bytes < 0:
@@ -116,6 +121,7 @@ class ReceiverConfig:
             bucket_bytes=self.bucket_bytes,
             direct_bucket_bytes=self.direct_bucket_bytes,
             max_reads_per_bucket=self.max_reads_per_bucket,
+            max_direct_buckets=self.max_direct_buckets,
             lossy_casts=self.lossy_casts,
             read_timeout_s=self.read_timeout_s,
             relay_wait_s=self.relay_wait_s,

@@ -127,6 +127,7 @@ class Limits:
     min_run_bytes: int = 32  # strided runs shorter than this read the enclosing rows instead
     compile_targets: tuple[str, ...] | None = None  # None: any
     compile_metadata: tuple[tuple[str, str], ...] = ()  # required subset
+    max_direct_buckets: int = 2048  # more direct bytes than this many batches hold: larger batches
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Delta refits: a piece whose every digest unit is unchanged since the version a storage holds is not pulled.
 
 A receiver keeps, per storage (the live parameters; in shadow mode also the shadow copy), the digest
-vector of the version that storage holds, with its digest geometry (``Publication.digest_geometry``:
+vector of the version that storage holds, with its digest geometry (``DigestIndex.geometry``, in ``_checks``:
 digests compare unit by unit only within one algorithm and tiling). For the next version, a piece is
 
 - ``PULL`` (0): read it, as always;

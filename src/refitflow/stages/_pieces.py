@@ -27,9 +27,15 @@ from refitflow.stages._route import Route
 from refitflow.stages._segments import Copy
 from refitflow.stages._target import Target
 
-__all__ = ["check_cast", "shard_pieces"]
+__all__ = ["check_cast", "direct_piece", "shard_pieces"]
 
 DIRECT_PIECE = 16 << 20  # direct pieces are cut this small so the last buckets can taper
+
+
+def direct_piece(batch: int) -> int:
+    """The size direct pieces are cut to for batches of ``batch`` bytes: 16 MiB, or a quarter of a batch made
+    larger for a large slice (``Limits.max_direct_buckets``), so pieces per batch stay few."""
+    return min(batch, max(DIRECT_PIECE, batch // 4))
 
 
 def check_cast(src: torch.dtype, dst: torch.dtype, lossy: bool, tensor: str) -> None:
@@ -100,7 +106,7 @@ def _geometry(
             len(members) == 1 and region == c.sbox and src_dtype == dst.dtype and not staged[index[id(c)]]
             and contiguous_span(region, shape) is not None and contiguous_span(c.dbox, tuple(dst.shape)) is not None
         )  # fmt: skip
-        cap = min(limits.direct_bucket_bytes, DIRECT_PIECE) if direct else limits.bucket_bytes
+        cap = direct_piece(limits.direct_bucket_bytes) if direct else limits.bucket_bytes
         for chunk in chunks(region, shape, item, cap, limits.max_strided_runs, grid):
             scatters = []
             for m in members:

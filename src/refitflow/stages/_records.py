@@ -103,7 +103,7 @@ class Plan:
     seconds: float = 0.0  # time it took to build
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
     copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
-    digest_geometry: str = ""  # Publication.digest_geometry of the publications it plans
+    digest_geometry: str = ""  # DigestIndex.geometry (stages/_checks.py) of the publications it plans
     target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
     route: Route | None = field(default=None, compare=False, repr=False)  # how each parameter is written
     read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of

@@ -9,7 +9,7 @@ that overlap, boxes that leave a gap in what the receiver needs, or shapes that 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from refitflow.core.errors import ConfigError, CoverageError, ManifestError, PlanError
@@ -19,6 +19,7 @@ from refitflow.layouts.canonical import LocalTensor, Segment, sliced
 from refitflow.layouts.quant import QuantFormat, declared_quant
 from refitflow.layouts.quant_layout import with_scales
 from refitflow.layouts.wire import resolve
+from refitflow.stages._wanted import Wanted, check_fits, held_in_layout, meets
 from refitflow.stages.sources import SourceLoad
 
 __all__ = ["Copy", "Held", "Published", "copies", "published"]
@@ -55,12 +56,18 @@ class Published:
     rows_only: frozenset[int] = frozenset()  # sources whose digests cover whole rows only (no column ranges)
 
 
-def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
+def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | None = None) -> Published:
+    """``pub`` in canonical space. ``wanted``: the boxes the receiver reads (``wanted_boxes``; a receiver with
+    a layout): boxes that meet none of them are neither kept nor checked for overlaps — a rank of a
+    trillion-parameter model reads 1/16 of 150,000 shards; the shards read are checked against their layout.
+    Nothing is left out when a manifest declares a quantised tensor (its scales are canonical tensors too)."""
     held: dict[str, dict[Box, list[Held]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     axes: dict[str, int | None] = {}
     quant: dict[str, QuantFormat] = {}
     rows_only = frozenset(i for i, m in enumerate(pub.manifests) if m.metadata.get("digests") == "rows")
+    if any(m.metadata.get("quant") for m in pub.manifests):
+        wanted = None
     for i, m in enumerate(pub.manifests):  # trainer ranks
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         declared = declared_quant(m.metadata.get("quant"), pub.version)
@@ -75,31 +82,29 @@ def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
             if layout is None:
                 quant[aliases.get(name, name)] = fmt
         shapes |= canon_shapes
+        if layout is not None and wanted is not None:  # through the layout's index: the shards read only
+            held_in_layout(m.metadata["layout"], m.shards, wanted, pub.version, _adder(held, i))
+            continue
+        if layout is not None:
+            _from_layout(i, m.shards, layout, held, pub.version)
+            continue
         for spec in m.shards:
-            if layout is None:
-                canon = aliases.get(spec.name, spec.name)
-                local = sliced(canon, spec.global_shape, spec.axis, spec.start, spec.stop)
-                axis = axes.setdefault(canon, spec.axis)
-                if axis != spec.axis and None not in (axis, spec.axis):
-                    raise PlanError(
-                        f"axis mismatch: shards of {canon} split on axis {spec.axis} and axis {axis}",
-                        tensor=spec.name, version=pub.version,
-                    )  # fmt: skip
-                if shapes.setdefault(canon, spec.global_shape) != spec.global_shape:
-                    raise PlanError(
-                        f"shards disagree on the shape: {spec.global_shape} vs {shapes[canon]}",
-                        tensor=spec.name, version=pub.version,
-                    )  # fmt: skip
-            else:
-                found = layout.get(spec.name)
-                if found is None or spec.axis is not None or found.shape != spec.global_shape:
-                    raise ManifestError(
-                        f"shard does not match its layout ({found and found.shape} vs {spec.shape})",
-                        tensor=spec.name, version=pub.version,
-                    )  # fmt: skip
-                local = found
+            canon = aliases.get(spec.name, spec.name)
+            local = sliced(canon, spec.global_shape, spec.axis, spec.start, spec.stop)
+            axis = axes.setdefault(canon, spec.axis)
+            if axis != spec.axis and None not in (axis, spec.axis):
+                raise PlanError(
+                    f"axis mismatch: shards of {canon} split on axis {spec.axis} and axis {axis}",
+                    tensor=spec.name, version=pub.version,
+                )  # fmt: skip
+            if shapes.setdefault(canon, spec.global_shape) != spec.global_shape:
+                raise PlanError(
+                    f"shards disagree on the shape: {spec.global_shape} vs {shapes[canon]}",
+                    tensor=spec.name, version=pub.version,
+                )  # fmt: skip
             for seg in local.segments:
-                held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
+                if wanted is None or meets(wanted.get(seg.canonical, ()), seg.cbox):
+                    held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
     out: dict[str, list[Held]] = {}
     load = SourceLoad(trainers=len(pub.manifests))
     for canon in sorted(held):
@@ -108,6 +113,22 @@ def published(pub: Publication, aliases: Mapping[str, str]) -> Published:
         if len(boxes) > 1:
             _check_overlap(canon, list(boxes), pub.version)
     return Published(out, shapes, quant, rows_only)
+
+
+def _adder(held: dict[str, dict[Box, list[Held]]], i: int) -> Callable[[ShardSpec, Segment], None]:
+    def add(spec: ShardSpec, seg: Segment) -> None:
+        held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
+
+    return add
+
+
+def _from_layout(i: int, shards: tuple[ShardSpec, ...], layout: Mapping[str, LocalTensor],
+                 held: dict[str, dict[Box, list[Held]]], version: int) -> None:  # fmt: skip
+    """Source ``i``'s shards through its layout into ``held``, each checked against it."""
+    get, add = layout.get, _adder(held, i)
+    for spec in shards:
+        for seg in check_fits(spec, get(spec.name), version).segments:
+            add(spec, seg)
 
 
 def _choose(reps: list[Held], load: SourceLoad) -> Held:
@@ -178,8 +199,8 @@ def copies(pub: Publication, found: Published, dest: Mapping[str, LocalTensor], 
     needed = {seg.canonical for lt in dest.values() for seg in lt.segments}
     # a receiver of whole tensors must know every published name; one with a layout holds a part of the
     # model (a pipeline stage, a rank whose vocabulary rows are all padding) and needs only its own
-    unknown = sorted(n for n in held if n not in needed)
-    if unknown and exact:
+    unknown = sorted(n for n in held if n not in needed) if exact else ()
+    if unknown:
         raise PlanError(f"the model has no parameter named {unknown[:20]}", version=pub.version)
     if not needed <= held.keys():
         missing = sorted(p for p, lt in dest.items() if any(s.canonical not in held for s in lt.segments))

@@ -14,6 +14,7 @@ from refitflow.core.relay import RelayParam
 from refitflow.layouts.canonical import LocalTensor, sliced
 from refitflow.stages._context import Landing
 from refitflow.stages._route import aux_owner, default_route
+from refitflow.stages._wanted import wanted_boxes
 
 __all__ = ["Target"]
 
@@ -29,6 +30,7 @@ class Target:
         self.names = tuple(params)
         self.position = {n: i for i, n in enumerate(self.names)}
         self.device = {n: str(t.device) for n, t in params.items()}
+        self.nbytes = sum(t.numel() * t.element_size() for t in params.values())  # what a plan lands at most
         self.exact = landing.layout is None  # whole tensors: shapes must match, every published name known
         scales, quantised = landing.scales, landing.quantised  # scales: routed with their values (stages/_route)
         self.layout: Mapping[str, LocalTensor] = landing.layout or {
@@ -36,6 +38,8 @@ class Target:
             for n, t in params.items()
             if n not in scales
         }
+        # what a plan reads of each canonical tensor (a layout's: the rest is left out of ``published``)
+        self.wanted = None if self.exact else wanted_boxes(self.layout)
         self.route = default_route(self.layout, quantised, landing.expected)  # nothing published quantised
         self.dtypes = {n: known_name(t.dtype) for n, t in params.items()}  # None: refitflow does not move it
         self.relay_params = tuple(RelayParam(n, self.dtypes[n] or "", tuple(t.shape), 0) for n, t in params.items())

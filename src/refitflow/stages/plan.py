@@ -30,7 +30,7 @@ from refitflow.core.errors import PlanError
 from refitflow.core.gil import breathe, built, off_loop
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
-from refitflow.stages._checks import Land, build_checks, build_credits, digest_index, digest_vector
+from refitflow.stages._checks import DigestIndex, Land, build_checks, build_credits, digest_vector
 from refitflow.stages._context import Landing, Limits, StageContext, Work
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
@@ -71,7 +71,7 @@ class _Context:
     """What every bucket of one plan shares: the digest index, the landing's ``Target``, the boxes seen."""
 
     def __init__(self, pub: Publication, target: Target, route: Route) -> None:
-        self.index = digest_index(pub)
+        self.index = DigestIndex(pub)
         self.target = target
         self.route = route
         self.seen: set[tuple[str, Box]] = set()
@@ -103,7 +103,8 @@ def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRe
             and (prev.source, prev.region, prev.param) == (r.source, r.region, r.param)
             and prev.src_offset + prev.nbytes == r.src_offset and prev.landing_offset + prev.nbytes == r.landing_offset
         ):  # fmt: skip
-            out[-1] = replace(prev, nbytes=prev.nbytes + r.nbytes)
+            out[-1] = PlannedRead(prev.source, prev.region, prev.src_offset, prev.nbytes + r.nbytes, prev.param,
+                                  prev.landing_offset)  # fmt: skip
         else:
             out.append(r)
     return out
@@ -157,7 +158,7 @@ def build_plan(
 
 def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> Plan:
     t0 = time.perf_counter()
-    found = published(pub, target.landing.canonical)
+    found = published(pub, target.landing.canonical, target.wanted)
     route = target.route
     if found.quant:  # something is published quantised: route each parameter (stages/_route.py)
         route = build_route(found, target.layout, target.landing, limits.lossy_casts, pub.version)
@@ -167,16 +168,20 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
     staged = direct = runs = ideal = 0
     staging_device = None  # a bucket stages on one device: a staged piece for another starts a new bucket
     cs = copies(pub, found, route.layout, target.exact)
-    pieces = list(shard_pieces(cs, target, limits, route))
+    # direct batches grow past ``direct_bucket_bytes`` for a slice that would fill more than max_direct_buckets
+    batch = max(limits.direct_bucket_bytes, -(-target.nbytes // limits.max_direct_buckets))
+    pieces = list(shard_pieces(cs, target, replace(limits, direct_bucket_bytes=batch), route))
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
-    for p in pieces:
+    whole = _shard_bytes(pieces)
+    for p, shard in zip(pieces, whole, strict=True):
         ideal += sum(volume(s.sub) for s in p.scatters) * (p.nbytes // max(volume(p.box), 1))
         # the last direct buckets taper (half of what is left, at least 16 MiB): the last bucket's
-        # verification, which nothing overlaps, stays short
-        cap = min(limits.direct_bucket_bytes, max(_TAPER_MIN, left // 2))
+        # verification, which nothing overlaps, stays short. A shard's direct pieces that fit in one bucket
+        # go in one (``shard``: their bytes, at its first piece): a shard cut by a bucket is two reads
+        cap = min(batch, max(_TAPER_MIN, left // 2))
         full_ = (
             (not p.direct and -(-staged // 8) * 8 + p.nbytes > limits.bucket_bytes)
-            or (p.direct and direct + p.nbytes > cap)
+            or (p.direct and direct + (shard if 0 < shard <= cap else p.nbytes) > cap)
             or runs + p.count > limits.max_reads_per_bucket
             or (not p.direct and staging_device not in (None, p.device))
         )
@@ -194,7 +199,21 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
-                copies=tuple(cs), digest_geometry=pub.digest_geometry(), target=target, route=route)  # fmt: skip
+                copies=tuple(cs), digest_geometry=cx.index.geometry, target=target, route=route)  # fmt: skip
+
+
+def _shard_bytes(pieces: list[Piece]) -> list[int]:
+    """Per piece, the bytes of the run of direct pieces of its shard it starts (0 inside a run, or staged)."""
+    out = [0] * len(pieces)
+    start, prev = -1, None
+    for i, p in enumerate(pieces):
+        key = (p.source, p.tensor) if p.direct else None
+        if key is None or key != prev:
+            start = i
+        if key is not None:
+            out[start] += p.nbytes
+        prev = key
+    return out
 
 
 class PlanCache:

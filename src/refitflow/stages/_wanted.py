@@ -1,0 +1,118 @@
+"""What one receiver reads of a publication, and a trainer layout's shards found by the boxes it reads.
+
+A receiver with a layout reads a part of each canonical tensor (``wanted_boxes``); a rank of a
+trillion-parameter MoE model reads 1/16 of its 150,000 shards. ``held_in_layout`` finds a source's shards
+that meet those boxes through an index of the trainer layout by canonical tensor (sorted along dim 0 and
+cached with the layout), not by walking every shard: every shard's name must be in its layout, and the
+shards read are checked against it.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from refitflow.core.errors import ManifestError
+from refitflow.core.types import ShardSpec
+from refitflow.layouts.boxes import Box, full
+from refitflow.layouts.canonical import LocalTensor, Segment
+from refitflow.layouts.wire import resolve
+
+__all__ = ["Wanted", "check_fits", "held_in_layout", "meets", "wanted_boxes"]
+
+Wanted = Mapping[str, tuple[Box, ...] | None]  # canonical -> the boxes read of it (None: all of it)
+
+_NAME = operator.attrgetter("name")
+
+
+def wanted_boxes(layout: Mapping[str, LocalTensor]) -> Wanted:
+    """What a receiver of ``layout`` reads of each canonical tensor."""
+    out: dict[str, list[Box] | None] = {}
+    for lt in layout.values():
+        for seg in lt.segments:
+            boxes = out.setdefault(seg.canonical, [])
+            if boxes is not None:
+                whole = seg.shape is not None and seg.cbox == full(seg.shape)
+                out[seg.canonical] = None if whole else [*boxes, seg.cbox]
+    return {c: None if bs is None else tuple(bs) for c, bs in out.items()}
+
+
+def meets(boxes: tuple[Box, ...] | None, cbox: Box) -> bool:
+    """Whether ``cbox`` meets one of ``boxes`` (None: the whole tensor is wanted; (): none of it)."""
+    if boxes is None:
+        return True
+    for box in boxes:
+        for (a0, a1), (b0, b1) in zip(box, cbox, strict=True):
+            if a0 >= b1 or b0 >= a1:
+                break
+        else:
+            return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Sorted:
+    """One canonical tensor's segments in a layout, by where they start along dim 0."""
+
+    starts: list[int]
+    stops: list[int] | None  # None: the stops do not grow with the starts (no bisection on them)
+    entries: list[tuple[str, Segment]]  # (local name, segment)
+
+    def meeting(self, box: Box) -> list[tuple[str, Segment]]:
+        if not box:
+            return self.entries
+        lo, hi = box[0]
+        first = bisect_right(self.stops, lo) if self.stops is not None else 0
+        return self.entries[first : bisect_left(self.starts, hi)]
+
+
+@lru_cache(maxsize=64)
+def _index(text: str) -> dict[str, _Sorted]:
+    """The layout ``metadata["layout"]`` describes, by canonical tensor (cached beside ``resolve``)."""
+    by: dict[str, list[tuple[str, Segment]]] = {}
+    for name, lt in resolve(text)[0].items():
+        for seg in lt.segments:
+            by.setdefault(seg.canonical, []).append((name, seg))
+    out = {}
+    for canon, entries in by.items():
+        entries.sort(key=lambda e: e[1].cbox[0] if e[1].cbox else (0, 1))
+        starts = [e[1].cbox[0][0] if e[1].cbox else 0 for e in entries]
+        stops = [e[1].cbox[0][1] if e[1].cbox else 1 for e in entries]
+        out[canon] = _Sorted(starts, stops if stops == sorted(stops) else None, entries)
+    return out
+
+
+def check_fits(spec: ShardSpec, local: LocalTensor | None, version: int) -> LocalTensor:
+    """``local``, the layout's entry for ``spec``, when the shard is what it says (else ``ManifestError``)."""
+    if local is None or spec.axis is not None or local.shape != spec.global_shape:
+        raise ManifestError(f"shard does not match its layout ({local and local.shape} vs {spec.shape})",
+                            tensor=spec.name, version=version)  # fmt: skip
+    return local
+
+
+def held_in_layout(text: str, shards: tuple[ShardSpec, ...], wanted: Wanted, version: int,
+                   add: Callable[[ShardSpec, Segment], None]) -> None:  # fmt: skip
+    """``add(spec, segment)`` for each of a source's shards (laid out by ``metadata["layout"] == text``) and
+    each of its segments that meets ``wanted``. Every shard's name must be in the layout; the shards added
+    are checked against it (``check_fits``)."""
+    layout = resolve(text)[0]
+    names = list(map(_NAME, shards))
+    if not layout.keys() >= set(names):
+        check_fits(next(s for s in shards if s.name not in layout), None, version)
+    by_name = dict(zip(names, shards, strict=True))
+    index = _index(text)
+    for canon, boxes in wanted.items():
+        segs = index.get(canon)
+        if segs is None:
+            continue
+        seen: set[tuple[str, Box]] = set()
+        for box in (None,) if boxes is None else boxes:
+            for name, seg in segs.entries if box is None else segs.meeting(box):
+                spec = by_name.get(name)
+                if spec is not None and (name, seg.lbox) not in seen and meets(boxes, seg.cbox):
+                    seen.add((name, seg.lbox))
+                    check_fits(spec, layout[name], version)
+                    add(spec, seg)

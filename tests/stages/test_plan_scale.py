@@ -1,0 +1,135 @@
+"""Plans of large MoE models (shape-only publications, meta tensors; issue 32, item 2):
+
+- a receiver with a layout looks up only the trainer shards that meet what it reads (``stages._wanted``):
+  its plan is the same, read for read, as one built from every shard;
+- a shard whose direct pieces fit in one batch is not cut by a batch boundary (one read, not two);
+- a slice that would fill more than ``max_direct_buckets`` batches gets larger batches.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+import refitflow as rf
+from refitflow.core.digests import Tiling, choose_tiling
+from refitflow.core.errors import ManifestError
+from refitflow.layouts import ModelDims, Parallel, fused, megatron
+from refitflow.layouts.wire import layout_metadata
+from refitflow.pipeline.config import ReceiverConfig
+from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.stages import _target
+from refitflow.stages.plan import Plan, build_plan
+
+DIMS = ModelDims(
+    vocab=512,
+    hidden=64,
+    layers=3,
+    heads=8,
+    kv_heads=8,
+    head_dim=16,
+    ffn=128,
+    dense_layers=1,
+    experts=16,
+    expert_ffn=256,
+    shared_ffn=32,
+    router_bias=True,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    rope_dim=8,
+    v_head_dim=16,
+)  # fmt: skip  (Kimi-K2's family, small)
+TRAIN = 4  # Megatron TP 4 x EP 4 folded, expert TP 1: rank r holds experts 4r..4r+3
+
+
+def _spec(name: str, shape: tuple[int, ...]) -> rf.ShardSpec:
+    rows, cols = choose_tiling(shape, 2)
+    blocks = base64.b64encode(bytes(8 * Tiling("xxh3", shape, 2, rows, cols).count)).decode()
+    return rf.ShardSpec(
+        name=name, dtype="bfloat16", global_shape=shape, axis=None, start=0, stop=shape[0] if shape else 1,
+        digest="0" * 16, region=0, tile_rows=rows, tile_cols=cols, blocks=blocks,
+    )  # fmt: skip
+
+
+def _publication(change: dict[str, tuple[int, ...]] | None = None) -> rf.Publication:
+    ident = rf.Identity(model="moe", layout="megatron")
+    manifests = []
+    for r in range(TRAIN):
+        par = Parallel(tp=TRAIN, tp_rank=r, ep=TRAIN, ep_rank=r, expert_tp=1)
+        layout = megatron.layout(DIMS, par, experts="grouped")
+        shapes = {n: lt.shape for n, lt in layout.items()} | (change or {})
+        manifests.append(rf.Manifest(
+            identity=ident, version=1, rank=r, world_size=TRAIN, shards=tuple(_spec(n, s) for n, s in shapes.items()),
+            source=rf.SourceAddress(transport="loopback", agent=f"t{r}"),
+            metadata=layout_metadata("megatron", DIMS, par, experts="grouped"),
+        ))  # fmt: skip
+    return rf.Publication(identity=ident, version=1, manifests=tuple(manifests))
+
+
+def _destination(rank: int) -> Destination:
+    par = fused.parallel(tp=8, tp_rank=rank, dp=1, dp_rank=0, expert_parallel=True)
+    layout = fused.layout(DIMS, par)
+    params = {n: torch.empty(lt.shape, dtype=torch.bfloat16, device="meta") for n, lt in layout.items()}
+    return Destination(params, ApplyMode.IN_PLACE, layout)
+
+
+def _reads(plan: Plan) -> list[tuple[object, ...]]:
+    pieces = [p for b in plan.buckets for p in b.pieces]
+    return sorted((p.source, p.tensor, p.box, tuple((s.param, s.dbox) for s in p.scatters)) for p in pieces)
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_a_plan_through_the_layout_index_reads_what_a_plan_from_every_shard_reads(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub, dest, limits = _publication(), _destination(rank), ReceiverConfig().limits
+    indexed = build_plan(pub, dest, limits)
+    assert _target.Target(dest).wanted is not None  # a layout: the index is used
+    monkeypatch.setattr(_target, "wanted_boxes", lambda layout: None)  # every shard, as before the index
+    whole = build_plan(pub, dest, limits)
+    assert _reads(indexed) == _reads(whole)
+    assert indexed.nbytes == whole.nbytes and indexed.ideal_bytes == whole.ideal_bytes
+    assert indexed.digest_geometry == whole.digest_geometry
+    experts = {p.tensor for b in indexed.buckets for p in b.pieces if ".experts." in p.tensor}
+    assert experts and len(experts) < sum(".experts." in s.name for m in pub.manifests for s in m.shards)
+
+
+def test_a_shard_that_does_not_fit_its_layout_is_refused_when_read() -> None:
+    name = "decoder.layers.1.mlp.experts.linear_fc2.weight0"  # rank 0's first expert, read by receiver rank 0
+    with pytest.raises(ManifestError, match="does not match its layout"):
+        build_plan(_publication({name: (64, 16)}), _destination(0), ReceiverConfig().limits)
+    ghost = {"decoder.layers.1.mlp.experts.linear_fc2.weight99": (64, 32)}  # a name its layout does not have
+    with pytest.raises(ManifestError, match="does not match its layout"):
+        build_plan(_publication(ghost), _destination(5), ReceiverConfig().limits)
+
+
+def test_a_shard_that_fits_in_a_batch_is_not_cut_by_one() -> None:
+    # an expert's fc1 is gate and up (two copies of one shard, two pieces): with batches of one fc1 and a
+    # little, a batch that holds something else when an fc1 comes would end inside it were shards not kept whole
+    pub, dest = _publication(), _destination(0)
+    fc1 = 2 * DIMS.expert_ffn * DIMS.hidden * 2
+    plan = build_plan(pub, dest, ReceiverConfig(direct_bucket_bytes=fc1 + 128).limits)
+    where: dict[tuple[int, str], set[int]] = {}
+    for b in plan.buckets:
+        for p in b.pieces:
+            if p.direct:
+                where.setdefault((p.source, p.tensor), set()).add(b.index)
+    assert any("linear_fc1" in t for _, t in where)
+    assert all(len(buckets) == 1 for buckets in where.values()), where
+    fc1_reads = [r for b in plan.buckets for r in b.reads if r.param and "w13" in r.param]
+    fc1_shards = {k for k in where if "linear_fc1" in k[1] and ".experts." in k[1]}
+    assert len(fc1_reads) == len(fc1_shards)  # gate and up: one read
+
+
+def test_a_slice_that_would_fill_too_many_batches_gets_larger_ones() -> None:
+    pub, dest = _publication(), _destination(0)
+    many = build_plan(pub, dest, ReceiverConfig(direct_bucket_bytes=1024).limits)
+    few = build_plan(pub, dest, ReceiverConfig(direct_bucket_bytes=1024, max_direct_buckets=8).limits)
+    batch = -(-_target.Target(dest).nbytes // 8)
+    assert max(b.direct_bytes for b in many.buckets) <= 1024 < max(b.direct_bytes for b in few.buckets) <= batch
+    assert len(few.buckets) < len(many.buckets) // 4
+    assert _reads(many) != _reads(few) and many.nbytes == few.nbytes
+    with pytest.raises(rf.ConfigError):
+        ReceiverConfig(max_direct_buckets=0)
