@@ -19,7 +19,7 @@ from refitflow.api._digests import DIGEST_CHOICES, _digest_one_at_a_time, _geome
 from refitflow.api._dtensor import is_dtensor, local_part
 from refitflow.api._sharded import Sharded
 from refitflow.api._transport import choose_transport
-from refitflow.core.columns import specs_of
+from refitflow.core.columns import specs_of_columns
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
 from refitflow.core.gil import off_loop
@@ -45,6 +45,8 @@ class PublishRegistry(Protocol):
     async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
+_LAYOUT_FIELDS = ("dtype", "global_shape", "axis", "start", "stop")  # what ``_spec`` gives of each tensor
+_DIGEST_FIELDS = {"algo": "xxh3", "tile_rows": 0, "tile_cols": 0, "blocks": "", "digest": ""}  # and ``_digests``
 EARLY_CHANGED = 0.99  # announce early (``announce_early=None``) after a version that changed this share of bytes
 
 
@@ -176,7 +178,8 @@ class Publisher:
             raise ConfigError("use the publisher inside 'async with'")
         return self._transport
 
-    def _spec(self, name: str, value: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _spec(self, name: str, value: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """The tensor to publish for ``value`` and its layout fields (dtype, global shape, axis, start, stop)."""
         if isinstance(value, Sharded):
             tensor, axis, start = value.tensor, value.axis, value.start
             shape = tuple(value.global_shape)
@@ -189,15 +192,7 @@ class Publisher:
         if not tensor.is_contiguous():
             raise ConfigError(f"{name!r} is not contiguous; refitflow never copies the trainer's tensors")
         check_device(tensor.device, repr(name))  # before anything is registered
-        fields = dict(
-            dtype=dtype_name(tensor.dtype, tensor=name),
-            global_shape=shape,
-            axis=axis,
-            start=start,
-            stop=stop,
-            **self.compile,
-        )
-        return tensor.detach(), fields
+        return tensor.detach(), (dtype_name(tensor.dtype, tensor=name), shape, axis, start, stop)
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded], *,
                       metadata: Mapping[str, str] | None = None, quant: Mapping[str, str] | None = None,
@@ -230,28 +225,31 @@ class Publisher:
         if not self.column_digests:
             meta["digests"] = "rows"
 
-        def specs() -> list[tuple[str, torch.Tensor, dict[str, Any]]]:  # every check before anything is registered
+        def specs() -> list[tuple[str, torch.Tensor, tuple[Any, ...]]]:  # every check before anything is registered
             held = {name: local_part(name, value) for name, value in tensors.items()}
             empty = {name for name, value in tensors.items() if held[name] is None and is_dtensor(value)}
             return [(name, *self._spec(name, value)) for name, value in held.items() if name not in empty]
 
         prepared = await off_loop(specs) if many else specs()
-        meta |= quant_metadata({name: t for name, t, _ in prepared}, quant, meta)
-        step = mark_current(devices_of(t for _, t, _ in prepared))  # the trainer's work, as queued on its streams
-        regions = {name: self.transport.register(t) for name, t, _ in prepared}
+        names = [name for name, _, _ in prepared]
+        held = [t for _, t, _ in prepared]
+        meta |= quant_metadata(dict(zip(names, held, strict=True)), quant, meta)
+        step = mark_current(devices_of(held))  # the trainer's work, as queued on its streams
+        regions = [self.transport.register(t) for t in held]
         await wait_marks(step)  # off the loop: digests and peers read the finished step
         source = self.transport.address()
-        items = [(t, digest_algorithm(t, self._digest_choice)) for _, t, _ in prepared]
+        items = [(t, digest_algorithm(t, self._digest_choice)) for t in held]
+        # the specs a column at a time (``core.columns``): the layout's columns once, the digests' per message
+        columns: dict[str, list[Any]] = {"name": names, "region": regions}
+        columns |= {f: [fields[k] for _, _, fields in prepared] for k, f in enumerate(_LAYOUT_FIELDS)}
+        columns |= {f: [v] * len(names) for f, v in self.compile.items()}
 
         def build(fields: list[dict[str, Any]] | None) -> Manifest:  # every spec checked, a column at a time
             if fields is None:  # pending: the digest geometry alone
                 fields = [_geometry(_tiling(t, algo, self.column_digests)) for t, algo in items]
-            shards = specs_of(
-                {"name": name, "region": regions[name], **spec, **digests}
-                for (name, _, spec), digests in zip(prepared, fields, strict=True)
-            )
+            digests = {f: [d.get(f, default) for d in fields] for f, default in _DIGEST_FIELDS.items()}
             return Manifest(identity=self.identity, version=version, rank=self.rank, world_size=self.world_size,
-                            source=source, shards=shards, metadata=meta)  # fmt: skip
+                            source=source, shards=specs_of_columns(columns | digests), metadata=meta)  # fmt: skip
 
         async def announce(fields: list[dict[str, Any]] | None) -> Manifest:
             manifest = await off_loop(build, fields) if many else build(fields)
@@ -263,12 +261,13 @@ class Publisher:
             await announce(None)
         fields = await anyio.to_thread.run_sync(_digest_one_at_a_time, items, self.column_digests)
         manifest = await announce(fields)
+        sizes = [t.numel() * t.element_size() for t in held]
         if self.announce_early is None:
-            self._learn_changes(manifest)
-        self.observer.version_published(version, sum(s.nbytes for s in manifest.shards))
+            self._learn_changes(names, sizes, [d["digest"] for d in fields])
+        self.observer.version_published(version, sum(sizes))
         self.published.append(version)
-        self._regions_by_version[version] = set(regions.values())
-        self._known_regions |= set(regions.values())
+        self._regions_by_version[version] = set(regions)
+        self._known_regions |= set(regions)
         await self._forget_released()
         return manifest
 
@@ -279,14 +278,12 @@ class Publisher:
             return self.announce_early
         return self._changed is not None and self._changed >= EARLY_CHANGED
 
-    def _learn_changes(self, manifest: Manifest) -> None:
+    def _learn_changes(self, names: list[str], sizes: list[int], digests: list[str]) -> None:
         """The share of this version's bytes whose digest differs from the last version's (auto announce)."""
-        last, total, changed = self._digests, 0, 0
-        for s in manifest.shards:
-            total += s.nbytes
-            changed += s.nbytes if last.get(s.name) != s.digest else 0
+        last, total = self._digests, sum(sizes)
+        changed = sum(n for name, n, d in zip(names, sizes, digests, strict=True) if last.get(name) != d)
         self._changed = changed / total if last and total else None
-        self._digests = {s.name: s.digest for s in manifest.shards}
+        self._digests = dict(zip(names, digests, strict=True))
 
     async def released(self, version: int, timeout: float | None = None) -> None:
         """Return when ``version`` is released per the release policy (its tensors may change then)."""

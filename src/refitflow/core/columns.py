@@ -24,7 +24,8 @@ from refitflow.core.dtypes import itemsize, known_names
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import MAX_DIMS, MAX_ELEMENTS, MAX_INT, ShardSpec, shard_tiling
 
-__all__ = ["DIGESTS", "FIELDS", "KINDS", "completed_columns", "shards_from_columns", "shards_to_columns", "specs_of"]
+__all__ = ["DIGESTS", "FIELDS", "KINDS", "completed_columns", "shards_from_columns", "shards_to_columns", "specs_of",
+           "specs_of_columns"]  # fmt: skip
 
 FIELDS = ("name", "dtype", "global_shape", "axis", "start", "stop", "digest", "region", "offset", "algo",
           "tile_rows", "tile_cols", "blocks", "compile_target", "compile_metadata")  # fmt: skip
@@ -73,8 +74,14 @@ def specs_of(rows: Iterable[Mapping[str, Any]]) -> tuple[ShardSpec, ...]:
     """``ShardSpec``s of field mappings (a publisher's: absent fields take their defaults), checked as the wire
     form is — a column at a time, ≈ 1–2 µs a spec where one ``ShardSpec(...)`` each takes 5–10."""
     rows = list(rows)
-    columns = {f: [r.get(f, default) for r in rows] for f, default in _SPEC_DEFAULTS.items()}
-    return shards_from_columns(_split(columns, len(rows), {}))
+    return specs_of_columns({f: [r.get(f, default) for r in rows] for f, default in _SPEC_DEFAULTS.items()})
+
+
+def specs_of_columns(columns: Mapping[str, Sequence[Any]]) -> tuple[ShardSpec, ...]:
+    """``specs_of`` for fields given as columns of equal length (absent ones take their defaults)."""
+    n = len(columns["name"])
+    full = {f: columns[f] if f in columns else [default] * n for f, default in _SPEC_DEFAULTS.items()}
+    return shards_from_columns(_split(full, n, {}))
 
 
 def completed_columns(pending: tuple[ShardSpec, ...], digests: Any) -> dict[str, Any]:
