@@ -15,7 +15,15 @@ from typing import Any, Protocol
 import anyio.to_thread
 import torch
 
-from refitflow.api._digests import DIGEST_CHOICES, _digest_one_at_a_time, _geometry, _tiling, digest_algorithm
+from refitflow.api._digests import (
+    DIGEST_CHOICES,
+    Digests,
+    _digest_one_at_a_time,
+    _tiling,
+    digest_algorithm,
+    digest_columns,
+    pending_columns,
+)
 from refitflow.api._dtensor import is_dtensor, local_part
 from refitflow.api._sharded import Sharded
 from refitflow.api._transport import choose_transport
@@ -46,7 +54,6 @@ class PublishRegistry(Protocol):
 
 
 _LAYOUT_FIELDS = ("dtype", "global_shape", "axis", "start", "stop")  # what ``_spec`` gives of each tensor
-_DIGEST_FIELDS = {"algo": "xxh3", "tile_rows": 0, "tile_cols": 0, "blocks": "", "digest": ""}  # and ``_digests``
 EARLY_CHANGED = 0.99  # announce early (``announce_early=None``) after a version that changed this share of bytes
 
 
@@ -191,8 +198,8 @@ class Publisher:
             raise ConfigError(f"{name!r}: expected a tensor or rf.Sharded, got {type(value).__name__}")
         if not tensor.is_contiguous():
             raise ConfigError(f"{name!r} is not contiguous; refitflow never copies the trainer's tensors")
-        check_device(tensor.device, repr(name))  # before anything is registered
-        return tensor.detach(), (dtype_name(tensor.dtype, tensor=name), shape, axis, start, stop)
+        held = tensor.detach() if tensor.requires_grad else tensor  # (a state_dict's tensors are detached already)
+        return held, (dtype_name(tensor.dtype, tensor=name), shape, axis, start, stop)
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded], *,
                       metadata: Mapping[str, str] | None = None, quant: Mapping[str, str] | None = None,
@@ -227,43 +234,49 @@ class Publisher:
 
         def specs() -> list[tuple[str, torch.Tensor, tuple[Any, ...]]]:  # every check before anything is registered
             held = {name: local_part(name, value) for name, value in tensors.items()}
-            empty = {name for name, value in tensors.items() if held[name] is None and is_dtensor(value)}
-            return [(name, *self._spec(name, value)) for name, value in held.items() if name not in empty]
+            # a DTensor whose chunk on this rank is empty: nothing to publish for it
+            return [(name, *self._spec(name, value)) for name, value in held.items()
+                    if value is not None or not is_dtensor(tensors[name])]  # fmt: skip
 
         prepared = await off_loop(specs) if many else specs()
         names = [name for name, _, _ in prepared]
         held = [t for _, t, _ in prepared]
+        devices = devices_of(held)
+        for device in devices:  # before anything is registered
+            check_device(device, repr(next(n for n, t in zip(names, held, strict=True) if t.device == device)))
         meta |= quant_metadata(dict(zip(names, held, strict=True)), quant, meta)
-        step = mark_current(devices_of(held))  # the trainer's work, as queued on its streams
+        step = mark_current(devices)  # the trainer's work, as queued on its streams
         regions = [self.transport.register(t) for t in held]
         await wait_marks(step)  # off the loop: digests and peers read the finished step
         source = self.transport.address()
         items = [(t, digest_algorithm(t, self._digest_choice)) for t in held]
+        tilings = [_tiling(t, algo, self.column_digests) for t, algo in items]
         # the specs a column at a time (``core.columns``): the layout's columns once, the digests' per message
         columns: dict[str, list[Any]] = {"name": names, "region": regions}
         columns |= {f: [fields[k] for _, _, fields in prepared] for k, f in enumerate(_LAYOUT_FIELDS)}
         columns |= {f: [v] * len(names) for f, v in self.compile.items()}
 
-        def build(fields: list[dict[str, Any]] | None) -> Manifest:  # every spec checked, a column at a time
-            if fields is None:  # pending: the digest geometry alone
-                fields = [_geometry(_tiling(t, algo, self.column_digests)) for t, algo in items]
-            digests = {f: [d.get(f, default) for d in fields] for f, default in _DIGEST_FIELDS.items()}
+        def build(fields: list[Digests] | None, pending: Manifest | None) -> Manifest:
+            """Every spec checked a column at a time (the complete manifest of an early announcement has the same
+            layout as the pending one: its layout digest is kept)."""
+            digests = pending_columns(tilings) if fields is None else digest_columns(fields)  # pending: geometry
             return Manifest(identity=self.identity, version=version, rank=self.rank, world_size=self.world_size,
-                            source=source, shards=specs_of_columns(columns | digests), metadata=meta)  # fmt: skip
+                            source=source, shards=specs_of_columns(columns | digests), metadata=meta,
+                            layout_digest=pending.layout_digest if pending is not None else "")  # fmt: skip
 
-        async def announce(fields: list[dict[str, Any]] | None) -> Manifest:
-            manifest = await off_loop(build, fields) if many else build(fields)
+        async def announce(fields: list[Digests] | None, pending: Manifest | None = None) -> Manifest:
+            manifest = await off_loop(build, fields, pending) if many else build(fields, pending)
             await self.registry.publish(manifest)
             return manifest
 
         self.announced_early = self.announces_early
-        if self.announced_early:  # the layout first: receivers read while the digests are computed
-            await announce(None)
-        fields = await anyio.to_thread.run_sync(_digest_one_at_a_time, items, self.column_digests)
-        manifest = await announce(fields)
+        # the layout first: receivers read while the digests are computed
+        pending = await announce(None) if self.announced_early else None
+        fields = await anyio.to_thread.run_sync(_digest_one_at_a_time, items, self.column_digests, tilings)
+        manifest = await announce(fields, pending)
         sizes = [t.numel() * t.element_size() for t in held]
         if self.announce_early is None:
-            self._learn_changes(names, sizes, [d["digest"] for d in fields])
+            self._learn_changes(names, sizes, [d[-1] for d in fields])  # (the digest is last)
         self.observer.version_published(version, sum(sizes))
         self.published.append(version)
         self._regions_by_version[version] = set(regions)
