@@ -1,21 +1,22 @@
 """Planning time for a Kimi-K2-shaped model: a Megatron trainer at EP 8 into vLLM ranks at EP 16.
 
-    python bench/kimi_plan_bench.py [--layers 61] [--experts 384] [--receiver tp16|dp16] [--ranks 0,15]
+    python bench/kimi_plan_bench.py [--layers 61] [--experts 384] [--receiver tp16|dp16|tp8xdp8] [--ranks 0,15]
 
 No weights: the trainer's shards are shape-only ``ShardSpec``s (block digests of the publisher's block
 sizes, zero bytes) and the receiver's parameters are meta tensors, so a 1-T-parameter model plans in
 little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 folded on 8 ranks
 (expert TP 1: rank r holds attention slice r and experts 48r..48r+47). Receivers: vLLM, experts on
-16 EP ranks (expert TP 1) with attention TP 16 (``tp16``) or attention data-parallel (``dp16``:
-TP 1 × DP 16). For each receiver rank asked for it prints the time to build its plan (cold: layouts
-resolved and cached on first use, which the first rank pays), the box copies, buckets, reads and
-bytes, against the bytes of its slice.
+EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN`` attention data-parallel (TP 1 × DP N,
+EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (default: the first and the last)
+it prints the time to build its plan (cold: layouts resolved and cached on first use, which the first
+rank pays), the box copies, buckets, reads and bytes, against the bytes of its slice.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import re
 import time
 
 import torch
@@ -73,9 +74,14 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--train-tp", type=int, default=8)
     ap.add_argument("--train-ep", type=int, default=8)
-    ap.add_argument("--receiver", choices=["tp16", "dp16"], default="tp16")
-    ap.add_argument("--ranks", default="0,15")
+    ap.add_argument("--receiver", default="tp16", help="tpN, dpN or tpAxdpB: vLLM's attention TP and DP (EP: TP x DP)")
+    ap.add_argument("--ranks", default=None, help="receiver ranks to plan (default: the first and the last)")
     a = ap.parse_args()
+    shape = re.fullmatch(r"(?:tp(\d+))?x?(?:dp(\d+))?", a.receiver)
+    if shape is None or not any(shape.groups()):
+        ap.error(f"--receiver: tpN, dpN or tpAxdpB, got {a.receiver!r}")
+    rtp, rdp = (int(g) if g else 1 for g in shape.groups())
+    ranks = [int(x) for x in a.ranks.split(",")] if a.ranks else [0, rtp * rdp - 1]
     d = kimi_k2(a.layers, a.experts)
     t0 = time.perf_counter()
     pub, layout_s = publication(d, a.train_tp, a.train_ep)
@@ -85,9 +91,8 @@ def main() -> None:
           f"ranks, {shards:,} shards; publication built in {time.perf_counter() - t0:.1f} s "
           f"(trainer layouts {layout_s:.1f} s)")  # fmt: skip
     limits = ReceiverConfig().limits
-    for r in (int(x) for x in a.ranks.split(",")):
-        tp, tp_rank, dp, dp_rank = (16, r, 1, 0) if a.receiver == "tp16" else (1, 0, 16, r)
-        par = fused.parallel(tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, expert_parallel=True)
+    for r in ranks:
+        par = fused.parallel(tp=rtp, tp_rank=r % rtp, dp=rdp, dp_rank=r // rtp, expert_parallel=True)
         t0 = time.perf_counter()
         layout = fused.layout(d, par)
         layout_s = time.perf_counter() - t0
@@ -99,7 +104,7 @@ def main() -> None:
         plan_s = time.perf_counter() - t0
         reads = sum(len(b.reads) for b in plan.buckets)
         copies = sum(len(p.scatters) for b in plan.buckets for p in b.pieces)
-        print(f"vLLM EP 16 {a.receiver} rank {r:>2}: {len(layout):>5} params, layout {layout_s * 1e3:6.1f} ms, "
+        print(f"vLLM EP {rtp * rdp} {a.receiver} rank {r:>2}: {len(layout):>5} params, layout {layout_s * 1e3:.1f} ms, "
               f"plan {plan_s:6.2f} s{' (cold: resolves the trainer layouts)' if cold else ''}; "
               f"{copies:>6,} box copies, {len(plan.buckets):>5} buckets, {reads:>7,} reads, "
               f"{plan.nbytes / 1e9:6.2f} GB pulled for a {plan.ideal_bytes / 1e9:6.2f} GB slice")  # fmt: skip
