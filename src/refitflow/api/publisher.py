@@ -198,8 +198,8 @@ class Publisher:
             raise ConfigError(f"{name!r}: expected a tensor or rf.Sharded, got {type(value).__name__}")
         if not tensor.is_contiguous():
             raise ConfigError(f"{name!r} is not contiguous; refitflow never copies the trainer's tensors")
-        held = tensor.detach() if tensor.requires_grad else tensor  # (a state_dict's tensors are detached already)
-        return held, (dtype_name(tensor.dtype, tensor=name), shape, axis, start, stop)
+        data = tensor.detach() if tensor.requires_grad else tensor  # (a state_dict's tensors are detached already)
+        return data, (dtype_name(tensor.dtype, tensor=name), shape, axis, start, stop)
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor | Sharded], *,
                       metadata: Mapping[str, str] | None = None, quant: Mapping[str, str] | None = None,
@@ -233,9 +233,9 @@ class Publisher:
             meta["digests"] = "rows"
 
         def specs() -> list[tuple[str, torch.Tensor, tuple[Any, ...]]]:  # every check before anything is registered
-            held = {name: local_part(name, value) for name, value in tensors.items()}
+            parts = {name: local_part(name, value) for name, value in tensors.items()}
             # a DTensor whose chunk on this rank is empty: nothing to publish for it
-            return [(name, *self._spec(name, value)) for name, value in held.items()
+            return [(name, *self._spec(name, value)) for name, value in parts.items()
                     if value is not None or not is_dtensor(tensors[name])]  # fmt: skip
 
         prepared = await off_loop(specs) if many else specs()
