@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import ShardSpec
-from refitflow.layouts.boxes import Box, full
+from refitflow.layouts.boxes import Box, full, intersect
 from refitflow.layouts.canonical import LocalTensor, Segment
 from refitflow.layouts.wire import resolve
 
@@ -42,15 +42,7 @@ def wanted_boxes(layout: Mapping[str, LocalTensor]) -> Wanted:
 
 def meets(boxes: tuple[Box, ...] | None, cbox: Box) -> bool:
     """Whether ``cbox`` meets one of ``boxes`` (None: the whole tensor is wanted; (): none of it)."""
-    if boxes is None:
-        return True
-    for box in boxes:
-        for (a0, a1), (b0, b1) in zip(box, cbox, strict=True):
-            if a0 >= b1 or b0 >= a1:
-                break
-        else:
-            return True
-    return False
+    return boxes is None or any(intersect(box, cbox) is not None for box in boxes)
 
 
 @dataclass(frozen=True, slots=True)
