@@ -8,8 +8,9 @@ little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 fo
 (expert TP 1: rank r holds attention slice r and experts 48r..48r+47). Receivers: vLLM, experts on
 EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN`` attention data-parallel (TP 1 × DP N,
 EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (default: the first and the last)
-it prints the time to build its plan (cold: layouts resolved and cached on first use, which the first
-rank pays), the box copies, buckets, reads and bytes, against the bytes of its slice.
+it prints the time to build its plan — each rank resolves the part of the trainer layouts it reads, as
+its own process does on its first refit; the first plan in this process also fills caches of shapes
+shared by every rank ("first") — the box copies, buckets, reads and bytes, against the bytes of its slice.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
-from refitflow.layouts.wire import layout_metadata, resolve
+from refitflow.layouts.wire import layout_metadata
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.stages.plan import build_plan
@@ -98,14 +99,14 @@ def main() -> None:
         layout_s = time.perf_counter() - t0
         params = {n: torch.empty(lt.shape, dtype=torch.bfloat16, device="meta") for n, lt in layout.items()}
         dest = Destination(params, ApplyMode.IN_PLACE, layout)
-        cold = resolve.cache_info().currsize == 0
+        first = r == ranks[0]
         t0 = time.perf_counter()
         plan = build_plan(pub, dest, limits)
         plan_s = time.perf_counter() - t0
         reads = sum(len(b.reads) for b in plan.buckets)
         copies = sum(len(p.scatters) for b in plan.buckets for p in b.pieces)
         print(f"vLLM EP {rtp * rdp} {a.receiver} rank {r:>2}: {len(layout):>5} params, layout {layout_s * 1e3:.1f} ms, "
-              f"plan {plan_s:6.2f} s{' (cold: resolves the trainer layouts)' if cold else ''}; "
+              f"plan {plan_s:6.2f} s{' (first)' if first else ''}; "
               f"{copies:>6,} box copies, {len(plan.buckets):>5} buckets, {reads:>7,} reads, "
               f"{plan.nbytes / 1e9:6.2f} GB pulled for a {plan.ideal_bytes / 1e9:6.2f} GB slice")  # fmt: skip
 

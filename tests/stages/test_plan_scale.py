@@ -17,7 +17,7 @@ import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.core.errors import ManifestError
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
-from refitflow.layouts.wire import layout_metadata
+from refitflow.layouts.wire import layout_metadata, resolve
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.stages import _target
@@ -87,7 +87,7 @@ def test_a_plan_through_the_layout_index_reads_what_a_plan_from_every_shard_read
     pub, dest, limits = _publication(), _destination(rank), ReceiverConfig().limits
     indexed = build_plan(pub, dest, limits)
     assert _target.Target(dest).wanted is not None  # a layout: the index is used
-    monkeypatch.setattr(_target, "wanted_boxes", lambda layout: None)  # every shard, as before the index
+    monkeypatch.setattr(_target, "Wanted", lambda layout: None)  # every shard, as before the index
     whole = build_plan(pub, dest, limits)
     assert _reads(indexed) == _reads(whole)
     assert indexed.nbytes == whole.nbytes and indexed.ideal_bytes == whole.ideal_bytes
@@ -133,3 +133,22 @@ def test_a_slice_that_would_fill_too_many_batches_gets_larger_ones() -> None:
     assert _reads(many) != _reads(few) and many.nbytes == few.nbytes
     with pytest.raises(rf.ConfigError):
         ReceiverConfig(max_direct_buckets=0)
+
+
+def test_a_trainer_layout_is_built_with_only_the_experts_a_receiver_reads() -> None:
+    # receiver rank 5 of 8 (EP 8) holds experts 10 and 11: trainer rank 2's local experts 2 and 3
+    wanted = _target.Target(_destination(5)).wanted
+    assert wanted is not None
+    for r in range(TRAIN):
+        text = layout_metadata("megatron", DIMS, Parallel(tp=TRAIN, tp_rank=r, ep=TRAIN, ep_rank=r, expert_tp=1),
+                               experts="grouped")["layout"]  # fmt: skip
+        whole = resolve(text)[0]
+        found = wanted.resolved(text)
+        assert found is wanted.resolved(text)  # kept with the receiver's Wanted
+        assert found.names == set(whole)  # every name, built or left out
+        assert all(found.layout[n] == whole[n] for n in found.layout)
+        experts = {n.rsplit(".", 1)[-1] for n in found.layout if ".experts." in n}
+        assert experts == ({"weight2", "weight3"} if r == 2 else set()), (r, experts)
+        assert set(whole) - set(found.layout) == {n for n in whole if ".experts." in n} - set(found.layout)
+    with pytest.raises(rf.ConfigError, match="not a layout option"):
+        layout_metadata("megatron", DIMS, Parallel(), only=None)

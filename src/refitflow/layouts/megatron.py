@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.canonical import LayoutMap, ModelDims
-from refitflow.layouts.rules import Parallel, Table, Tables, build, pad
+from refitflow.layouts.rules import Only, Parallel, Table, Tables, build, pad
 
 __all__ = ["EXPERTS", "FIRST", "LAST", "SPECS", "VOCAB_DIVISIBLE_BY", "layout", "padded_vocab"]
 
@@ -124,9 +124,11 @@ def layout(
     experts: str = "sequential",
     vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
     pp_layers: tuple[int, ...] | list[int] | None = None,
+    only: Only | None = None,
 ) -> LayoutMap:
     """This rank's Megatron-core parameters (``spec``: ``"te"`` or ``"local"``; ``experts``: ``"sequential"``
-    or ``"grouped"``); expert TP is ``par.expert_tp``, TP when unset (Megatron-core's default)."""
+    or ``"grouped"``); expert TP is ``par.expert_tp``, TP when unset (Megatron-core's default). ``only``:
+    the per-expert entries built in part (``rules.Only``: planning's, never a manifest's option)."""
     if d.tied and par.pp > 1:
         raise ConfigError("a tied output layer under pipeline parallelism is not modelled")
     if spec not in SPECS or experts not in EXPERTS:
@@ -135,4 +137,4 @@ def layout(
     tables = replace(tables, moe=tables.moe | EXPERTS[experts])
     rows = padded_vocab(d.vocab, par.tp, vocab_divisible_by)
     stages = None if pp_layers is None else tuple(pp_layers)
-    return build(tables, "decoder.layers", d, par, vocab_rows=rows, stages=stages, local_index=True)
+    return build(tables, "decoder.layers", d, par, vocab_rows=rows, stages=stages, local_index=True, only=only)

@@ -15,9 +15,9 @@ from typing import Any
 from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.layouts import fused, hf, megatron, sglang
 from refitflow.layouts.canonical import LayoutMap, ModelDims, canonical_shapes
-from refitflow.layouts.rules import Parallel
+from refitflow.layouts.rules import Only, Parallel
 
-__all__ = ["LAYOUTS", "layout_metadata", "resolve"]
+__all__ = ["LAYOUTS", "layout_metadata", "resolve", "resolve_only", "shapes"]
 
 
 def _hf(d: ModelDims, par: Parallel, *, experts: str = "fused") -> LayoutMap:
@@ -38,6 +38,8 @@ def layout_metadata(name: str, dims: ModelDims, par: Parallel, **options: Any) -
     (``vocab_divisible_by=``, ``spec=``, ``experts=``, ``vocab_padding=``...)."""
     if name not in LAYOUTS:
         raise ManifestError(f"unknown layout {name!r}; known: {sorted(LAYOUTS)}")
+    if "only" in options:
+        raise ConfigError("only= builds a layout in part for planning: it is not a layout option")
     doc: dict[str, Any] = {"name": name, "dims": asdict(dims), "par": asdict(par)}
     if options:
         doc["options"] = options
@@ -48,13 +50,42 @@ def layout_metadata(name: str, dims: ModelDims, par: Parallel, **options: Any) -
     return {"layout": json.dumps(doc, sort_keys=True, separators=(",", ":"))}
 
 
+@lru_cache(maxsize=256)
+def _parsed(text: str) -> tuple[Callable[..., LayoutMap], ModelDims, Parallel, dict[str, Any]]:
+    try:
+        d = json.loads(text)
+        return LAYOUTS[d["name"]], ModelDims(**d["dims"]), Parallel(**d["par"]), d.get("options", {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"bad layout metadata: {type(exc).__name__}: {exc}") from exc
+
+
+def _built(text: str, **only: Only) -> LayoutMap:
+    build, dims, par, options = _parsed(text)
+    try:
+        return build(dims, par, **options, **only)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"bad layout metadata: {type(exc).__name__}: {exc}") from exc
+
+
 @lru_cache(maxsize=64)
 def resolve(text: str) -> tuple[LayoutMap, dict[str, tuple[int, ...]]]:
     """The layout map a manifest's ``metadata["layout"]`` describes, and the canonical shapes (cached)."""
-    try:
-        d = json.loads(text)
-        build = LAYOUTS[d["name"]]
-        dims = ModelDims(**d["dims"])
-        return build(dims, Parallel(**d["par"]), **d.get("options", {})), canonical_shapes(dims)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ManifestError(f"bad layout metadata: {type(exc).__name__}: {exc}") from exc
+    return _built(text), shapes(text)
+
+
+def shapes(text: str) -> dict[str, tuple[int, ...]]:
+    """The canonical shapes of the model ``metadata["layout"] == text`` describes (shared: do not change it)."""
+    return _shapes(_parsed(text)[1])
+
+
+@lru_cache(maxsize=16)
+def _shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    return canonical_shapes(dims)
+
+
+def resolve_only(text: str, only: Only) -> LayoutMap:
+    """The layout ``text`` describes built in part (``rules.Only``: Megatron's per-expert entries), not cached:
+    the caller keeps it. A layout without per-expert entries to leave out is ``resolve``'s (shared)."""
+    if _parsed(text)[0] is megatron.layout:
+        return _built(text, only=only)
+    return resolve(text)[0]

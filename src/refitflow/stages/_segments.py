@@ -19,6 +19,7 @@ from refitflow.layouts.canonical import LocalTensor, Segment, sliced
 from refitflow.layouts.quant import QuantFormat, declared_quant
 from refitflow.layouts.quant_layout import with_scales
 from refitflow.layouts.wire import resolve
+from refitflow.layouts.wire import shapes as layout_shapes
 from refitflow.stages._wanted import Wanted, check_fits, held_in_layout, meets
 from refitflow.stages.sources import SourceLoad
 
@@ -57,7 +58,7 @@ class Published:
 
 
 def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | None = None) -> Published:
-    """``pub`` in canonical space. ``wanted``: the boxes the receiver reads (``wanted_boxes``; a receiver with
+    """``pub`` in canonical space. ``wanted``: the boxes the receiver reads (``Wanted``; a receiver with
     a layout): boxes that meet none of them are neither kept nor checked for overlaps — a rank of a
     trillion-parameter model reads 1/16 of 150,000 shards; the shards read are checked against their layout.
     Nothing is left out when a manifest declares a quantised tensor (its scales are canonical tensors too)."""
@@ -69,6 +70,10 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
     if any(m.metadata.get("quant") for m in pub.manifests):
         wanted = None
     for i, m in enumerate(pub.manifests):  # trainer ranks
+        if "layout" in m.metadata and wanted is not None:  # through the layout's index: the shards read only
+            shapes |= layout_shapes(m.metadata["layout"])
+            held_in_layout(m.metadata["layout"], m.shards, wanted, pub.version, _adder(held, i))
+            continue
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         declared = declared_quant(m.metadata.get("quant"), pub.version)
         if layout is not None and declared:
@@ -82,9 +87,6 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
             if layout is None:
                 quant[aliases.get(name, name)] = fmt
         shapes |= canon_shapes
-        if layout is not None and wanted is not None:  # through the layout's index: the shards read only
-            held_in_layout(m.metadata["layout"], m.shards, wanted, pub.version, _adder(held, i))
-            continue
         if layout is not None:
             _from_layout(i, m.shards, layout, held, pub.version)
             continue
@@ -103,7 +105,7 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
                     tensor=spec.name, version=pub.version,
                 )  # fmt: skip
             for seg in local.segments:
-                if wanted is None or meets(wanted.get(seg.canonical, ()), seg.cbox):
+                if wanted is None or meets(wanted.boxes.get(seg.canonical, ()), seg.cbox):
                     held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
     out: dict[str, list[Held]] = {}
     load = SourceLoad(trainers=len(pub.manifests))

@@ -14,7 +14,7 @@ from refitflow.core.relay import RelayParam
 from refitflow.layouts.canonical import LocalTensor, sliced
 from refitflow.stages._context import Landing
 from refitflow.stages._route import aux_owner, default_route
-from refitflow.stages._wanted import wanted_boxes
+from refitflow.stages._wanted import Wanted
 
 __all__ = ["Target"]
 
@@ -39,7 +39,7 @@ class Target:
             if n not in scales
         }
         # what a plan reads of each canonical tensor (a layout's: the rest is left out of ``published``)
-        self.wanted = None if self.exact else wanted_boxes(self.layout)
+        self.wanted = None if self.exact else Wanted(self.layout)
         self.route = default_route(self.layout, quantised, landing.expected)  # nothing published quantised
         self.dtypes = {n: known_name(t.dtype) for n, t in params.items()}  # None: refitflow does not move it
         self.relay_params = tuple(RelayParam(n, self.dtypes[n] or "", tuple(t.shape), 0) for n, t in params.items())

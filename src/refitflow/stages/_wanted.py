@@ -1,43 +1,60 @@
 """What one receiver reads of a publication, and a trainer layout's shards found by the boxes it reads.
 
-A receiver with a layout reads a part of each canonical tensor (``wanted_boxes``); a rank of a
-trillion-parameter MoE model reads 1/16 of its 150,000 shards. ``held_in_layout`` finds a source's shards
-that meet those boxes through an index of the trainer layout by canonical tensor (sorted along dim 0 and
-cached with the layout), not by walking every shard: every shard's name must be in its layout, and the
-shards read are checked against it.
+A receiver with a layout reads a part of each canonical tensor (``Wanted``); a rank of a trillion-parameter
+MoE model reads 1/16 of its 150,000 shards. ``held_in_layout`` finds a source's shards that meet those boxes
+through an index of the trainer layout by canonical tensor (sorted along dim 0), not by walking every shard;
+the layout is built in part — of Megatron's per-expert entries, only the experts read (``rules.Only``) — and
+kept with the receiver's ``Wanted``. Every shard's name must be in its layout; the shards read are checked
+against it.
 """
 
 from __future__ import annotations
 
 import operator
 from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import ShardSpec
 from refitflow.layouts.boxes import Box, full, intersect
-from refitflow.layouts.canonical import LocalTensor, Segment
-from refitflow.layouts.wire import resolve
+from refitflow.layouts.canonical import LayoutMap, LocalTensor, Segment
+from refitflow.layouts.rules import Only
+from refitflow.layouts.wire import resolve_only
 
-__all__ = ["Wanted", "check_fits", "held_in_layout", "meets", "wanted_boxes"]
-
-Wanted = Mapping[str, tuple[Box, ...] | None]  # canonical -> the boxes read of it (None: all of it)
+__all__ = ["Wanted", "check_fits", "held_in_layout", "meets"]
 
 _NAME = operator.attrgetter("name")
 
 
-def wanted_boxes(layout: Mapping[str, LocalTensor]) -> Wanted:
-    """What a receiver of ``layout`` reads of each canonical tensor."""
-    out: dict[str, list[Box] | None] = {}
-    for lt in layout.values():
-        for seg in lt.segments:
-            boxes = out.setdefault(seg.canonical, [])
-            if boxes is not None:
-                whole = seg.shape is not None and seg.cbox == full(seg.shape)
-                out[seg.canonical] = None if whole else [*boxes, seg.cbox]
-    return {c: None if bs is None else tuple(bs) for c, bs in out.items()}
+class Wanted:
+    """What a receiver of ``layout`` reads of each canonical tensor (``boxes``: canonical -> its boxes; None:
+    all of it), and the trainer layouts it met, each built in part and indexed (``held_in_layout``; the last
+    ``keep`` layouts: a trainer of 256 ranks publishes 256)."""
+
+    def __init__(self, layout: Mapping[str, LocalTensor], keep: int = 1024) -> None:
+        out: dict[str, list[Box] | None] = {}
+        for lt in layout.values():
+            for seg in lt.segments:
+                boxes = out.setdefault(seg.canonical, [])
+                if boxes is not None:
+                    whole = seg.shape is not None and seg.cbox == full(seg.shape)
+                    out[seg.canonical] = None if whole else [*boxes, seg.cbox]
+        self.boxes: dict[str, tuple[Box, ...] | None] = {c: None if bs is None else tuple(bs) for c, bs in out.items()}
+        self._layouts: OrderedDict[str, _Resolved] = OrderedDict()
+        self._keep = keep
+
+    def resolved(self, text: str) -> _Resolved:
+        """The layout ``metadata["layout"] == text`` describes, in the part this receiver reads, indexed."""
+        found = self._layouts.get(text)
+        if found is None:
+            only = Only(self.boxes)
+            layout = resolve_only(text, only)
+            found = self._layouts[text] = _Resolved(layout, frozenset(layout).union(only.left_out), _index(layout))
+            if len(self._layouts) > self._keep:
+                self._layouts.popitem(last=False)
+        return found
 
 
 def meets(boxes: tuple[Box, ...] | None, cbox: Box) -> bool:
@@ -61,11 +78,19 @@ class _Sorted:
         return self.entries[first : bisect_left(self.starts, hi)]
 
 
-@lru_cache(maxsize=64)
-def _index(text: str) -> dict[str, _Sorted]:
-    """The layout ``metadata["layout"]`` describes, by canonical tensor (cached beside ``resolve``)."""
+@dataclass(frozen=True, slots=True)
+class _Resolved:
+    """A trainer layout as a receiver reads it: its entries (those it may read), every local name, the index."""
+
+    layout: LayoutMap
+    names: frozenset[str]
+    index: dict[str, _Sorted]
+
+
+def _index(layout: LayoutMap) -> dict[str, _Sorted]:
+    """``layout``'s segments by canonical tensor, sorted along dim 0."""
     by: dict[str, list[tuple[str, Segment]]] = {}
-    for name, lt in resolve(text)[0].items():
+    for name, lt in layout.items():
         for seg in lt.segments:
             by.setdefault(seg.canonical, []).append((name, seg))
     out = {}
@@ -90,14 +115,14 @@ def held_in_layout(text: str, shards: tuple[ShardSpec, ...], wanted: Wanted, ver
     """``add(spec, segment)`` for each of a source's shards (laid out by ``metadata["layout"] == text``) and
     each of its segments that meets ``wanted``. Every shard's name must be in the layout; the shards added
     are checked against it (``check_fits``)."""
-    layout = resolve(text)[0]
+    found = wanted.resolved(text)
     names = list(map(_NAME, shards))
-    if not layout.keys() >= set(names):
-        check_fits(next(s for s in shards if s.name not in layout), None, version)
+    if not found.names.issuperset(names):
+        check_fits(next(s for s in shards if s.name not in found.names), None, version)
     by_name = dict(zip(names, shards, strict=True))
-    index = _index(text)
-    for canon, boxes in wanted.items():
-        segs = index.get(canon)
+    layout = found.layout
+    for canon, boxes in wanted.boxes.items():
+        segs = found.index.get(canon)
         if segs is None:
             continue
         seen: set[tuple[str, Box]] = set()
