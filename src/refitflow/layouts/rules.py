@@ -233,6 +233,27 @@ def _expert_boxes(kind: str, shapes: tuple[tuple[int, ...], ...], e0: int, e1: i
     return lt.shape, tuple((g.cbox, g.lbox) for g in lt.segments)
 
 
+@lru_cache(maxsize=16)
+def _shapes_of(d: ModelDims) -> dict[str, tuple[int, ...]]:
+    """``canonical_shapes(d)``, shared by every layout of the model (read, never changed)."""
+    return canonical_shapes(d)
+
+
+def _with_shapes(lt: LocalTensor, shapes: dict[str, tuple[int, ...]]) -> LocalTensor:
+    """Every segment knows its canonical tensor's whole shape: a publication of another shape is refused."""
+    if any(g.shape is None for g in lt.segments):  # the rules' own segments have it already
+        return LocalTensor(lt.shape, tuple(replace(g, shape=shapes[g.canonical]) for g in lt.segments))
+    return lt
+
+
+@lru_cache(maxsize=1 << 16)
+def _tp_rule(kind: str, names: tuple[str, ...], d: ModelDims, tp: int, tp_rank: int, rows: int) -> LocalTensor:
+    """A rule of no experts: it depends on the TP place only, so it is built once for every EP and pipeline
+    rank of a TP rank (a trainer at TP 8 × EP 32 has 4 ranks of each; replicated entries are every rank's)."""
+    shapes = _shapes_of(d)
+    return _with_shapes(_rule(kind, names, shapes, d, Parallel(tp=tp, tp_rank=tp_rank), 0, rows), shapes)
+
+
 def _rule(
     kind: str, names: tuple[str, ...], shapes: dict, d: ModelDims, par: Parallel, j: int, vocab_rows: int
 ) -> LocalTensor:
@@ -271,7 +292,7 @@ def build(
     ``stages``: layers per pipeline stage (default: an even split).
     ``only``: build the entries one per expert in part (``Only``).
     """
-    shapes = canonical_shapes(d)
+    shapes = _shapes_of(d)
     rows = d.vocab if vocab_rows is None else vocab_rows
     if rows < d.vocab:
         raise ConfigError(f"the padded vocabulary ({rows}) is smaller than the vocabulary ({d.vocab})")
@@ -283,10 +304,7 @@ def build(
     def add(local: str, lt: LocalTensor) -> None:
         if local in out:
             raise ConfigError(f"two table entries make the local tensor {local!r}")
-        # every segment knows its canonical tensor's whole shape: a publication of another shape is refused
-        if any(g.shape is None for g in lt.segments):  # the rules' own segments have it already
-            lt = LocalTensor(lt.shape, tuple(replace(g, shape=shapes[g.canonical]) for g in lt.segments))
-        out[local] = lt
+        out[local] = _with_shapes(lt, shapes)
 
     top = (tables.first if par.pp_rank == 0 else {}) | (tables.last if par.pp_rank == par.pp - 1 else {})
     for local, (kind, names) in top.items():
@@ -307,6 +325,9 @@ def build(
                 if only is not None and len(js) < e1 - e0:
                     kept = set(js)
                     only.left_out.extend(at + n for j, n in enumerate(_suffixes(suffix, e1 - e0)) if j not in kept)
+                continue
+            if "{j}" not in suffix and not kind.startswith("expert"):
+                add(at + suffix, _tp_rule(kind, full_names, d, par.tp, par.tp_rank, rows))
                 continue
             for j in range(e1 - e0) if "{j}" in suffix else [0]:
                 add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))
