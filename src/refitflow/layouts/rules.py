@@ -34,7 +34,7 @@ from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
 from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, Segment, canonical_shapes, concat
 
-__all__ = ["Only", "Parallel", "Table", "Tables", "build", "expert_range", "pad", "stage_range"]
+__all__ = ["Only", "Parallel", "Table", "Tables", "build", "expert_range", "pad", "shapes_of", "stage_range"]
 
 Table = dict[str, tuple[str, tuple[str, ...]]]
 
@@ -234,8 +234,8 @@ def _expert_boxes(kind: str, shapes: tuple[tuple[int, ...], ...], e0: int, e1: i
 
 
 @lru_cache(maxsize=16)
-def _shapes_of(d: ModelDims) -> dict[str, tuple[int, ...]]:
-    """``canonical_shapes(d)``, shared by every layout of the model (read, never changed)."""
+def shapes_of(d: ModelDims) -> dict[str, tuple[int, ...]]:
+    """``canonical_shapes(d)``, shared by every layout of the model (read it, never change it)."""
     return canonical_shapes(d)
 
 
@@ -250,7 +250,7 @@ def _with_shapes(lt: LocalTensor, shapes: dict[str, tuple[int, ...]]) -> LocalTe
 def _tp_rule(kind: str, names: tuple[str, ...], d: ModelDims, tp: int, tp_rank: int, rows: int) -> LocalTensor:
     """A rule of no experts: it depends on the TP place only, so it is built once for every EP and pipeline
     rank of a TP rank (a trainer at TP 8 × EP 32 has 4 ranks of each; replicated entries are every rank's)."""
-    shapes = _shapes_of(d)
+    shapes = shapes_of(d)
     return _with_shapes(_rule(kind, names, shapes, d, Parallel(tp=tp, tp_rank=tp_rank), 0, rows), shapes)
 
 
@@ -292,7 +292,7 @@ def build(
     ``stages``: layers per pipeline stage (default: an even split).
     ``only``: build the entries one per expert in part (``Only``).
     """
-    shapes = _shapes_of(d)
+    shapes = shapes_of(d)
     rows = d.vocab if vocab_rows is None else vocab_rows
     if rows < d.vocab:
         raise ConfigError(f"the padded vocabulary ({rows}) is smaller than the vocabulary ({d.vocab})")

@@ -14,8 +14,8 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError, ManifestError
 from refitflow.layouts import fused, hf, megatron, sglang
-from refitflow.layouts.canonical import LayoutMap, ModelDims, canonical_shapes
-from refitflow.layouts.rules import Only, Parallel
+from refitflow.layouts.canonical import LayoutMap, ModelDims
+from refitflow.layouts.rules import Only, Parallel, shapes_of
 
 __all__ = ["LAYOUTS", "layout_metadata", "resolve", "resolve_only", "shapes"]
 
@@ -75,12 +75,7 @@ def resolve(text: str) -> tuple[LayoutMap, dict[str, tuple[int, ...]]]:
 
 def shapes(text: str) -> dict[str, tuple[int, ...]]:
     """The canonical shapes of the model ``metadata["layout"] == text`` describes (shared: do not change it)."""
-    return _shapes(_parsed(text)[1])
-
-
-@lru_cache(maxsize=16)
-def _shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
-    return canonical_shapes(dims)
+    return shapes_of(_parsed(text)[1])
 
 
 def resolve_only(text: str, only: Only) -> LayoutMap:
