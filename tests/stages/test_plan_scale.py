@@ -53,17 +53,17 @@ def _spec(name: str, shape: tuple[int, ...]) -> rf.ShardSpec:
     )  # fmt: skip
 
 
-def _publication(change: dict[str, tuple[int, ...]] | None = None) -> rf.Publication:
+def _publication(change: dict[str, tuple[int, ...]] | None = None, experts: str = "grouped") -> rf.Publication:
     ident = rf.Identity(model="moe", layout="megatron")
     manifests = []
     for r in range(TRAIN):
         par = Parallel(tp=TRAIN, tp_rank=r, ep=TRAIN, ep_rank=r, expert_tp=1)
-        layout = megatron.layout(DIMS, par, experts="grouped")
+        layout = megatron.layout(DIMS, par, experts=experts)
         shapes = {n: lt.shape for n, lt in layout.items()} | (change or {})
         manifests.append(rf.Manifest(
             identity=ident, version=1, rank=r, world_size=TRAIN, shards=tuple(_spec(n, s) for n, s in shapes.items()),
             source=rf.SourceAddress(transport="loopback", agent=f"t{r}"),
-            metadata=layout_metadata("megatron", DIMS, par, experts="grouped"),
+            metadata=layout_metadata("megatron", DIMS, par, experts=experts),
         ))  # fmt: skip
     return rf.Publication(identity=ident, version=1, manifests=tuple(manifests))
 
@@ -80,11 +80,11 @@ def _reads(plan: Plan) -> list[tuple[object, ...]]:
     return sorted((p.source, p.tensor, p.box, tuple((s.param, s.dbox) for s in p.scatters)) for p in pieces)
 
 
-@pytest.mark.parametrize("rank", [0, 5])
+@pytest.mark.parametrize(("rank", "experts"), [(0, "grouped"), (5, "grouped"), (5, "sequential")])
 def test_a_plan_through_the_layout_index_reads_what_a_plan_from_every_shard_reads(
-    rank: int, monkeypatch: pytest.MonkeyPatch
+    rank: int, experts: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pub, dest, limits = _publication(), _destination(rank), ReceiverConfig().limits
+    pub, dest, limits = _publication(experts=experts), _destination(rank), ReceiverConfig().limits
     indexed = build_plan(pub, dest, limits)
     assert _target.Target(dest).wanted is not None  # a layout: the index is used
     monkeypatch.setattr(_target, "Wanted", lambda layout: None)  # every shard, as before the index
