@@ -150,5 +150,9 @@ def test_a_trainer_layout_is_built_with_only_the_experts_a_receiver_reads() -> N
         experts = {n.rsplit(".", 1)[-1] for n in found.layout if ".experts." in n}
         assert experts == ({"weight2", "weight3"} if r == 2 else set()), (r, experts)
         assert set(whole) - set(found.layout) == {n for n in whole if ".experts." in n} - set(found.layout)
+    hf_text = layout_metadata("hf_legacy", DIMS, Parallel())["layout"]  # HF checkpoint names: every expert, one rank
+    found, whole = wanted.resolved(hf_text), resolve(hf_text)[0]
+    assert found.names == set(whole) and all(found.layout[n] == whole[n] for n in found.layout)
+    assert {n.split(".experts.")[1].split(".")[0] for n in found.layout if ".experts." in n} == {"10", "11"}
     with pytest.raises(rf.ConfigError, match="not a layout option"):
         layout_metadata("megatron", DIMS, Parallel(), only=None)

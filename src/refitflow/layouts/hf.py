@@ -10,7 +10,7 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.canonical import LayoutMap, ModelDims, canonical_shapes, layer_shapes
-from refitflow.layouts.rules import Parallel, Table, Tables, build
+from refitflow.layouts.rules import Only, Parallel, Table, Tables, build
 
 __all__ = ["EXPERTS", "dims_from_config", "layout"]
 
@@ -34,15 +34,16 @@ EXPERTS: dict[str, Table] = {
 }
 
 
-def layout(d: ModelDims, *, experts: str = "fused") -> LayoutMap:
+def layout(d: ModelDims, *, experts: str = "fused", only: Only | None = None) -> LayoutMap:
     """The whole model under its HF names (``experts``: ``"fused"`` (transformers 5), ``"mixtral"`` or
-    ``"per_expert"`` (checkpoint names))."""
+    ``"per_expert"`` (checkpoint names)); ``only``: the per-expert entries built in part (``rules.Only``)."""
     if experts not in EXPERTS:
         raise ConfigError(f"unknown HF experts naming {experts!r}; known: {sorted(EXPERTS)}")
     top: Table = {n: ("rep", (n,)) for n in canonical_shapes(d) if not n.startswith("model.layers.")}
     names = {n for i in range(d.layers) for n in layer_shapes(d, i) if n not in _PLAIN}
     layer: Table = {n: ("rep", (n,)) for n in sorted(names)}
-    return build(Tables(first=top, last={}, layer=layer, moe=EXPERTS[experts]), "model.layers", d, Parallel())
+    tables = Tables(first=top, last={}, layer=layer, moe=EXPERTS[experts])
+    return build(tables, "model.layers", d, Parallel(), only=only)
 
 
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")

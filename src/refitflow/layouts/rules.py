@@ -318,13 +318,14 @@ def build(
             if not all(n in shapes for n in full_names):
                 continue
             if "{j}" in suffix and kind.startswith("expert_"):  # one entry per expert: the boxes once per rank
+                suffixes = _suffixes(suffix, e1 - e0)
                 js = range(e1 - e0) if only is None else only.experts(full_names, e0, e1)
                 for j, lt in zip(js, _per_expert(kind, full_names, shapes, [(e0 + j, e0 + j + 1) for j in js], par),
                                  strict=True):  # fmt: skip
-                    add(at + suffix.format(j=j), lt)
+                    add(at + suffixes[j], lt)
                 if only is not None and len(js) < e1 - e0:
                     kept = set(js)
-                    only.left_out.extend(at + n for j, n in enumerate(_suffixes(suffix, e1 - e0)) if j not in kept)
+                    only.left_out.extend(at + n for j, n in enumerate(suffixes) if j not in kept)
                 continue
             if "{j}" not in suffix and not kind.startswith("expert"):
                 add(at + suffix, _tp_rule(kind, full_names, d, par.tp, par.tp_rank, rows))

@@ -20,8 +20,8 @@ from refitflow.layouts.rules import Only, Parallel, shapes_of
 __all__ = ["LAYOUTS", "layout_metadata", "resolve", "resolve_only", "shapes"]
 
 
-def _hf(d: ModelDims, par: Parallel, *, experts: str = "fused") -> LayoutMap:
-    return hf.layout(d, experts=experts)
+def _hf(d: ModelDims, par: Parallel, *, experts: str = "fused", only: Only | None = None) -> LayoutMap:
+    return hf.layout(d, experts=experts, only=only)
 
 
 LAYOUTS: dict[str, Callable[..., LayoutMap]] = {
@@ -31,6 +31,8 @@ LAYOUTS: dict[str, Callable[..., LayoutMap]] = {
     "hf": _hf,
     "hf_legacy": partial(_hf, experts="mixtral"),
 }
+# the layouts that can be built in part (``rules.Only``: those that may have one entry per expert)
+_IN_PART = tuple(f for f in LAYOUTS.values() if "only" in inspect.signature(f).parameters)
 
 
 def layout_metadata(name: str, dims: ModelDims, par: Parallel, **options: Any) -> dict[str, str]:
@@ -79,8 +81,8 @@ def shapes(text: str) -> dict[str, tuple[int, ...]]:
 
 
 def resolve_only(text: str, only: Only) -> LayoutMap:
-    """The layout ``text`` describes built in part (``rules.Only``: Megatron's per-expert entries), not cached:
-    the caller keeps it. A layout without per-expert entries to leave out is ``resolve``'s (shared)."""
-    if _parsed(text)[0] is megatron.layout:
+    """The layout ``text`` describes built in part (``rules.Only``: of its per-expert entries, those read), not
+    cached: the caller keeps it. A layout that never has per-expert entries (stacked experts) is ``resolve``'s."""
+    if _parsed(text)[0] in _IN_PART:
         return _built(text, only=only)
     return resolve(text)[0]
