@@ -9,8 +9,9 @@ For a scenario's publication:
   checks and record (``RegistryStore.publish``) — on a sample of the ranks, scaled to all of them. It runs
   in the registry's one process, one rank after the other;
 - **fetch**: what each receiver does once per version to use it: decode the manifests
-  (``core.wire.decode`` + ``manifest_from_dict``, as ``registry.client.fetched``) and the digest vector
-  (``stages._checks.digest_vector``, in the plan stage) — on the same sample, scaled.
+  (``core.wire.decode`` + ``manifest_from_dict``, as ``registry.client.fetched``) and its digest vector
+  (``stages._checks.digest_vector``, in the plan stage: the digests of the shards it reads) — on the same
+  sample, scaled; the digests measured for every shard (``digests_s``), a rank decodes its share of them.
 
 Seconds are this machine's, one core each, the best of ``repeat`` passes (2 cores shared with other work:
 the best pass is the nearest to what the code costs on an idle core).
@@ -37,13 +38,20 @@ __all__ = ["Costs", "measure"]
 class Costs:
     wire_bytes: int  # the whole publication's manifests on the wire
     registry_s: float  # the registry's work to accept every rank's manifest (serial)
-    fetch_s: float  # one receiver's work to decode the publication and its digest vector
+    decode_s: float  # one receiver's work to decode the publication's manifests
+    digests_s: float  # ... and the digests of every shard (a rank decodes those of the shards it reads)
     sample: int  # manifests measured
+
+    def fetch_s(self, share: float) -> float:
+        """A receiver's decode of a version, reading shards that hold ``share`` of the digests."""
+        return self.decode_s + self.digests_s * share
 
 
 def measure(pub: rf.Publication, sample: int = 8, repeat: int = 3) -> Costs:
     runs = [anyio.run(_measure, pub, sample) for _ in range(repeat)]
-    return Costs(runs[0].wire_bytes, min(c.registry_s for c in runs), min(c.fetch_s for c in runs), runs[0].sample)
+    best = lambda f: min(map(f, runs))  # noqa: E731
+    return Costs(runs[0].wire_bytes, best(lambda c: c.registry_s), best(lambda c: c.decode_s),
+                 best(lambda c: c.digests_s), runs[0].sample)  # fmt: skip
 
 
 async def _measure(pub: rf.Publication, sample: int) -> Costs:
@@ -62,9 +70,13 @@ async def _measure(pub: rf.Publication, sample: int) -> Costs:
     replies = [encode(manifest_to_dict(m)) for m in picked]
     t0 = time.perf_counter()
     decoded = tuple(manifest_from_dict(decode(r)) for r in replies)
-    digest_vector(rf.Publication(identity=pub.identity, version=pub.version, manifests=decoded))
     fetch = time.perf_counter() - t0
+    every = [(s, p, spec.name) for s, m in enumerate(decoded) for p, spec in enumerate(m.shards)]
+    count = sum(spec.tiling.count for m in decoded for spec in m.shards)
+    t0 = time.perf_counter()
+    digest_vector(rf.Publication(identity=pub.identity, version=pub.version, manifests=decoded), every, count)
+    digests = time.perf_counter() - t0
     sampled = sum(len(f) for f in frames)
     total = sum(len(encode(manifest_to_dict(m))) for m in mans) if len(mans) > len(picked) else sampled
     scale = total / sampled
-    return Costs(total, registry * scale, fetch * scale, len(picked))
+    return Costs(total, registry * scale, fetch * scale, digests * scale, len(picked))

@@ -70,6 +70,7 @@ class RankPlan:
     tensor_last: np.ndarray  # per relay param position: the last bucket writing it (-1: none)
     plan_seconds: float
     ideal_bytes: int
+    digest_share: float  # the share of the publication's digests it decodes (those of the shards it reads)
     layout: str = ""  # relay layout digest ("" when it does not relay)
     offer: RelayOffer | None = None
     plan: Plan | None = field(default=None, repr=False)
@@ -94,7 +95,12 @@ class Classes:
     trainer_bytes: np.ndarray  # per manifest index: bytes it publishes
     trainer_gpu: np.ndarray  # per manifest index: the trainer GPU serving it
     specs: int  # shard specs in the publication (what the registry validates and every receiver decodes)
-    digest_bytes: int  # base64 block digests in the publication (what every receiver fetches and decodes)
+    digest_bytes: int  # base64 block digests in the publication (what every receiver fetches)
+
+    @property
+    def digest_share(self) -> float:
+        """The largest share of the publication's digests a rank decodes (of the shards it reads)."""
+        return max(p.digest_share for p in self.plans)
 
 
 def limits_for(relay: bool, relay_bucket_bytes: int = 4 * MiB) -> Limits:
@@ -106,7 +112,7 @@ def limits_for(relay: bool, relay_bucket_bytes: int = 4 * MiB) -> Limits:
     return lim
 
 
-def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publication) -> RankPlan:
+def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publication, digests: int) -> RankPlan:
     pb, ps, pn, reads, bbytes = [], [], [], [], []
     for b in plan.buckets:
         for p in b.pieces:
@@ -131,7 +137,7 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
         check_offer(pub, offer)  # what the registry checks at relay_join
     return RankPlan(rank, np.array(pb, dtype=np.int64), np.array(ps, dtype=np.int64), np.array(pn, dtype=np.int64),
                     np.array(reads, dtype=np.int64), np.array(bbytes, dtype=np.int64), last, plan.seconds,
-                    plan.ideal_bytes, layout, offer, plan)  # fmt: skip
+                    plan.ideal_bytes, plan.digest_count / digests, layout, offer, plan)  # fmt: skip
 
 
 def _pair(reader: RankPlan, up: RankPlan) -> Pair:
@@ -162,11 +168,12 @@ def plan_classes(
                 return pickle.load(f)
     limits = limits_for(relay, relay_bucket_bytes)
     plans = []
+    every = sum(s.tiling.count for m in setup.pub.manifests for s in m.shards)
     t0 = time.perf_counter()
     for r in range(setup.ranks):
         dest = setup.landing(r)
         plan = build_plan(setup.pub, dest, limits)
-        plans.append(_reduce(r, plan, dest, relay, setup.pub))
+        plans.append(_reduce(r, plan, dest, relay, setup.pub, every))
         log(f"  planned {setup.name} rank {r:>2}: {len(plan.buckets):>6,} buckets, {plans[-1].bucket_reads.sum():>7,}"
             f" reads, {plan.nbytes / 1e9:7.2f} GB in {plan.seconds:5.2f} s")  # fmt: skip
     pairs: dict[tuple[int, int], Pair] = {}

@@ -85,7 +85,7 @@ class Run:
         q = dataclasses.replace(p, **ch)  # type: ignore[arg-type]
         cls = self.planned(relay, int(float(mb) * MiB) if mb else None)  # type: ignore[arg-type]
         reg = self.costs.registry_s if q.registry_s is None else min(q.registry_s, self.costs.registry_s)
-        fetch = self.costs.fetch_s * share if q.fetch_s is None else q.fetch_s
+        fetch = self.costs.fetch_s(cls.digest_share) * share if q.fetch_s is None else q.fetch_s
         return simulate(cls, q, registry_s=reg, fetch_s=fetch, wire_bytes=int(self.costs.wire_bytes * share),
                         engines=self.setup.engines, relay=relay)  # fmt: skip
 
@@ -117,7 +117,9 @@ def report(r: Run, p: Params, relays: list[bool], what_if: bool) -> None:
           f"strict verify reads whole digest tiles); {first.specs:,} shard specs, "
           f"{c.wire_bytes / 1e6:.0f} MB of manifests on the wire ({first.digest_bytes / 1e6:.0f} MB of it block "
           f"digests); measured here: registry checks {c.registry_s:.2f} s per version, one receiver's decode "
-          f"{c.fetch_s:.2f} s; plans {min(plan_s):.2f}-{max(plan_s):.2f} s a rank (first refit only)")  # fmt: skip
+          f"{c.fetch_s(first.digest_share):.2f} s (manifests {c.decode_s:.2f} s, the digests of the shards it reads: "
+          f"{first.digest_share:.1%} of them, {c.digests_s:.2f} s for all); "
+          f"plans {min(plan_s):.2f}-{max(plan_s):.2f} s a rank (first refit only)")  # fmt: skip
     for relay in relays:
         pl = r.planned(relay).plans
         print(f"  {'relaying' if relay else 'not relaying'}: per rank {max(x.bucket_bytes.size for x in pl):,} buckets,"

@@ -3,15 +3,20 @@
 - a receiver with a layout looks up only the trainer shards that meet what it reads (``stages._wanted``):
   its plan is the same, read for read, as one built from every shard;
 - a shard whose direct pieces fit in one batch is not cut by a batch boundary (one read, not two);
-- a slice that would fill more than ``max_direct_buckets`` batches gets larger batches.
+- a slice that would fill more than ``max_direct_buckets`` batches gets larger batches;
+- a rank decodes the digests of the shards it reads only, and refuses a publication whose shards are not
+  where the layout digest its plan was cached by says.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 
 import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
@@ -156,3 +161,54 @@ def test_a_trainer_layout_is_built_with_only_the_experts_a_receiver_reads() -> N
     assert {n.split(".experts.")[1].split(".")[0] for n in found.layout if ".experts." in n} == {"10", "11"}
     with pytest.raises(rf.ConfigError, match="not a layout option"):
         layout_metadata("megatron", DIMS, Parallel(), only=None)
+
+
+def _digested(pub: rf.Publication) -> rf.Publication:
+    """``pub`` with a distinct digest in every tile (the shape-only specs' are zeros)."""
+    rng = np.random.default_rng(7)
+
+    def spec(s: rf.ShardSpec) -> rf.ShardSpec:
+        raw = rng.bytes(8 * s.tiling.count)
+        return dataclasses.replace(s, blocks=base64.b64encode(raw).decode(), digest=xxhash.xxh3_64_hexdigest(raw))
+
+    mans = tuple(dataclasses.replace(m, shards=tuple(map(spec, m.shards)), revision="") for m in pub.manifests)
+    return dataclasses.replace(pub, manifests=mans)
+
+
+def test_a_rank_decodes_the_digests_of_the_shards_it_reads_only() -> None:
+    pub = _digested(_publication())
+    plan = build_plan(pub, _destination(5), ReceiverConfig().limits)
+    vec = plan.digests(pub)
+    read = {(p.source, p.tensor) for b in plan.buckets for p in b.pieces}
+    assert {(s, name) for s, _, name in plan.digest_order} == read  # each shard read, once
+    every = sum(s.tiling.count for m in pub.manifests for s in m.shards)
+    assert vec.size == plan.digest_count < every // 2
+    at = 0
+    for s, p, name in plan.digest_order:  # each shard's digests where the plan's checks look for them
+        spec = pub.manifests[s].shards[p]
+        assert spec.name == name
+        want = np.frombuffer(spec.digest_bytes, dtype=">u8").astype(np.uint64)
+        assert np.array_equal(vec[at : at + want.size], want)
+        at += want.size
+    assert at == vec.size
+
+
+def test_a_publication_whose_shards_moved_under_the_same_layout_digest_is_refused() -> None:
+    """A plan is cached by the manifests' layout digests (the publisher's word); its digest places are checked."""
+    pub = _digested(_publication())
+    plan = build_plan(pub, _destination(5), ReceiverConfig().limits)
+    m = pub.manifests[2]
+    moved = dataclasses.replace(m, shards=m.shards[::-1], revision="", layout_digest=m.layout_digest)
+    with pytest.raises(ManifestError, match="not where its layout digest says"):
+        plan.digests(dataclasses.replace(pub, manifests=(*pub.manifests[:2], moved, *pub.manifests[3:])))
+    # a shard read with other tiles under the same name (and the old layout digest): its digests no longer fit
+    s, p = next((s, p) for s, p, _ in plan.digest_order if pub.manifests[s].shards[p].tile_rows >= 2)
+    spec = pub.manifests[s].shards[p]
+    raw = bytes(8 * Tiling("xxh3", spec.global_shape, 2, spec.tile_rows // 2, spec.tile_cols).count)
+    retiled = dataclasses.replace(spec, tile_rows=spec.tile_rows // 2, blocks=base64.b64encode(raw).decode(),
+                                  digest=xxhash.xxh3_64_hexdigest(raw))  # fmt: skip
+    m = pub.manifests[s]
+    shards = (*m.shards[:p], retiled, *m.shards[p + 1 :])
+    grown = dataclasses.replace(m, shards=shards, revision="", layout_digest=m.layout_digest)
+    with pytest.raises(ManifestError, match="do not fit its layout digest"):
+        plan.digests(dataclasses.replace(pub, manifests=(*pub.manifests[:s], grown, *pub.manifests[s + 1 :])))

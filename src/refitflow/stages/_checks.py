@@ -3,17 +3,17 @@
 A plan is replayed for every version with the same layout, so everything that depends only on the
 layout is decided here, not per refit: which digest units each piece holds (``core.digests.units_of``)
 and where their bytes land, as arrays; the index of each unit's digest in the version's digest
-vector (every source's shards' digests one after another, ``digest_vector``); and the elements each
+vector (the digests of the shards the plan reads, in the order it reads them: ``DigestIndex``,
+``digest_vector``); and the elements each
 bucket credits to each parameter. Verify then hashes and compares arrays; commit adds arrays.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ import orjson
 import xxhash
 
 from refitflow.core.digests import Tiling, Units, units_array
+from refitflow.core.errors import ManifestError
 from refitflow.core.gil import breathe
 from refitflow.core.types import TILING_KEY, Publication
 from refitflow.layouts.boxes import Box, volume
@@ -94,53 +95,68 @@ class Checks:
 
 
 class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
-    """(source, tensor) → (its digest geometry, offset of its first digest in ``digest_vector(pub)``).
+    """(source, tensor) → (its digest geometry, offset of its first digest in the plan's digest vector).
 
-    Built in passes over each manifest's shards at C speed (a plan asks for the shards it reads only: a
-    rank of a trillion-parameter model reads 1/16 of 150,000); shards equal in geometry share one
-    ``Tiling``, as shapes repeat layer after layer. ``geometry``: a digest of what fixes the digest vector's
-    layout — every shard's name, dtype, shape, range, digest algorithm and tiles, in order — but not where
-    its bytes lie: digests of two versions compare unit by unit only when it is equal (delta refits)."""
+    Built as the plan asks: each shard a plan reads takes its place in the vector when first asked for
+    (``order``: its source, position and name), so a version's digests are decoded for the shards read
+    alone (``digest_vector``) — a rank at EP 16 of a trillion-parameter model reads 1/16 of its 110 million
+    digests, once per version. Shards equal in geometry share one ``Tiling``, as shapes repeat layer after
+    layer. ``geometry``: a digest of what fixes the vector's layout — each shard's rank, world size, name,
+    dtype, shape, range, digest algorithm and tiles, in order — but not where its bytes lie: digests of two
+    versions compare unit by unit only when it is equal (delta refits)."""
 
     def __init__(self, pub: Publication) -> None:
-        self._at: list[dict[str, int]] = []  # per source: tensor -> position
-        self._keys: list[list[tuple[Any, ...]]] = []
-        self._offsets: list[list[int]] = []
+        self._manifests = pub.manifests
+        self._at: list[dict[str, int] | None] = [None] * len(pub.manifests)  # per source: tensor -> position
+        self._known: dict[tuple[int, str], tuple[Tiling, int]] = {}
         self._tilings: dict[tuple[Any, ...], Tiling] = {}
-        count: dict[tuple[Any, ...], int] = {}
-        shape: list[tuple[Any, ...]] = []  # what ``geometry`` digests
-        base = 0
-        for m in pub.manifests:
-            keys = list(map(TILING_KEY, m.shards))
-            if not count.keys() >= set(keys):  # geometries not met before
-                for key, spec in dict(zip(keys, m.shards, strict=True)).items():
-                    if key not in count:
-                        self._tilings[key] = t = spec.tiling
-                        count[key] = t.count
-            offsets = list(accumulate(map(count.__getitem__, keys), initial=base))
-            base = offsets.pop()
-            names = list(map(_NAME, m.shards))
-            self._at.append(dict(zip(names, range(len(keys)), strict=True)))
-            self._keys.append(keys)
-            self._offsets.append(offsets)
-            shape.append((m.rank, m.world_size, names, keys))
-        self.geometry = xxhash.xxh3_128_hexdigest(orjson.dumps(shape))
+        self._shape: list[tuple[Any, ...]] = []  # what ``geometry`` digests
+        self.order: list[tuple[int, int, str]] = []
+        self.count = 0  # digests in the vector
 
     def __getitem__(self, key: tuple[int, str]) -> tuple[Tiling, int]:
+        got = self._known.get(key)
+        if got is not None:
+            return got
         source, tensor = key
-        p = self._at[source][tensor]
-        return self._tilings[self._keys[source][p]], self._offsets[source][p]
+        m = self._manifests[source]
+        at = self._at[source]
+        if at is None:
+            at = self._at[source] = dict(zip(map(_NAME, m.shards), range(len(m.shards)), strict=True))
+        p = at[tensor]
+        spec = m.shards[p]
+        tkey = TILING_KEY(spec)
+        t = self._tilings.get(tkey)
+        if t is None:
+            t = self._tilings[tkey] = spec.tiling
+        got = self._known[key] = (t, self.count)
+        self.count += t.count
+        self.order.append((source, p, tensor))
+        self._shape.append((m.rank, m.world_size, tensor, tkey))
+        return got
+
+    @property
+    def geometry(self) -> str:
+        return xxhash.xxh3_128_hexdigest(orjson.dumps(self._shape))
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
-        return ((i, name) for i, at in enumerate(self._at) for name in at)
+        return iter(self._known)
 
     def __len__(self) -> int:
-        return sum(map(len, self._at))
+        return len(self._known)
 
 
-def digest_vector(pub: Publication) -> np.ndarray:
-    """Every digest of the publication as native uint64, in ``DigestIndex`` order (decoded once)."""
-    raw = b"".join(s.digest_bytes for m in pub.manifests for s in m.shards)
+def digest_vector(pub: Publication, order: Sequence[tuple[int, int, str]], count: int) -> np.ndarray:
+    """The digests of the shards in ``order`` (``DigestIndex.order``: a plan's), ``count`` of them, as native
+    uint64, decoded once per version. A publication whose shards are not where its layout put them when
+    the plan was built is refused (``ManifestError``)."""
+    mans = pub.manifests
+    specs = [mans[s].shards[p] for s, p, _ in order]
+    if list(map(_NAME, specs)) != [name for _, _, name in order]:
+        raise ManifestError("the publication's shards are not where its layout digest says", version=pub.version)
+    raw = b"".join([s.digest_bytes for s in specs])
+    if len(raw) != 8 * count:
+        raise ManifestError("the publication's digests do not fit its layout digest", version=pub.version)
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
 
 

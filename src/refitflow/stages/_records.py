@@ -13,8 +13,11 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, shape_of
-from refitflow.stages._checks import Checks, Credits
+from refitflow.stages._checks import Checks, Credits, digest_vector
 from refitflow.stages._route import Route
 from refitflow.stages._segments import Copy
 from refitflow.stages._target import Target
@@ -104,6 +107,8 @@ class Plan:
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
     copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
     digest_geometry: str = ""  # DigestIndex.geometry (stages/_checks.py) of the publications it plans
+    digest_order: tuple[tuple[int, int, str], ...] = ()  # DigestIndex.order: the shards whose digests it checks
+    digest_count: int = 0  # digests in its vector
     target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
     route: Route | None = field(default=None, compare=False, repr=False)  # how each parameter is written
     read_lists: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)  # see pull.reads_of
@@ -111,3 +116,7 @@ class Plan:
     # built on first use, once per plan: relay geometries by relay layout, the delta index, this rank's
     # relay boxes (stages._relay, stages._delta); per-bucket variants by skip pattern
     derived: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def digests(self, pub: Publication) -> np.ndarray:
+        """``pub``'s digests of the shards this plan reads, in the order its checks index them."""
+        return digest_vector(pub, self.digest_order, self.digest_count)

@@ -30,7 +30,7 @@ from refitflow.core.errors import PlanError
 from refitflow.core.gil import breathe, built, off_loop
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
-from refitflow.stages._checks import DigestIndex, Land, build_checks, build_credits, digest_vector
+from refitflow.stages._checks import DigestIndex, Land, build_checks, build_credits
 from refitflow.stages._context import Landing, Limits, StageContext, Work
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
@@ -199,7 +199,8 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
-                copies=tuple(cs), digest_geometry=cx.index.geometry, target=target, route=route)  # fmt: skip
+                copies=tuple(cs), digest_geometry=cx.index.geometry, digest_order=tuple(cx.index.order),
+                digest_count=cx.index.count, target=target, route=route)  # fmt: skip
 
 
 def _shard_bytes(pieces: list[Piece]) -> list[int]:
@@ -275,7 +276,7 @@ async def run(
             plan = await cache.get(pub, ctx.landing, ctx.limits)
             ctx.plan = plan
             if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
-                ctx.digests = await off_loop(digest_vector, pub)
+                ctx.digests = await off_loop(plan.digests, pub)
                 assert ctx.attempt is not None
                 ctx.attempt.hold(plan.digest_geometry, ctx.digests)
                 if ctx.limits.skip_unchanged:

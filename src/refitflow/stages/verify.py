@@ -36,7 +36,6 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from refitflow.core.errors import IntegrityError
 from refitflow.core.gil import off_loop
 from refitflow.stages import apply
-from refitflow.stages._checks import digest_vector
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import PULL
 from refitflow.stages._unit_hashes import Compare, HashState, check_bucket
@@ -103,8 +102,9 @@ async def _take_digests(ctx: StageContext) -> None:
         pub = ctx.publication = await ctx.complete()
         assert ctx.attempt is not None and ctx.plan is not None
         ctx.attempt.complete(pub.revision)
-    ctx.digests = await off_loop(digest_vector, pub)
-    if ctx.attempt is not None and ctx.plan is not None:
+    assert ctx.plan is not None  # verify follows plan
+    ctx.digests = await off_loop(ctx.plan.digests, pub)
+    if ctx.attempt is not None:
         ctx.attempt.hold(ctx.plan.digest_geometry, ctx.digests)
 
 
