@@ -1,6 +1,7 @@
 """Planning time for a Kimi-K2-shaped model: a Megatron trainer at EP 8 into vLLM ranks at EP 16.
 
     python bench/kimi_plan_bench.py [--layers 61] [--experts 384] [--receiver tp16|dp16|tp8xdp8] [--ranks 0,15]
+        [--digests]
 
 No weights: the trainer's shards are shape-only ``ShardSpec``s (block digests of the publisher's block
 sizes, zero bytes) and the receiver's parameters are meta tensors, so a 1-T-parameter model plans in
@@ -11,6 +12,8 @@ EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (defaul
 it prints the time to build its plan — each rank resolves the part of the trainer layouts it reads, as
 its own process does on its first refit; the first plan in this process also fills caches of shapes
 shared by every rank ("first") — the box copies, buckets, reads and bytes, against the bytes of its slice.
+``--digests``: also the seconds a rank decodes a version's digests in (``Plan.digests``: those of the shards
+it reads), and for comparison every shard's (what each rank decoded before stop 45), best of 3.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages.plan import build_plan
+from refitflow.stages._checks import digest_vector
+from refitflow.stages.plan import Plan, build_plan
 
 
 def kimi_k2(layers: int, experts: int) -> ModelDims:
@@ -69,6 +73,23 @@ def publication(d: ModelDims, tp: int, ep: int) -> tuple[rf.Publication, float]:
     return rf.Publication(identity=ident, version=1, manifests=tuple(manifests)), seconds
 
 
+def _best(f: object, *args: object) -> float:
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        f(*args)  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def digests(pub: rf.Publication, plan: Plan) -> str:
+    """A rank's digest decode per version, against every shard's."""
+    every = [(s, p, spec.name) for s, m in enumerate(pub.manifests) for p, spec in enumerate(m.shards)]
+    count = sum(spec.tiling.count for m in pub.manifests for spec in m.shards)
+    mine, whole = _best(plan.digests, pub), _best(digest_vector, pub, every, count)
+    return f"; digests a version {mine:.2f} s ({plan.digest_count:,} of {count:,}; every shard's {whole:.2f} s)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=61)
@@ -77,6 +98,7 @@ def main() -> None:
     ap.add_argument("--train-ep", type=int, default=8)
     ap.add_argument("--receiver", default="tp16", help="tpN, dpN or tpAxdpB: vLLM's attention TP and DP (EP: TP x DP)")
     ap.add_argument("--ranks", default=None, help="receiver ranks to plan (default: the first and the last)")
+    ap.add_argument("--digests", action="store_true", help="time each rank's digest decode per version too")
     a = ap.parse_args()
     shape = re.fullmatch(r"(?:tp(\d+))?x?(?:dp(\d+))?", a.receiver)
     if shape is None or not any(shape.groups()):
@@ -108,7 +130,8 @@ def main() -> None:
         print(f"vLLM EP {rtp * rdp} {a.receiver} rank {r:>2}: {len(layout):>5} params, layout {layout_s * 1e3:.1f} ms, "
               f"plan {plan_s:6.2f} s{' (first)' if first else ''}; "
               f"{copies:>6,} box copies, {len(plan.buckets):>5} buckets, {reads:>7,} reads, "
-              f"{plan.nbytes / 1e9:6.2f} GB pulled for a {plan.ideal_bytes / 1e9:6.2f} GB slice")  # fmt: skip
+              f"{plan.nbytes / 1e9:6.2f} GB pulled for a {plan.ideal_bytes / 1e9:6.2f} GB slice"
+              f"{digests(pub, plan) if a.digests else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":
