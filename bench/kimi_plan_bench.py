@@ -9,9 +9,11 @@ little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 fo
 (expert TP 1: rank r holds attention slice r and experts 48r..48r+47). Receivers: vLLM, experts on
 EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN`` attention data-parallel (TP 1 × DP N,
 EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (default: the first and the last)
-it prints the time to build its plan — each rank resolves the part of the trainer layouts it reads, as
-its own process does on its first refit; the first plan in this process also fills caches of shapes
-shared by every rank ("first") — the box copies, buckets, reads and bytes, against the bytes of its slice.
+it prints the time to build its plan (what its first read waits for; "+ checks": what verify and commit
+need of each bucket, made as the plan stage hands the buckets on, while earlier ones are read) — each
+rank resolves the part of the trainer layouts it reads, as its own process does on its first refit; the
+first plan in this process also fills caches of shapes shared by every rank ("first") — the box copies,
+buckets, reads and bytes, against the bytes of its slice.
 ``--digests``: also the seconds a rank decodes a version's digests in (``Plan.digests``: those of the shards
 it reads), and for comparison every shard's (what each rank decoded before stop 45), best of 3.
 """
@@ -125,10 +127,14 @@ def main() -> None:
         t0 = time.perf_counter()
         plan = build_plan(pub, dest, limits)
         plan_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for b in plan.buckets:  # what the plan stage makes as it hands the buckets on, while reads go
+            b.built()
+        checks_s = time.perf_counter() - t0
         reads = sum(len(b.reads) for b in plan.buckets)
         copies = sum(len(p.scatters) for b in plan.buckets for p in b.pieces)
         print(f"vLLM EP {rtp * rdp} {a.receiver} rank {r:>2}: {len(layout):>5} params, layout {layout_s * 1e3:.1f} ms, "
-              f"plan {plan_s:6.2f} s{' (first)' if first else ''}; "
+              f"plan {plan_s:6.2f} s{' (first)' if first else ''} + checks {checks_s:.2f} s; "
               f"{copies:>6,} box copies, {len(plan.buckets):>5} buckets, {reads:>7,} reads, "
               f"{plan.nbytes / 1e9:6.2f} GB pulled for a {plan.ideal_bytes / 1e9:6.2f} GB slice"
               f"{digests(pub, plan) if a.digests else ''}")  # fmt: skip

@@ -4,14 +4,15 @@
   its plan is the same, read for read, as one built from every shard;
 - a shard whose direct pieces fit in one batch is not cut by a batch boundary (one read, not two);
 - a slice that would fill more than ``max_direct_buckets`` batches gets larger batches;
-- a rank decodes the digests of the shards it reads only, and refuses a publication whose shards are not
-  where the layout digest its plan was cached by says.
+- a new plan's checks are made on first use; a rank decodes the digests of the shards it reads only, and
+  refuses a publication whose shards are not where the layout digest its plan was cached by says.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -191,6 +192,24 @@ def test_a_rank_decodes_the_digests_of_the_shards_it_reads_only() -> None:
         assert np.array_equal(vec[at : at + want.size], want)
         at += want.size
     assert at == vec.size
+
+
+def test_a_new_plans_checks_are_made_on_first_use_its_digests_placed_at_once() -> None:
+    """The first read waits for the plan, not for every bucket's checks (the plan stage makes them as it
+    hands the buckets on); the digest vector's places are fixed by the plan, in plan order."""
+    pub = _digested(_publication())
+    plan = build_plan(pub, _destination(5), ReceiverConfig().limits)
+    assert plan.digests(pub).size == plan.digest_count  # before any checks are made
+    assert not any(b.is_built for b in plan.buckets)
+    first = plan.buckets[0].checks
+    assert plan.buckets[0].checks is first and plan.buckets[0].is_built  # made once
+    assert not any(b.is_built for b in plan.buckets[1:])
+    wants = [
+        np.concatenate([ch.want, [s.want for s in ch.streams], *(m.want[m.check] for m in ch.mixes)])
+        for ch in (b.checks for b in plan.buckets)
+    ]  # fmt: skip
+    assert np.concatenate(wants).max() < plan.digest_count  # every digest checked was placed by the plan
+    assert all(a.max() <= b.max() for a, b in itertools.pairwise(wants))  # placed in plan order
 
 
 def test_a_publication_whose_shards_moved_under_the_same_layout_digest_is_refused() -> None:

@@ -172,12 +172,15 @@ async def test_a_replayed_plan_reuses_its_checks_and_credits(ident, registry) ->
             await recv.refit(1)
             plan = next(iter(recv._plans._plans.values()))
             views = dict(plan.views)
+            assert all(b.is_built for b in plan.buckets)  # made as the first refit handed them on
+            made = [b.made[0] for b in plan.buckets]
             for v in src.values():
                 v.add_(1)  # the same storages: the same layout, the plan replays
             await pub.publish(2, src)
             second = await recv.refit(2)
     assert second.plan_cached and next(iter(recv._plans._plans.values())) is plan
     assert all(plan.views[k] is v for k, v in views.items())  # the same memoryviews, not rebuilt
+    assert all(b.made == [m] for b, m in zip(plan.buckets, made, strict=True))  # the same checks, made once
     units = sum(len(b.checks.want) for b in plan.buckets)
     credited = sum(int(b.credits.counts.sum()) for b in plan.buckets)
     assert units == len(src) and credited == sum(v.numel() for v in src.values())

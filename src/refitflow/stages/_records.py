@@ -9,7 +9,7 @@ to a built plan.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,15 +86,35 @@ class Bucket:
     device: str  # the device of its staging (all its staged pieces land on one device)
     devices: tuple[str, ...]  # every device its work touches: staging and destinations
     staged: tuple[Piece, ...] = ()  # the pieces translate and apply handle
-    checks: Checks | None = None
-    credits: Credits | None = None
     derived: tuple[Scatter, ...] = ()  # scatters into assemblies (quantised or converted at commit: stages/_route)
     pulled_bytes: int = 0
+    # what verify and commit need (``stages._checks``), built once, on first use: the plan stage builds them
+    # in a worker thread as it hands the buckets on (``built``), so a first refit reads while they are made
+    make: Callable[[], tuple[Checks, Credits]] | None = field(default=None, compare=False, repr=False)
+    made: list[tuple[Checks | None, Credits | None]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         """Source bytes pulled."""
         return self.pulled_bytes
+
+    @property
+    def checks(self) -> Checks | None:
+        return self.built()[0]
+
+    @property
+    def credits(self) -> Credits | None:
+        return self.built()[1]
+
+    def built(self) -> tuple[Checks | None, Credits | None]:
+        """The checks and credits, made now if not yet (two threads may both make them: the first kept)."""
+        if not self.made:
+            self.made.append((None, None) if self.make is None else self.make())
+        return self.made[0]
+
+    @property
+    def is_built(self) -> bool:
+        return bool(self.made) or self.make is None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,9 +12,10 @@ order; a staged piece is laid out in its bucket's staging at an 8-byte aligned o
 continue each other in both places merge.
 
 Each bucket also carries what verify and commit need (``_checks``), so a replayed plan does no
-per-tensor planning work at all. Building runs in a worker thread and lets the event loop take the
-GIL every half millisecond. What plans need of the landing itself is built once per landing
-(``_target``: a receiver builds it as it starts).
+per-tensor planning work at all; a new plan's are made as the plan stage hands its buckets on (in a worker
+thread, a millisecond's worth at a time), so the first read does not wait for them. Building runs in a
+worker thread and lets the event loop take the GIL every half millisecond. What plans need of the landing
+itself is built once per landing (``_target``: a receiver builds it as it starts).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from refitflow.core.errors import PlanError
 from refitflow.core.gil import breathe, built, off_loop
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
-from refitflow.stages._checks import DigestIndex, Land, build_checks, build_credits
+from refitflow.stages._checks import Checks, Credits, DigestIndex, Land, build_checks, build_credits
 from refitflow.stages._context import Landing, Limits, StageContext, Work
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
@@ -111,7 +112,8 @@ def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRe
 
 
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
-    """Lay staged pieces out one after another (8-byte aligned), coalesce adjacent reads, precompute checks."""
+    """Lay staged pieces out one after another (8-byte aligned), coalesce adjacent reads; the checks are
+    built on first use (``_checks``), each piece's digests placed in the plan's vector now."""
     laid: list[Piece] = []
     staged = 0
     for p in pieces:
@@ -121,6 +123,7 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
             p = replace(p, landing_offset=staged)
             staged += p.nbytes
         laid.append(p)
+        cx.index[(p.source, p.tensor)]  # its place in the digest vector, in plan order
     reads = coalesce([piece_read(p) for p in laid])
     for p in laid:
         for s in p.scatters:
@@ -128,24 +131,30 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
                 raise PlanError(f"box {s.dbox} of {s.param} would be written twice", tensor=s.param)
             cx.seen.add((s.param, s.dbox))
     direct = sum(p.nbytes for p in laid if p.direct)
+    scatters = [s for p in laid for s in p.scatters]
+    device = next((p.device for p in laid if not p.direct), laid[0].device)
+    touched = {p.device for p in laid} | {cx.target.device_of(s.param) for s in scatters}
+    pieces_ = tuple(laid)
+    return Bucket(
+        index, pieces_, tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
+        device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
+        staged=tuple(p for p in laid if not p.direct), make=lambda: _checks(pieces_, cx),
+        derived=tuple(s for s in scatters if s.param in cx.route.assembled),
+        pulled_bytes=sum(p.nbytes for p in laid),
+    )  # fmt: skip
+
+
+def _checks(laid: tuple[Piece, ...], cx: _Context) -> tuple[Checks, Credits]:
+    """What verify and commit need of one bucket (``_checks``)."""
     checks = build_checks(
         ((p.source, p.tensor, p.box, Land(p.scatters[0].param if p.direct else None, p.landing_offset, p.nbytes))
          for p in laid),
         cx.index,
     )  # fmt: skip
-    scatters = [s for p in laid for s in p.scatters]
     route = cx.route  # auxiliary assemblies are credited to their parameter when it is converted
-    credits = build_credits(((s.param, s.dbox) for s in scatters if s.param not in route.aux), cx.target.position,
-                            cx.target.names, route.units)  # fmt: skip
-    device = next((p.device for p in laid if not p.direct), laid[0].device)
-    touched = {p.device for p in laid} | {cx.target.device_of(s.param) for s in scatters}
-    return Bucket(
-        index, tuple(laid), tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
-        device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
-        staged=tuple(p for p in laid if not p.direct), checks=checks, credits=credits,
-        derived=tuple(s for s in scatters if s.param in route.assembled),
-        pulled_bytes=sum(p.nbytes for p in laid),
-    )  # fmt: skip
+    credits = build_credits(((s.param, s.dbox) for p in laid for s in p.scatters if s.param not in route.aux),
+                            cx.target.position, cx.target.names, route.units)  # fmt: skip
+    return checks, credits
 
 
 def build_plan(
@@ -285,8 +294,19 @@ async def run(
                     await ctx.fanout.join(ctx)
             ctx.note("plan", len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
             for bucket in plan.buckets:
+                if not bucket.is_built:  # a new plan: its checks are made as its buckets go, the first read
+                    await off_loop(_build_ahead, plan.buckets, bucket.index)
                 actions, recheck = ctx.skips.of(bucket.index) if ctx.skips is not None else (None, None)
                 await send.send(Work(bucket, actions=actions, recheck=recheck))
+
+
+def _build_ahead(buckets: tuple[Bucket, ...], first: int) -> None:
+    """The checks of ``buckets[first]`` and of those after it, for about a millisecond (a hop each)."""
+    t0 = time.perf_counter()
+    for b in buckets[first:]:
+        b.built()
+        if time.perf_counter() - t0 > 0.001:
+            break
 
 
 async def _skips(ctx: StageContext, plan: Plan) -> Skips | None:
