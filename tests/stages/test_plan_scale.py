@@ -59,11 +59,13 @@ def _spec(name: str, shape: tuple[int, ...]) -> rf.ShardSpec:
     )  # fmt: skip
 
 
-def _publication(change: dict[str, tuple[int, ...]] | None = None, experts: str = "grouped") -> rf.Publication:
+def _publication(
+    change: dict[str, tuple[int, ...]] | None = None, experts: str = "grouped", tp: int = TRAIN
+) -> rf.Publication:
     ident = rf.Identity(model="moe", layout="megatron")
     manifests = []
     for r in range(TRAIN):
-        par = Parallel(tp=TRAIN, tp_rank=r, ep=TRAIN, ep_rank=r, expert_tp=1)
+        par = Parallel(tp=tp, tp_rank=r % tp, ep=TRAIN, ep_rank=r, expert_tp=1)
         layout = megatron.layout(DIMS, par, experts=experts)
         shapes = {n: lt.shape for n, lt in layout.items()} | (change or {})
         manifests.append(rf.Manifest(
@@ -86,20 +88,50 @@ def _reads(plan: Plan) -> list[tuple[object, ...]]:
     return sorted((p.source, p.tensor, p.box, tuple((s.param, s.dbox) for s in p.scatters)) for p in pieces)
 
 
-@pytest.mark.parametrize(("rank", "experts"), [(0, "grouped"), (5, "grouped"), (5, "sequential")])
+def _written(plan: Plan) -> list[tuple[str, object]]:
+    return sorted((s.param, s.dbox) for b in plan.buckets for p in b.pieces for s in p.scatters)
+
+
+@pytest.mark.parametrize(
+    ("rank", "experts", "tp"),
+    [(0, "grouped", TRAIN), (5, "grouped", TRAIN), (5, "sequential", TRAIN), (5, "grouped", 2)],
+)
 def test_a_plan_through_the_layout_index_reads_what_a_plan_from_every_shard_reads(
-    rank: int, experts: str, monkeypatch: pytest.MonkeyPatch
+    rank: int, experts: str, tp: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pub, dest, limits = _publication(experts=experts), _destination(rank), ReceiverConfig().limits
+    pub, dest, limits = _publication(experts=experts, tp=tp), _destination(rank), ReceiverConfig().limits
     indexed = build_plan(pub, dest, limits)
     assert _target.Target(dest).wanted is not None  # a layout: the index is used
     monkeypatch.setattr(_target, "Wanted", lambda layout: None)  # every shard, as before the index
     whole = build_plan(pub, dest, limits)
-    assert _reads(indexed) == _reads(whole)
+    if tp == TRAIN:
+        assert _reads(indexed) == _reads(whole)
+        assert indexed.digest_geometry == whole.digest_geometry
+    else:  # each TP place has two replicas: which one a box is read from may differ (both balance the load)
+        assert _written(indexed) == _written(whole)
+        assert sum(len(b.reads) for b in indexed.buckets) == sum(len(b.reads) for b in whole.buckets)
     assert indexed.nbytes == whole.nbytes and indexed.ideal_bytes == whole.ideal_bytes
-    assert indexed.digest_geometry == whole.digest_geometry
     experts = {p.tensor for b in indexed.buckets for p in b.pieces if ".experts." in p.tensor}
     assert experts and len(experts) < sum(".experts." in s.name for m in pub.manifests for s in m.shards)
+
+
+def test_trainer_layouts_of_one_tp_place_share_their_entries_of_no_expert() -> None:
+    """A trainer at TP 2 × EP 4: its 4 layouts are built on 2 shared parts (one per TP place), each indexed
+    once; each layout as built is the whole layout's entries, every name known."""
+    wanted = _target.Target(_destination(5)).wanted
+    assert wanted is not None
+    pars = [Parallel(tp=2, tp_rank=r % 2, ep=TRAIN, ep_rank=r, expert_tp=1) for r in range(TRAIN)]
+    found = [wanted.resolved(layout_metadata("megatron", DIMS, p, experts="grouped")["layout"]) for p in pars]
+    assert len(wanted._common) == 2
+    for f, p in zip(found, pars, strict=True):
+        whole = megatron.layout(DIMS, p, experts="grouped")
+        assert f.names == frozenset(whole) and all(f.layout[n] == whole[n] for n in f.layout)
+        assert any(".experts." in n for n in whole) and not all(n in f.layout for n in whole)  # built in part
+        indexed = [(n, seg) for s in f.index.values() for n, seg in s.entries]
+        entries = [(n, seg) for n, lt in f.layout.items() for seg in lt.segments]
+        assert len(indexed) == len(entries) and set(indexed) == set(entries)
+    shared = {id(c.index[1]) for c in wanted._common.values()}
+    assert len(shared) == 2  # one index of each shared part
 
 
 def test_a_shard_that_does_not_fit_its_layout_is_refused_when_read() -> None:

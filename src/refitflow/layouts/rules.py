@@ -29,14 +29,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Any
 
 from refitflow.core.errors import ConfigError
 from refitflow.layouts.boxes import Box, full
 from refitflow.layouts.canonical import LayoutMap, LocalTensor, ModelDims, Segment, canonical_shapes, concat
 
-__all__ = ["Only", "Parallel", "Table", "Tables", "build", "expert_range", "pad", "shapes_of", "stage_range"]
+__all__ = ["Common", "Only", "Parallel", "Table", "Tables", "build", "expert_range", "pad", "shapes_of", "stage_range"]
 
 Table = dict[str, tuple[str, tuple[str, ...]]]
+_Recipe = tuple[str, str, str, tuple[str, ...]]  # an entry that depends on the EP rank: prefix, suffix, kind, names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,15 +96,39 @@ class Tables:
         return merged
 
 
+@dataclass
+class Common:
+    """What the layouts of one TP and pipeline place share (a trainer at TP 8 × EP 32 has 4 ranks of each):
+    the entries of no expert, in order, and the recipes of those that depend on the EP rank — built once
+    per receiver (``Only.common``). ``index``: the planner's index of ``entries``, kept with them."""
+
+    entries: dict[str, LocalTensor]
+    # in table order, each entry's name or the recipe (prefix, suffix, kind, canonical names) of those that
+    # depend on the EP rank
+    slots: list[str | _Recipe]
+    index: Any = None
+
+    @property
+    def per_ep(self) -> list[_Recipe]:
+        return [s for s in self.slots if not isinstance(s, str)]
+
+
 @dataclass(frozen=True)
 class Only:
     """A layout built in part: of the entries one per expert (Megatron's ``...{j}...``), only those of the
     experts that ``wanted`` (canonical name -> the boxes read of it; None: all of it; absent: none of it)
     reads; the names of the others are appended to ``left_out``. A receiver at EP 16 reads 1/16 of a
-    trainer rank's per-expert entries (138,000 on a ~3 T model): planning builds only those."""
+    trainer rank's per-expert entries (138,000 on a ~3 T model): planning builds only those.
+
+    ``common``: the parts shared by layouts of one TP and pipeline place (``Common``, by place: pass one
+    dict to every ``Only`` of a receiver); ``used`` gets the one this layout was built on, ``extra`` its
+    entries beyond it."""
 
     wanted: Mapping[str, tuple[Box, ...] | None]
     left_out: list[str] = field(default_factory=list)
+    common: dict[tuple[object, ...], Common] = field(default_factory=dict)
+    used: list[Common] = field(default_factory=list)
+    extra: dict[str, LocalTensor] = field(default_factory=dict)
 
     def experts(self, names: tuple[str, ...], e0: int, e1: int) -> list[int]:
         """The local indexes of experts ``[e0, e1)`` whose rows of ``names`` are read (along the expert axis)."""
@@ -292,19 +318,47 @@ def build(
     ``stages``: layers per pipeline stage (default: an even split).
     ``only``: build the entries one per expert in part (``Only``).
     """
-    shapes = shapes_of(d)
     rows = d.vocab if vocab_rows is None else vocab_rows
     if rows < d.vocab:
         raise ConfigError(f"the padded vocabulary ({rows}) is smaller than the vocabulary ({d.vocab})")
     if d.mla:  # latent attention splits whole heads over TP (q_b_proj, kv_b_proj, o_proj)
         _part(d.heads, par.tp, par.tp_rank, "attention heads")
-    e0, e1 = expert_range(d.experts, par.ep, par.ep_rank)
+    if only is None:  # in table order
+        common = _common(tables, prefix, d, par, rows, stages, local_index)
+        out: LayoutMap = {}
+        for slot in common.slots:
+            if isinstance(slot, str):
+                out[slot] = common.entries[slot]
+            else:
+                _per_ep(out, [slot], common.entries, d, par, rows, None)
+        return out
+    key = (_tables_key(tables), prefix, d, par.tp, par.tp_rank, par.pp, par.pp_rank, rows, stages, local_index)
+    found = only.common.get(key)
+    if found is None:
+        found = only.common[key] = _common(tables, prefix, d, par, rows, stages, local_index)
+    common = found
+    only.used.append(common)
+    _per_ep(only.extra, common.per_ep, common.entries, d, par, rows, only)
+    return common.entries | only.extra
+
+
+def _tables_key(tables: Tables) -> tuple[object, ...]:
+    parts = (tables.first, tables.last, tables.layer, tables.attention, tables.mla, tables.dense, tables.moe)
+    return tuple(tuple(part.items()) for part in parts)
+
+
+def _common(tables: Tables, prefix: str, d: ModelDims, par: Parallel, rows: int, stages: tuple[int, ...] | None,
+            local_index: bool) -> Common:  # fmt: skip
+    """The entries of no expert (they depend on the TP and pipeline place only), and the others' recipes."""
+    shapes = shapes_of(d)
     out: LayoutMap = {}
+    slots: list[str | _Recipe] = []
 
     def add(local: str, lt: LocalTensor) -> None:
         if local in out:
             raise ConfigError(f"two table entries make the local tensor {local!r}")
         out[local] = _with_shapes(lt, shapes)
+        slots.append(local)
 
     top = (tables.first if par.pp_rank == 0 else {}) | (tables.last if par.pp_rank == par.pp - 1 else {})
     for local, (kind, names) in top.items():
@@ -317,19 +371,35 @@ def build(
             full_names = tuple(f"model.layers.{i}.{n}" for n in names)
             if not all(n in shapes for n in full_names):
                 continue
-            if "{j}" in suffix and kind.startswith("expert_"):  # one entry per expert: the boxes once per rank
-                suffixes = _suffixes(suffix, e1 - e0)
-                js = range(e1 - e0) if only is None else only.experts(full_names, e0, e1)
-                for j, lt in zip(js, _per_expert(kind, full_names, shapes, [(e0 + j, e0 + j + 1) for j in js], par),
-                                 strict=True):  # fmt: skip
-                    add(at + suffixes[j], lt)
-                if only is not None and len(js) < e1 - e0:
-                    kept = set(js)
-                    only.left_out.extend(at + n for j, n in enumerate(suffixes) if j not in kept)
-                continue
             if "{j}" not in suffix and not kind.startswith("expert"):
                 add(at + suffix, _tp_rule(kind, full_names, d, par.tp, par.tp_rank, rows))
-                continue
-            for j in range(e1 - e0) if "{j}" in suffix else [0]:
-                add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))
-    return out
+            else:
+                slots.append((at, suffix, kind, full_names))
+    return Common(out, slots)
+
+
+def _per_ep(out: LayoutMap, recipes: list[_Recipe], common: Mapping[str, LocalTensor], d: ModelDims, par: Parallel,
+            rows: int, only: Only | None) -> None:  # fmt: skip
+    """The entries of ``recipes`` (they depend on the EP rank) into ``out``: one per expert (of those ``only``
+    reads), or stacked; a name already in ``out`` or ``common`` is a ``ConfigError``."""
+    shapes = shapes_of(d)
+    e0, e1 = expert_range(d.experts, par.ep, par.ep_rank)
+
+    def add(local: str, lt: LocalTensor) -> None:
+        if local in out or local in common:
+            raise ConfigError(f"two table entries make the local tensor {local!r}")
+        out[local] = _with_shapes(lt, shapes)
+
+    for at, suffix, kind, full_names in recipes:
+        if "{j}" in suffix and kind.startswith("expert_"):  # one entry per expert: the boxes once per rank
+            suffixes = _suffixes(suffix, e1 - e0)
+            js = range(e1 - e0) if only is None else only.experts(full_names, e0, e1)
+            for j, lt in zip(js, _per_expert(kind, full_names, shapes, [(e0 + j, e0 + j + 1) for j in js], par),
+                             strict=True):  # fmt: skip
+                add(at + suffixes[j], lt)
+            if only is not None and len(js) < e1 - e0:
+                kept = set(js)
+                only.left_out.extend(at + n for j, n in enumerate(suffixes) if j not in kept)
+            continue
+        for j in range(e1 - e0) if "{j}" in suffix else [0]:
+            add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))

@@ -13,14 +13,14 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import ShardSpec
 from refitflow.layouts.boxes import Box, full, intersect
 from refitflow.layouts.canonical import LayoutMap, LocalTensor, Segment
-from refitflow.layouts.rules import Only
+from refitflow.layouts.rules import Common, Only
 from refitflow.layouts.wire import resolve_only
 
 __all__ = ["Wanted", "check_fits", "held_in_layout", "meets"]
@@ -44,14 +44,26 @@ class Wanted:
         self.boxes: dict[str, tuple[Box, ...] | None] = {c: None if bs is None else tuple(bs) for c, bs in out.items()}
         self._layouts: OrderedDict[str, _Resolved] = OrderedDict()
         self._keep = keep
+        self._common: dict[tuple[object, ...], Common] = {}  # what layouts of one TP place share (``rules``)
 
     def resolved(self, text: str) -> _Resolved:
         """The layout ``metadata["layout"] == text`` describes, in the part this receiver reads, indexed."""
         found = self._layouts.get(text)
         if found is None:
-            only = Only(self.boxes)
+            if len(self._common) > self._keep:  # the TP places of trainers seen (a few per trainer)
+                self._common.clear()
+            only = Only(self.boxes, common=self._common)
             layout = resolve_only(text, only)
-            found = self._layouts[text] = _Resolved(layout, frozenset(layout).union(only.left_out), _index(layout))
+            if only.used:  # built on a part shared with the layouts of its TP place: that part indexed once
+                common = only.used[0]
+                if common.index is None:
+                    common.index = (frozenset(common.entries), _index(common.entries.items()))
+                names, index = common.index
+                extra = only.extra
+                found = _Resolved(layout, names.union(extra, only.left_out), _merged(index, _index(extra.items())))
+            else:
+                found = _Resolved(layout, frozenset(layout).union(only.left_out), _index(layout.items()))
+            self._layouts[text] = found
             if len(self._layouts) > self._keep:
                 self._layouts.popitem(last=False)
         return found
@@ -87,18 +99,27 @@ class _Resolved:
     index: dict[str, _Sorted]
 
 
-def _index(layout: LayoutMap) -> dict[str, _Sorted]:
-    """``layout``'s segments by canonical tensor, sorted along dim 0."""
+def _index(entries: Iterable[tuple[str, LocalTensor]]) -> dict[str, _Sorted]:
+    """Layout entries' segments by canonical tensor, sorted along dim 0."""
     by: dict[str, list[tuple[str, Segment]]] = {}
-    for name, lt in layout.items():
+    for name, lt in entries:
         for seg in lt.segments:
             by.setdefault(seg.canonical, []).append((name, seg))
-    out = {}
-    for canon, entries in by.items():
-        entries.sort(key=lambda e: e[1].cbox[0] if e[1].cbox else (0, 1))
-        starts = [e[1].cbox[0][0] if e[1].cbox else 0 for e in entries]
-        stops = [e[1].cbox[0][1] if e[1].cbox else 1 for e in entries]
-        out[canon] = _Sorted(starts, stops if stops == sorted(stops) else None, entries)
+    return {canon: _sorted(found) for canon, found in by.items()}
+
+
+def _sorted(entries: list[tuple[str, Segment]]) -> _Sorted:
+    entries.sort(key=lambda e: e[1].cbox[0] if e[1].cbox else (0, 1))
+    starts = [e[1].cbox[0][0] if e[1].cbox else 0 for e in entries]
+    stops = [e[1].cbox[0][1] if e[1].cbox else 1 for e in entries]
+    return _Sorted(starts, stops if stops == sorted(stops) else None, entries)
+
+
+def _merged(a: dict[str, _Sorted], b: dict[str, _Sorted]) -> dict[str, _Sorted]:
+    """Two indexes of disjoint entries as one (``a`` is shared: not changed)."""
+    out = a | b
+    for canon in a.keys() & b.keys():
+        out[canon] = _sorted(a[canon].entries + b[canon].entries)
     return out
 
 
