@@ -107,28 +107,40 @@ class Common:
     # depend on the EP rank
     slots: list[str | _Recipe]
     index: Any = None
+    names: dict[int, frozenset[str]] = field(default_factory=dict)  # by local experts: ``local_names``
 
     @property
     def per_ep(self) -> list[_Recipe]:
         return [s for s in self.slots if not isinstance(s, str)]
+
+    def local_names(self, local_experts: int) -> frozenset[str]:
+        """Every local name of a layout of this place with ``local_experts`` experts (those of the entries one
+        per expert are local indexes: the same on every EP rank)."""
+        found = self.names.get(local_experts)
+        if found is None:
+            many = range(local_experts)
+            per_ep = (at + suffix.format(j=j) for at, suffix, _, _ in self.per_ep
+                      for j in (many if "{j}" in suffix else (0,)))  # fmt: skip
+            found = self.names[local_experts] = frozenset(self.entries).union(per_ep)
+        return found
 
 
 @dataclass(frozen=True)
 class Only:
     """A layout built in part: of the entries one per expert (Megatron's ``...{j}...``), only those of the
     experts that ``wanted`` (canonical name -> the boxes read of it; None: all of it; absent: none of it)
-    reads; the names of the others are appended to ``left_out``. A receiver at EP 16 reads 1/16 of a
-    trainer rank's per-expert entries (138,000 on a ~3 T model): planning builds only those.
+    reads. A receiver at EP 16 reads 1/16 of a trainer rank's per-expert entries (138,000 on a ~3 T model):
+    planning builds only those.
 
     ``common``: the parts shared by layouts of one TP and pipeline place (``Common``, by place: pass one
     dict to every ``Only`` of a receiver); ``used`` gets the one this layout was built on, ``extra`` its
-    entries beyond it."""
+    entries beyond it, ``names`` every local name of the layout (those left out too)."""
 
     wanted: Mapping[str, tuple[Box, ...] | None]
-    left_out: list[str] = field(default_factory=list)
     common: dict[tuple[object, ...], Common] = field(default_factory=dict)
     used: list[Common] = field(default_factory=list)
     extra: dict[str, LocalTensor] = field(default_factory=dict)
+    names: list[frozenset[str]] = field(default_factory=list)
 
     def experts(self, names: tuple[str, ...], e0: int, e1: int) -> list[int]:
         """The local indexes of experts ``[e0, e1)`` whose rows of ``names`` are read (along the expert axis)."""
@@ -339,6 +351,8 @@ def build(
     common = found
     only.used.append(common)
     _per_ep(only.extra, common.per_ep, common.entries, d, par, rows, only)
+    e0, e1 = expert_range(d.experts, par.ep, par.ep_rank)
+    only.names.append(common.local_names(e1 - e0))
     return common.entries | only.extra
 
 
@@ -397,9 +411,6 @@ def _per_ep(out: LayoutMap, recipes: list[_Recipe], common: Mapping[str, LocalTe
             for j, lt in zip(js, _per_expert(kind, full_names, shapes, [(e0 + j, e0 + j + 1) for j in js], par),
                              strict=True):  # fmt: skip
                 add(at + suffixes[j], lt)
-            if only is not None and len(js) < e1 - e0:
-                kept = set(js)
-                only.left_out.extend(at + n for j, n in enumerate(suffixes) if j not in kept)
             continue
         for j in range(e1 - e0) if "{j}" in suffix else [0]:
             add(at + suffix.format(j=j), _rule(kind, full_names, shapes, d, par, j, rows))

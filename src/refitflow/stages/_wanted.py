@@ -57,12 +57,10 @@ class Wanted:
             if only.used:  # built on a part shared with the layouts of its TP place: that part indexed once
                 common = only.used[0]
                 if common.index is None:
-                    common.index = (frozenset(common.entries), _index(common.entries.items()))
-                names, index = common.index
-                extra = only.extra
-                found = _Resolved(layout, names.union(extra, only.left_out), _merged(index, _index(extra.items())))
+                    common.index = _index(common.entries.items())
+                found = _Resolved(layout, only.names[0], _merged(common.index, _index(only.extra.items())))
             else:
-                found = _Resolved(layout, frozenset(layout).union(only.left_out), _index(layout.items()))
+                found = _Resolved(layout, frozenset(layout), _index(layout.items()))
             self._layouts[text] = found
             if len(self._layouts) > self._keep:
                 self._layouts.popitem(last=False)
