@@ -12,7 +12,7 @@ import operator
 import re
 import string
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -256,6 +256,11 @@ class Manifest:
     def pending(self) -> bool:
         """Announced before its digests (see above)."""
         return self.shards[0].pending
+
+    @cached_property
+    def positions(self) -> dict[str, int]:
+        """Each shard's position by name, built once (a plan looks shards up by name: read it, never change it)."""
+        return dict(zip(map(_NAME, self.shards), range(len(self.shards)), strict=True))
 
     def completes(self, pending: Manifest) -> bool:
         """Whether this manifest is ``pending`` with its digests: the same rank, version, source and layout."""

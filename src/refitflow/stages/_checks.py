@@ -107,7 +107,6 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
 
     def __init__(self, pub: Publication) -> None:
         self._manifests = pub.manifests
-        self._at: list[dict[str, int] | None] = [None] * len(pub.manifests)  # per source: tensor -> position
         self._known: dict[tuple[int, str], tuple[Tiling, int]] = {}
         self._tilings: dict[tuple[Any, ...], Tiling] = {}
         self._shape: list[tuple[Any, ...]] = []  # what ``geometry`` digests
@@ -120,10 +119,7 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
             return got
         source, tensor = key
         m = self._manifests[source]
-        at = self._at[source]
-        if at is None:
-            at = self._at[source] = dict(zip(map(_NAME, m.shards), range(len(m.shards)), strict=True))
-        p = at[tensor]
+        p = m.positions[tensor]
         spec = m.shards[p]
         tkey = TILING_KEY(spec)
         t = self._tilings.get(tkey)

@@ -72,7 +72,7 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
     for i, m in enumerate(pub.manifests):  # trainer ranks
         if "layout" in m.metadata and wanted is not None:  # through the layout's index: the shards read only
             shapes |= layout_shapes(m.metadata["layout"])
-            held_in_layout(m.metadata["layout"], m.shards, wanted, pub.version, _adder(held, i))
+            held_in_layout(m.metadata["layout"], m.shards, m.positions, wanted, pub.version, _adder(held, i))
             continue
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         declared = declared_quant(m.metadata.get("quant"), pub.version)

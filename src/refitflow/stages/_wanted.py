@@ -10,7 +10,6 @@ against it.
 
 from __future__ import annotations
 
-import operator
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -24,8 +23,6 @@ from refitflow.layouts.rules import Common, Only
 from refitflow.layouts.wire import resolve_only
 
 __all__ = ["Wanted", "check_fits", "held_in_layout", "meets"]
-
-_NAME = operator.attrgetter("name")
 
 
 class Wanted:
@@ -129,16 +126,15 @@ def check_fits(spec: ShardSpec, local: LocalTensor | None, version: int) -> Loca
     return local
 
 
-def held_in_layout(text: str, shards: tuple[ShardSpec, ...], wanted: Wanted, version: int,
-                   add: Callable[[ShardSpec, Segment], None]) -> None:  # fmt: skip
-    """``add(spec, segment)`` for each of a source's shards (laid out by ``metadata["layout"] == text``) and
-    each of its segments that meets ``wanted``. Every shard's name must be in the layout; the shards added
-    are checked against it (``check_fits``)."""
+def held_in_layout(text: str, shards: tuple[ShardSpec, ...], positions: Mapping[str, int], wanted: Wanted,
+                   version: int, add: Callable[[ShardSpec, Segment], None]) -> None:  # fmt: skip
+    """``add(spec, segment)`` for each of a source's shards (laid out by ``metadata["layout"] == text``;
+    ``positions``: each shard's position by name, ``Manifest.positions``) and each of its segments that meets
+    ``wanted``. Every shard's name must be in the layout; the shards added are checked against it
+    (``check_fits``)."""
     found = wanted.resolved(text)
-    names = list(map(_NAME, shards))
-    if not found.names.issuperset(names):
+    if not found.names.issuperset(positions):
         check_fits(next(s for s in shards if s.name not in found.names), None, version)
-    by_name = dict(zip(names, shards, strict=True))
     layout = found.layout
     for canon, boxes in wanted.boxes.items():
         segs = found.index.get(canon)
@@ -147,8 +143,9 @@ def held_in_layout(text: str, shards: tuple[ShardSpec, ...], wanted: Wanted, ver
         seen: set[tuple[str, Box]] = set()
         for box in (None,) if boxes is None else boxes:
             for name, seg in segs.entries if box is None else segs.meeting(box):
-                spec = by_name.get(name)
-                if spec is not None and (name, seg.lbox) not in seen and meets(boxes, seg.cbox):
+                p = positions.get(name)
+                if p is not None and (name, seg.lbox) not in seen and meets(boxes, seg.cbox):
+                    spec = shards[p]
                     seen.add((name, seg.lbox))
                     check_fits(spec, layout[name], version)
                     add(spec, seg)
