@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import gc
 import itertools
+import weakref
 
 import numpy as np
 import pytest
@@ -242,6 +244,18 @@ def test_a_new_plans_checks_are_made_on_first_use_its_digests_placed_at_once() -
     ]  # fmt: skip
     assert np.concatenate(wants).max() < plan.digest_count  # every digest checked was placed by the plan
     assert all(a.max() <= b.max() for a, b in itertools.pairwise(wants))  # placed in plan order
+
+
+def test_a_plan_lets_its_first_publications_manifests_go() -> None:
+    """A cached plan outlives the version it was built for: its buckets' checks, made later, must not keep
+    that version's manifests (every shard's digests: 880 MB for a ~3 T model) alive."""
+    pub = _digested(_publication())
+    plan = build_plan(pub, _destination(5), ReceiverConfig().limits)
+    gone = [weakref.ref(m) for m in pub.manifests]
+    del pub
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+    assert all(b.checks is not None for b in plan.buckets)  # made after: every shard was placed at plan time
 
 
 def test_a_publication_whose_shards_moved_under_the_same_layout_digest_is_refused() -> None:

@@ -106,12 +106,9 @@ class Common:
     # in table order, each entry's name or the recipe (prefix, suffix, kind, canonical names) of those that
     # depend on the EP rank
     slots: list[str | _Recipe]
+    per_ep: list[_Recipe]  # the recipes alone
     index: Any = None
     names: dict[int, frozenset[str]] = field(default_factory=dict)  # by local experts: ``local_names``
-
-    @property
-    def per_ep(self) -> list[_Recipe]:
-        return [s for s in self.slots if not isinstance(s, str)]
 
     def local_names(self, local_experts: int) -> frozenset[str]:
         """Every local name of a layout of this place with ``local_experts`` experts (those of the entries one
@@ -389,7 +386,7 @@ def _common(tables: Tables, prefix: str, d: ModelDims, par: Parallel, rows: int,
                 add(at + suffix, _tp_rule(kind, full_names, d, par.tp, par.tp_rank, rows))
             else:
                 slots.append((at, suffix, kind, full_names))
-    return Common(out, slots)
+    return Common(out, slots, [s for s in slots if not isinstance(s, str)])
 
 
 def _per_ep(out: LayoutMap, recipes: list[_Recipe], common: Mapping[str, LocalTensor], d: ModelDims, par: Parallel,

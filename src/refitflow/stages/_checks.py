@@ -4,8 +4,8 @@ A plan is replayed for every version with the same layout, so everything that de
 layout is decided here, not per refit: which digest units each piece holds (``core.digests.units_of``)
 and where their bytes land, as arrays; the index of each unit's digest in the version's digest
 vector (the digests of the shards the plan reads, in the order it reads them: ``DigestIndex``,
-``digest_vector``); and the elements each
-bucket credits to each parameter. Verify then hashes and compares arrays; commit adds arrays.
+``digest_vector``); and the elements each bucket credits to each parameter. Verify then hashes and
+compares arrays; commit adds arrays.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import xxhash
 from refitflow.core.digests import Tiling, Units, units_array
 from refitflow.core.errors import ManifestError
 from refitflow.core.gil import breathe
-from refitflow.core.types import TILING_KEY, Publication
+from refitflow.core.types import TILING_KEY, Manifest, Publication
 from refitflow.layouts.boxes import Box, volume
 
 __all__ = [
@@ -101,12 +101,12 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
     (``order``: its source, position and name), so a version's digests are decoded for the shards read
     alone (``digest_vector``) — a rank at EP 16 of a trillion-parameter model reads 1/16 of its 110 million
     digests, once per version. Shards equal in geometry share one ``Tiling``, as shapes repeat layer after
-    layer. ``geometry``: a digest of what fixes the vector's layout — each shard's rank, world size, name,
-    dtype, shape, range, digest algorithm and tiles, in order — but not where its bytes lie: digests of two
-    versions compare unit by unit only when it is equal (delta refits)."""
+    layer. ``seal`` gives the geometry: a digest of what fixes the vector's layout — each shard's rank, world
+    size, name, dtype, shape, range, digest algorithm and tiles, in order — but not where its bytes lie:
+    digests of two versions compare unit by unit only when it is equal (delta refits)."""
 
     def __init__(self, pub: Publication) -> None:
-        self._manifests = pub.manifests
+        self._manifests: tuple[Manifest, ...] = pub.manifests
         self._known: dict[tuple[int, str], tuple[Tiling, int]] = {}
         self._tilings: dict[tuple[Any, ...], Tiling] = {}
         self._shape: list[tuple[Any, ...]] = []  # what ``geometry`` digests
@@ -131,8 +131,10 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         self._shape.append((m.rank, m.world_size, tensor, tkey))
         return got
 
-    @property
-    def geometry(self) -> str:
+    def seal(self) -> str:
+        """The geometry, once the plan placed every shard it reads; the publication is let go (a bucket's checks,
+        made later, find their shards placed)."""
+        self._manifests = ()
         return xxhash.xxh3_128_hexdigest(orjson.dumps(self._shape))
 
     def __iter__(self) -> Iterator[tuple[int, str]]:

@@ -207,8 +207,9 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
     if current:
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
+    cx.seen.clear()  # the buckets keep ``cx`` to make their checks: what they need of it alone
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
-                copies=tuple(cs), digest_geometry=cx.index.geometry, digest_order=tuple(cx.index.order),
+                copies=tuple(cs), digest_geometry=cx.index.seal(), digest_order=tuple(cx.index.order),
                 digest_count=cx.index.count, target=target, route=route)  # fmt: skip
 
 
