@@ -138,7 +138,8 @@ class Relaying:
         if up is None or up.source.transport != self.transport.name:
             return
         self.transport.connect(up.source)
-        many = len(ctx.plan.buckets) > 64
+        # a new plan's checks are made on first use (``Bucket.built``): the geometry reads them, off the loop
+        many = len(ctx.plan.buckets) > 64 or not all(b.is_built for b in ctx.plan.buckets)
         geo = await off_loop(geometry, ctx.plan, up) if many else geometry(ctx.plan, up)
         ctx.upstream = Upstream(up, geo, self._probe_for(1 + len(up.params)))
 
