@@ -1,14 +1,14 @@
 """Planning time for a Kimi-K2-shaped model: a Megatron trainer at EP 8 into vLLM ranks at EP 16.
 
     python bench/kimi_plan_bench.py [--layers 61] [--experts 384] [--receiver tp16|dp16|tp8xdp8] [--ranks 0,15]
-        [--digests]
+        [--train-tp 8] [--train-ep 8] [--train-pp 1] [--digests]
 
 No weights: the trainer's shards are shape-only ``ShardSpec``s (block digests of the publisher's block
 sizes, zero bytes) and the receiver's parameters are meta tensors, so a 1-T-parameter model plans in
 little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 folded on 8 ranks
-(expert TP 1: rank r holds attention slice r and experts 48r..48r+47). Receivers: vLLM, experts on
-EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN`` attention data-parallel (TP 1 × DP N,
-EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (default: the first and the last)
+(expert TP 1: rank r holds attention slice r and experts 48r..48r+47), in each of ``--train-pp`` pipeline
+stages. Receivers: vLLM, experts on EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN``
+attention data-parallel (TP 1 × DP N, EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (default: the first and the last)
 it prints the time to build its plan (what its first read waits for; "+ checks": what verify and commit
 need of each bucket, made as the plan stage hands the buckets on, while earlier ones are read) — each
 rank resolves the part of the trainer layouts it reads, as its own process does on its first refit; the
@@ -56,22 +56,27 @@ def _spec(name: str, shape: tuple[int, ...], dtype: str = "bfloat16", algo: str 
     )  # fmt: skip
 
 
-def publication(d: ModelDims, tp: int, ep: int) -> tuple[rf.Publication, float]:
-    """The trainer's publication (shape-only) and the seconds its layouts took to build."""
+def publication(d: ModelDims, tp: int, ep: int, pp: int = 1) -> tuple[rf.Publication, float]:
+    """The trainer's publication (shape-only) and the seconds its layouts took to build: ``pp`` pipeline stages
+    (the first ones a layer more when they do not divide the layers), each of ``max(tp, ep)`` ranks."""
     ident = rf.Identity(model="kimi-k2", layout="megatron")
     manifests, seconds = [], 0.0
     world = max(tp, ep)
-    for r in range(world):
-        par = Parallel(tp=tp, tp_rank=r % tp, ep=ep, ep_rank=r % ep, expert_tp=1)
-        t0 = time.perf_counter()
-        meta = layout_metadata("megatron", d, par, experts="grouped")
-        layout = megatron.layout(d, par, experts="grouped")
-        seconds += time.perf_counter() - t0
-        shards = tuple(_spec(n, lt.shape) for n, lt in layout.items())
-        src = rf.SourceAddress(transport="loopback", agent=f"trainer-{r}")
-        manifests.append(
-            rf.Manifest(identity=ident, version=1, rank=r, world_size=world, source=src, shards=shards, metadata=meta)
-        )
+    per, extra = divmod(d.layers, pp)
+    stages = tuple(per + (p < extra) for p in range(pp))
+    options = {"experts": "grouped"} | ({"pp_layers": stages} if pp > 1 else {})
+    for p in range(pp):
+        for r in range(world):
+            par = Parallel(tp=tp, tp_rank=r % tp, ep=ep, ep_rank=r % ep, expert_tp=1, pp=pp, pp_rank=p)
+            t0 = time.perf_counter()
+            meta = layout_metadata("megatron", d, par, **options)
+            layout = megatron.layout(d, par, **options)  # type: ignore[arg-type]
+            seconds += time.perf_counter() - t0
+            shards = tuple(_spec(n, lt.shape) for n, lt in layout.items())
+            rank = p * world + r
+            src = rf.SourceAddress(transport="loopback", agent=f"trainer-{rank}")
+            manifests.append(rf.Manifest(identity=ident, version=1, rank=rank, world_size=world * pp, source=src,
+                                         shards=shards, metadata=meta))  # fmt: skip
     return rf.Publication(identity=ident, version=1, manifests=tuple(manifests)), seconds
 
 
@@ -98,6 +103,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--train-tp", type=int, default=8)
     ap.add_argument("--train-ep", type=int, default=8)
+    ap.add_argument("--train-pp", type=int, default=1, help="pipeline stages of the trainer")
     ap.add_argument("--receiver", default="tp16", help="tpN, dpN or tpAxdpB: vLLM's attention TP and DP (EP: TP x DP)")
     ap.add_argument("--ranks", default=None, help="receiver ranks to plan (default: the first and the last)")
     ap.add_argument("--digests", action="store_true", help="time each rank's digest decode per version too")
@@ -109,10 +115,11 @@ def main() -> None:
     ranks = [int(x) for x in a.ranks.split(",")] if a.ranks else [0, rtp * rdp - 1]
     d = kimi_k2(a.layers, a.experts)
     t0 = time.perf_counter()
-    pub, layout_s = publication(d, a.train_tp, a.train_ep)
+    pub, layout_s = publication(d, a.train_tp, a.train_ep, a.train_pp)
     shards = sum(len(m.shards) for m in pub.manifests)
     print(f"Kimi-K2 shape: {d.layers} layers, {d.experts} experts, {pub.nbytes / 1e12:.2f} TB bf16; "
-          f"trainer Megatron TE grouped TP {a.train_tp} x EP {a.train_ep} (expert TP 1): {len(pub.manifests)} "
+          f"trainer Megatron TE grouped TP {a.train_tp} x EP {a.train_ep} (expert TP 1) x PP {a.train_pp}: "
+          f"{len(pub.manifests)} "
           f"ranks, {shards:,} shards; publication built in {time.perf_counter() - t0:.1f} s "
           f"(trainer layouts {layout_s:.1f} s)")  # fmt: skip
     limits = ReceiverConfig().limits
