@@ -8,12 +8,12 @@ sizes, zero bytes) and the receiver's parameters are meta tensors, so a 1-T-para
 little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 folded on 8 ranks
 (expert TP 1: rank r holds attention slice r and experts 48r..48r+47), in each of ``--train-pp`` pipeline
 stages. Receivers: vLLM, experts on EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN``
-attention data-parallel (TP 1 × DP N, EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked for it (default: the first and the last)
-it prints the time to build its plan (what its first read waits for; "+ checks": what verify and commit
-need of each bucket, made as the plan stage hands the buckets on, while earlier ones are read) — each
-rank resolves the part of the trainer layouts it reads, as its own process does on its first refit; the
-first plan in this process also fills caches of shapes shared by every rank ("first") — the box copies,
-buckets, reads and bytes, against the bytes of its slice.
+attention data-parallel (TP 1 × DP N, EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked
+for it (default: the first and the last) it prints the time to build its plan (what its first read waits
+for; "+ checks": what verify and commit need of each bucket, made as the plan stage hands the buckets on,
+while earlier ones are read) — each rank resolves the part of the trainer layouts it reads, as its own
+process does on its first refit; the first plan in this process also fills caches of shapes shared by
+every rank ("first") — the box copies, buckets, reads and bytes, against the bytes of its slice.
 ``--digests``: also the seconds a rank decodes a version's digests in (``Plan.digests``: those of the shards
 it reads), and for comparison every shard's (what each rank decoded before stop 45), best of 3.
 """
