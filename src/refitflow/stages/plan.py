@@ -113,7 +113,7 @@ def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRe
 
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     """Lay staged pieces out one after another (8-byte aligned), coalesce adjacent reads; the checks are
-    built on first use (``_checks``), each piece's digests placed in the plan's vector now."""
+    made on first use (``_checks_of``), each piece's digests placed in the plan's vector now."""
     laid: list[Piece] = []
     staged = 0
     for p in pieces:
@@ -134,18 +134,18 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     scatters = [s for p in laid for s in p.scatters]
     device = next((p.device for p in laid if not p.direct), laid[0].device)
     touched = {p.device for p in laid} | {cx.target.device_of(s.param) for s in scatters}
-    pieces_ = tuple(laid)
+    laid_ = tuple(laid)
     return Bucket(
-        index, pieces_, tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
+        index, laid_, tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
         device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
-        staged=tuple(p for p in laid if not p.direct), make=lambda: _checks(pieces_, cx),
+        staged=tuple(p for p in laid if not p.direct), make=lambda: _checks_of(laid_, cx),
         derived=tuple(s for s in scatters if s.param in cx.route.assembled),
         pulled_bytes=sum(p.nbytes for p in laid),
     )  # fmt: skip
 
 
-def _checks(laid: tuple[Piece, ...], cx: _Context) -> tuple[Checks, Credits]:
-    """What verify and commit need of one bucket (``_checks``)."""
+def _checks_of(laid: tuple[Piece, ...], cx: _Context) -> tuple[Checks, Credits]:
+    """What verify and commit need of one bucket (``stages._checks``)."""
     checks = build_checks(
         ((p.source, p.tensor, p.box, Land(p.scatters[0].param if p.direct else None, p.landing_offset, p.nbytes))
          for p in laid),
