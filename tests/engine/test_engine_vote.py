@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from refitflow.engine.commitment import Register
 from refitflow.engine.vote import Ballot, Decision, decide
 from tests.conftest import free_ports
 from tests.engine.engine_worker import run_rank
@@ -37,6 +38,17 @@ def test_decide_rule() -> None:
     assert decide([ready, None]) is Decision.ABORT
     assert decide([Ballot(False, False, -1), Ballot(False, False, -1)]) is Decision.NOTHING
     assert decide([ready, Ballot(False, False, -1)]) is Decision.ABORT
+
+
+def test_an_abort_written_before_every_ballot_came_names_the_rank_not_ready_and_no_deadline() -> None:
+    """Rank 1 fails fast: the register aborts on its ballot without waiting for rank 0's, and says so."""
+    register = Register(2)
+    assert register.own(1, Ballot(True, True, 7), 0) is None  # the coordinator votes in attempt 1 ...
+    early = register.post(2, 1, Ballot(False, True, 8))  # ... and rank 1 is not ready in attempt 2 first
+    assert early is not None and early.decision is Decision.ABORT
+    assert early.reason == "ranks [1] not ready; decided without waiting for ranks [0]", early.reason
+    late = register.expire(1, "deadline")  # attempt 1 still lacks rank 1's ballot at the deadline: that one was lost
+    assert late is not None and "no ballot of ranks [1] had been read by the coordinator by its deadline" in late.reason
 
 
 @KINDS

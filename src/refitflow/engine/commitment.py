@@ -107,7 +107,7 @@ class Register:
             return self._write(Verdict(attempt, v, version, why(present)))
         known = [b for b in present if b is not None]
         if any(not b.ready for b in known) and any(b.began for b in known):
-            return self._write(Verdict(attempt, Decision.ABORT, None, why(present)))
+            return self._write(Verdict(attempt, Decision.ABORT, None, why(present, early=True)))
         return None
 
     def expire(self, attempt: int, reason: str) -> Verdict | None:

@@ -118,7 +118,7 @@ class GlooVote(AttemptIds):
             return Verdict(attempt, d, version, why(present))
         known = [b for b in present if b is not None]
         if any(not b.ready for b in known) and any(b.began for b in known):
-            return Verdict(attempt, Decision.ABORT, None, why(present))
+            return Verdict(attempt, Decision.ABORT, None, why(present, early=True))
         return None
 
     async def _read(self, attempt: int) -> Verdict | None:

@@ -57,18 +57,24 @@ def decide(ballots: Sequence[Ballot | None]) -> Decision:
     return Decision.NOTHING
 
 
-def why(ballots: Sequence[Ballot | None]) -> str:
-    """Why these ballots do not commit, in words (empty when they do)."""
+def why(ballots: Sequence[Ballot | None], *, early: bool = False) -> str:
+    """Why these ballots do not commit, in words (empty when they do).
+
+    ``early``: the verdict was written before every ballot came (a rank that began is not ready), so a
+    missing ballot is one not waited for, not one lost.
+    """
     missing = [i for i, b in enumerate(ballots) if b is None]
     not_ready = [i for i, b in enumerate(ballots) if b is not None and not b.ready]
     versions = sorted({b.version for b in ballots if b is not None and b.ready})
     parts = []
-    if missing:
+    if missing and not early:
         parts.append(f"no ballot of ranks {missing} had been read by the coordinator by its deadline")  # sent or not
     if not_ready:
         parts.append(f"ranks {not_ready} not ready")
     if len(versions) > 1:
         parts.append(f"ranks prepared different versions {versions}")
+    if missing and early:
+        parts.append(f"decided without waiting for ranks {missing}")
     return "; ".join(parts)
 
 

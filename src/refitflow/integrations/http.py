@@ -59,7 +59,7 @@ async def post(http: Any, route: str, body: dict[str, Any] | None, *, params: di
     except httpx.HTTPError as exc:
         raise ServerError(route, None, f"{type(exc).__name__}: {exc}") from exc
     if response.status_code >= 400:
-        raise ServerError(route, response.status_code, response.text[:500])
+        raise ServerError(route, response.status_code, response.text[:2000])  # every rank's error, the last ones too
     try:
         return response.json() if response.content else None
     except ValueError as exc:  # an answer that is not JSON (a proxy's error page, a truncated body)
