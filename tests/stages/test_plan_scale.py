@@ -215,13 +215,13 @@ def test_a_rank_decodes_the_digests_of_the_shards_it_reads_only() -> None:
     plan = build_plan(pub, _destination(5), ReceiverConfig().limits)
     vec = plan.digests(pub)
     read = {(p.source, p.tensor) for b in plan.buckets for p in b.pieces}
-    assert {(s, name) for s, _, name in plan.digest_order} == read  # each shard read, once
+    assert {(s, place[0]) for s, _, place in plan.digest_order} == read  # each shard read, once
     every = sum(s.tiling.count for m in pub.manifests for s in m.shards)
     assert vec.size == plan.digest_count < every // 2
     at = 0
-    for s, p, name in plan.digest_order:  # each shard's digests where the plan's checks look for them
+    for s, p, place in plan.digest_order:  # each shard's digests where the plan's checks look for them
         spec = pub.manifests[s].shards[p]
-        assert spec.name == name
+        assert spec.name == place[0]
         want = np.frombuffer(spec.digest_bytes, dtype=">u8").astype(np.uint64)
         assert np.array_equal(vec[at : at + want.size], want)
         at += want.size
@@ -259,21 +259,36 @@ def test_a_plan_lets_its_first_publications_manifests_go() -> None:
 
 
 def test_a_publication_whose_shards_moved_under_the_same_layout_digest_is_refused() -> None:
-    """A plan is cached by the manifests' layout digests (the publisher's word); its digest places are checked."""
+    """A plan is cached by the manifests' layout digests (the publisher's word): each version's shards are
+    checked to be where, and what, they were when the plan placed their digests."""
     pub = _digested(_publication())
     plan = build_plan(pub, _destination(5), ReceiverConfig().limits)
-    m = pub.manifests[2]
-    moved = dataclasses.replace(m, shards=m.shards[::-1], revision="", layout_digest=m.layout_digest)
-    with pytest.raises(ManifestError, match="not where its layout digest says"):
-        plan.digests(dataclasses.replace(pub, manifests=(*pub.manifests[:2], moved, *pub.manifests[3:])))
-    # a shard read with other tiles under the same name (and the old layout digest): its digests no longer fit
-    s, p = next((s, p) for s, p, _ in plan.digest_order if pub.manifests[s].shards[p].tile_rows >= 2)
-    spec = pub.manifests[s].shards[p]
-    raw = bytes(8 * Tiling("xxh3", spec.global_shape, 2, spec.tile_rows // 2, spec.tile_cols).count)
-    retiled = dataclasses.replace(spec, tile_rows=spec.tile_rows // 2, blocks=base64.b64encode(raw).decode(),
-                                  digest=xxhash.xxh3_64_hexdigest(raw))  # fmt: skip
-    m = pub.manifests[s]
-    shards = (*m.shards[:p], retiled, *m.shards[p + 1 :])
-    grown = dataclasses.replace(m, shards=shards, revision="", layout_digest=m.layout_digest)
-    with pytest.raises(ManifestError, match="do not fit its layout digest"):
-        plan.digests(dataclasses.replace(pub, manifests=(*pub.manifests[:s], grown, *pub.manifests[s + 1 :])))
+
+    def with_shards(s: int, shards: tuple[rf.ShardSpec, ...]) -> rf.Publication:
+        m = dataclasses.replace(
+            pub.manifests[s], shards=shards, revision="", layout_digest=pub.manifests[s].layout_digest
+        )
+        return dataclasses.replace(pub, manifests=(*pub.manifests[:s], m, *pub.manifests[s + 1 :]))
+
+    # a shard of one digest tile, read: it could be published as one whole-shard digest instead (as many digests)
+    def one_tile(spec: rf.ShardSpec) -> bool:
+        return spec.tiling.count == 1 and spec.tile_rows >= 2
+
+    s, p, _ = next(o for o in plan.digest_order if one_tile(pub.manifests[o[0]].shards[o[1]]))
+    shards = pub.manifests[s].shards
+    spec = shards[p]
+    rows = spec.tile_rows // 2
+    raw = bytes(8 * Tiling(spec.algo, spec.tiling.shape, spec.tiling.item, rows, spec.tile_cols).count)
+    halved = dataclasses.replace(spec, tile_rows=rows, blocks=base64.b64encode(raw).decode(),
+                                 digest=xxhash.xxh3_64_hexdigest(raw))  # fmt: skip
+    whole = dataclasses.replace(spec, tile_rows=0, tile_cols=0, blocks="")
+    assert whole.tiling.count == 1 and halved.tiling.count > 1
+    for bad in (
+        with_shards(s, shards[::-1]),  # moved
+        with_shards(s, shards[:p]),  # fewer shards: the ones read past the end are gone
+        with_shards(s, (*shards[:p], halved, *shards[p + 1 :])),  # more digests
+        with_shards(s, (*shards[:p], whole, *shards[p + 1 :])),  # as many, of another geometry
+    ):
+        with pytest.raises(ManifestError, match="not where, or not what, its layout digest says"):
+            plan.digests(bad)
+    assert plan.digests(pub).size == plan.digest_count  # the good one still decodes

@@ -58,13 +58,14 @@ def decide(ballots: Sequence[Ballot | None]) -> Decision:
 
 
 def why(ballots: Sequence[Ballot | None], *, early: bool = False) -> str:
-    """Why these ballots do not commit, in words (empty when they do).
+    """Why these ballots do not commit, in words (empty when they do); long lists of ranks are cut (a reason
+    travels in at most 500 characters).
 
     ``early``: the verdict was written before every ballot came (a rank that began is not ready), so a
     missing ballot is one not waited for, not one lost.
     """
-    missing = [i for i, b in enumerate(ballots) if b is None]
-    not_ready = [i for i, b in enumerate(ballots) if b is not None and not b.ready]
+    missing = _ranks([i for i, b in enumerate(ballots) if b is None])
+    not_ready = _ranks([i for i, b in enumerate(ballots) if b is not None and not b.ready])
     versions = sorted({b.version for b in ballots if b is not None and b.ready})
     parts = []
     if missing and not early:
@@ -72,10 +73,17 @@ def why(ballots: Sequence[Ballot | None], *, early: bool = False) -> str:
     if not_ready:
         parts.append(f"ranks {not_ready} not ready")
     if len(versions) > 1:
-        parts.append(f"ranks prepared different versions {versions}")
+        parts.append(f"ranks prepared different versions {_ranks(versions)}")
     if missing and early:
         parts.append(f"decided without waiting for ranks {missing}")
     return "; ".join(parts)
+
+
+def _ranks(values: list[int], most: int = 8) -> str:
+    """``[0, 1, 2]``, or ``[0, 1, 2, 3, 4, 5, 6, 7 and 24 more]`` when there are more than ``most``."""
+    if len(values) <= most:
+        return str(values) if values else ""
+    return f"[{', '.join(map(str, values[:most]))} and {len(values) - most} more]"
 
 
 class VoteChannel(Protocol):

@@ -23,7 +23,7 @@ import xxhash
 from refitflow.core.digests import Tiling, Units, units_array
 from refitflow.core.errors import ManifestError
 from refitflow.core.gil import breathe
-from refitflow.core.types import TILING_KEY, Manifest, Publication
+from refitflow.core.types import Manifest, Publication
 from refitflow.layouts.boxes import Box, volume
 
 __all__ = [
@@ -38,7 +38,9 @@ __all__ = [
     "digest_vector",
 ]  # fmt: skip
 
-_NAME = operator.attrgetter("name")
+_PLACE = operator.attrgetter(
+    "name", "algo", "global_shape", "axis", "start", "stop", "dtype", "tile_rows", "tile_cols"
+)  # a shard's name and its digest geometry (TILING_KEY's fields)
 
 
 @dataclass(slots=True, unsafe_hash=True)  # a plan record: see stages/_records.py
@@ -97,8 +99,8 @@ class Checks:
 class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
     """(source, tensor) → (its digest geometry, offset of its first digest in the plan's digest vector).
 
-    Built as the plan asks: each shard a plan reads takes its place in the vector when first asked for
-    (``order``: its source, position and name), so a version's digests are decoded for the shards read
+    Built as the plan reads: ``place`` gives each shard a plan reads its place in the vector, once
+    (``order``: its source, position, name and digest geometry), so a version's digests are decoded for the shards read
     alone (``digest_vector``) — a rank at EP 16 of a trillion-parameter model reads 1/16 of its 110 million
     digests, once per version. Shards equal in geometry share one ``Tiling``, as shapes repeat layer after
     layer. ``seal`` gives the geometry: a digest of what fixes the vector's layout — each shard's rank, world
@@ -110,32 +112,36 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         self._known: dict[tuple[int, str], tuple[Tiling, int]] = {}
         self._tilings: dict[tuple[Any, ...], Tiling] = {}
         self._shape: list[tuple[Any, ...]] = []  # what ``geometry`` digests
-        self.order: list[tuple[int, int, str]] = []
+        self.order: list[tuple[int, int, tuple[Any, ...]]] = []
         self.count = 0  # digests in the vector
 
-    def __getitem__(self, key: tuple[int, str]) -> tuple[Tiling, int]:
-        got = self._known.get(key)
-        if got is not None:
-            return got
-        source, tensor = key
+    def place(self, source: int, tensor: str) -> None:
+        """Give the shard ``tensor`` of ``source`` its place in the vector, next, unless it has one."""
+        key = (source, tensor)
+        if key in self._known:
+            return
         m = self._manifests[source]
         p = m.positions[tensor]
         spec = m.shards[p]
-        tkey = TILING_KEY(spec)
-        t = self._tilings.get(tkey)
+        place = _PLACE(spec)  # its name and digest geometry (TILING_KEY's fields)
+        t = self._tilings.get(place[1:])
         if t is None:
-            t = self._tilings[tkey] = spec.tiling
-        got = self._known[key] = (t, self.count)
+            t = self._tilings[place[1:]] = spec.tiling
+        self._known[key] = (t, self.count)
         self.count += t.count
-        self.order.append((source, p, tensor))
-        self._shape.append((m.rank, m.world_size, tensor, tkey))
-        return got
+        self.order.append((source, p, place))
+        self._shape.append((m.rank, m.world_size, *place))
+
+    def __getitem__(self, key: tuple[int, str]) -> tuple[Tiling, int]:
+        return self._known[key]
 
     def seal(self) -> str:
         """The geometry, once the plan placed every shard it reads; the publication is let go (a bucket's checks,
-        made later, find their shards placed)."""
-        self._manifests = ()
-        return xxhash.xxh3_128_hexdigest(orjson.dumps(self._shape))
+        made later, look up shards placed)."""
+        self._manifests, self._tilings = (), {}
+        geometry = xxhash.xxh3_128_hexdigest(orjson.dumps(self._shape))
+        self._shape = []
+        return geometry
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         return iter(self._known)
@@ -144,14 +150,20 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         return len(self._known)
 
 
-def digest_vector(pub: Publication, order: Sequence[tuple[int, int, str]], count: int) -> np.ndarray:
+def digest_vector(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]], count: int) -> np.ndarray:
     """The digests of the shards in ``order`` (``DigestIndex.order``: a plan's), ``count`` of them, as native
     uint64, decoded once per version. A publication whose shards are not where its layout put them when
-    the plan was built is refused (``ManifestError``)."""
+    the plan was built, or not of the same digest geometry, is refused (``ManifestError``): a publisher's
+    layout digest (the plan cache's key) is its word, not a proof."""
     mans = pub.manifests
-    specs = [mans[s].shards[p] for s, p, _ in order]
-    if list(map(_NAME, specs)) != [name for _, _, name in order]:
-        raise ManifestError("the publication's shards are not where its layout digest says", version=pub.version)
+    try:
+        specs = [mans[s].shards[p] for s, p, _ in order]
+    except IndexError:
+        specs = []
+    if list(map(_PLACE, specs)) != [place for _, _, place in order]:
+        raise ManifestError(
+            "the publication's shards are not where, or not what, its layout digest says", version=pub.version
+        )
     raw = b"".join([s.digest_bytes for s in specs])
     if len(raw) != 8 * count:
         raise ManifestError("the publication's digests do not fit its layout digest", version=pub.version)

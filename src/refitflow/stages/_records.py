@@ -107,14 +107,17 @@ class Bucket:
         return self.built()[1]
 
     def built(self) -> tuple[Checks | None, Credits | None]:
-        """The checks and credits, made now if not yet (two threads may both make them: the first kept)."""
+        """The checks and credits, made now if not yet (two threads may both make them: the first kept); the
+        maker, which holds the plan's context, is let go."""
         if not self.made:
-            self.made.append((None, None) if self.make is None else self.make())
+            make = self.make
+            self.made.append((None, None) if make is None else make())
+            object.__setattr__(self, "make", None)
         return self.made[0]
 
     @property
     def is_built(self) -> bool:
-        return bool(self.made) or self.make is None
+        return bool(self.made)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +130,7 @@ class Plan:
     serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per plan built in this process
     copies: tuple[Copy, ...] = ()  # every box copy (what a relay holds: stages._relay.held_boxes)
     digest_geometry: str = ""  # DigestIndex.geometry (stages/_checks.py) of the publications it plans
-    digest_order: tuple[tuple[int, int, str], ...] = ()  # DigestIndex.order: the shards whose digests it checks
+    digest_order: tuple[tuple[int, int, tuple[Any, ...]], ...] = ()  # DigestIndex.order: the shards it checks
     digest_count: int = 0  # digests in its vector
     target: Target | None = field(default=None, compare=False, repr=False)  # the landing it was built for
     route: Route | None = field(default=None, compare=False, repr=False)  # how each parameter is written

@@ -12,9 +12,9 @@ order; a staged piece is laid out in its bucket's staging at an 8-byte aligned o
 continue each other in both places merge.
 
 Each bucket also carries what verify and commit need (``_checks``), so a replayed plan does no
-per-tensor planning work at all; a new plan's are made as the plan stage hands its buckets on (in a worker
-thread, a millisecond's worth at a time), so the first read does not wait for them. Building runs in a
-worker thread and lets the event loop take the GIL every half millisecond. What plans need of the landing
+per-tensor planning work at all; a new plan's are made as the plan stage hands its buckets on, a
+millisecond's worth at a time, so the first read does not wait for them. Both run in a worker thread that
+lets the event loop take the GIL every half millisecond. What plans need of the landing
 itself is built once per landing (``_target``: a receiver builds it as it starts).
 """
 
@@ -123,7 +123,7 @@ def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
             p = replace(p, landing_offset=staged)
             staged += p.nbytes
         laid.append(p)
-        cx.index[(p.source, p.tensor)]  # its place in the digest vector, in plan order
+        cx.index.place(p.source, p.tensor)  # its place in the digest vector, in plan order
     reads = coalesce([piece_read(p) for p in laid])
     for p in laid:
         for s in p.scatters:
