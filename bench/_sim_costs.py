@@ -29,7 +29,7 @@ from refitflow.core.wire import PROTOCOL_VERSION, decode, encode, manifest_from_
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.service.frames import decode_request
 from refitflow.registry.service.store import RegistryStore
-from refitflow.stages._checks import digest_vector
+from refitflow.stages._checks import digest_vector, every_shard
 
 __all__ = ["Costs", "measure"]
 
@@ -71,10 +71,10 @@ async def _measure(pub: rf.Publication, sample: int) -> Costs:
     t0 = time.perf_counter()
     decoded = tuple(manifest_from_dict(decode(r)) for r in replies)
     fetch = time.perf_counter() - t0
-    every = [(s, p, spec.name) for s, m in enumerate(decoded) for p, spec in enumerate(m.shards)]
-    count = sum(spec.tiling.count for m in decoded for spec in m.shards)
+    fetched = rf.Publication(identity=pub.identity, version=pub.version, manifests=decoded)
+    every, count = every_shard(fetched)
     t0 = time.perf_counter()
-    digest_vector(rf.Publication(identity=pub.identity, version=pub.version, manifests=decoded), every, count)
+    digest_vector(fetched, every, count)
     digests = time.perf_counter() - t0
     sampled = sum(len(f) for f in frames)
     total = sum(len(encode(manifest_to_dict(m))) for m in mans) if len(mans) > len(picked) else sampled

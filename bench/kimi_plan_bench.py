@@ -90,9 +90,10 @@ def _best(f: object, *args: object) -> float:
 
 
 def digests(pub: rf.Publication, plan: Plan) -> str:
-    """A rank's digest decode per version, against every shard's."""
-    every = [(s, p, spec.name) for s, m in enumerate(pub.manifests) for p, spec in enumerate(m.shards)]
-    count = sum(spec.tiling.count for m in pub.manifests for spec in m.shards)
+    """A rank's digest decode per version, against every shard's (``--digests``: trees of stop 45 on)."""
+    from refitflow.stages._checks import every_shard
+
+    every, count = every_shard(pub)
     mine, whole = _best(plan.digests, pub), _best(digest_vector, pub, every, count)
     return f"; digests a version {mine:.2f} s ({plan.digest_count:,} of {count:,}; every shard's {whole:.2f} s)"
 

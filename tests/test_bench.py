@@ -64,13 +64,14 @@ def test_the_kimi_plan_bench_runs_small_and_pulls_about_each_ranks_slice(receive
     """The bench's shape-only publication keeps pace with the manifest format (it once fell behind it)."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(ROOT / "bench" / "kimi_plan_bench.py"), "--layers", "3", "--experts", "16",
-           "--receiver", receiver, "--ranks", "0,15"]  # fmt: skip
+           "--receiver", receiver, "--ranks", "0,15", "--digests"]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True).stdout
-    rows = [line.split() for line in out.splitlines() if "pulled for a" in line]
+    rows = [line.split("; digests")[0].split() for line in out.splitlines() if "pulled for a" in line]
     assert len(rows) == 2, out
     for row in rows:
         pulled, ideal = float(row[row.index("pulled") - 2]), float(row[row.index("slice") - 2])
         assert 0 < ideal <= pulled <= 1.1 * ideal, out
+    assert out.count("digests a version") == 2, out  # a rank's digests decode (--digests)
 
 
 def test_registry_bench_runs_at_a_small_size() -> None:

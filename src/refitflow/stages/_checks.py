@@ -36,6 +36,7 @@ __all__ = [
     "build_checks",
     "build_credits",
     "digest_vector",
+    "every_shard",
 ]  # fmt: skip
 
 _PLACE = operator.attrgetter(
@@ -148,6 +149,12 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
 
     def __len__(self) -> int:
         return len(self._known)
+
+
+def every_shard(pub: Publication) -> tuple[list[tuple[int, int, tuple[Any, ...]]], int]:
+    """The ``order`` and ``count`` of a plan that read every shard of ``pub`` (benches: every shard's digests)."""
+    order = [(s, p, _PLACE(spec)) for s, m in enumerate(pub.manifests) for p, spec in enumerate(m.shards)]
+    return order, sum(spec.tiling.count for m in pub.manifests for spec in m.shards)
 
 
 def digest_vector(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]], count: int) -> np.ndarray:
