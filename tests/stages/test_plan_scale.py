@@ -134,6 +134,7 @@ def test_trainer_layouts_of_one_tp_place_share_their_entries_of_no_expert() -> N
         assert len(indexed) == len(entries) and set(indexed) == set(entries)
     shared = {id(c.index) for c in wanted._common.values()}
     assert len(shared) == 2  # one index of each shared part
+    assert len({id(f.names) for f in found}) == 1  # one name set: local names are the same at every place
 
 
 def test_a_shard_that_does_not_fit_its_layout_is_refused_when_read() -> None:

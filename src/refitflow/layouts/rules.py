@@ -100,7 +100,8 @@ class Tables:
 class Common:
     """What the layouts of one TP and pipeline place share (a trainer at TP 8 × EP 32 has 4 ranks of each):
     the entries of no expert, in order, and the recipes of those that depend on the EP rank — built once
-    per receiver (``Only.common``). ``index``: the planner's index of ``entries``, kept with them."""
+    per receiver (``Only.common``). ``index``: the planner's index of ``entries``, kept with them. The set of
+    local names is shared by places further (``_local_names``): a TP 8 × EP 8 trainer's 8 ranks have one."""
 
     entries: dict[str, LocalTensor]
     # in table order, each entry's name or the recipe (prefix, suffix, kind, canonical names) of those that
@@ -112,14 +113,20 @@ class Common:
 
     def local_names(self, local_experts: int) -> frozenset[str]:
         """Every local name of a layout of this place with ``local_experts`` experts (those of the entries one
-        per expert are local indexes: the same on every EP rank)."""
+        per expert are local indexes: the same on every EP rank; names are the same on every TP rank too, so
+        places share them: ``_local_names``)."""
         found = self.names.get(local_experts)
         if found is None:
-            many = range(local_experts)
-            per_ep = (at + suffix.format(j=j) for at, suffix, _, _ in self.per_ep
-                      for j in (many if "{j}" in suffix else (0,)))  # fmt: skip
-            found = self.names[local_experts] = frozenset(self.entries).union(per_ep)
+            recipes = tuple((at, suffix) for at, suffix, _, _ in self.per_ep)
+            found = self.names[local_experts] = _local_names(tuple(self.entries), recipes, local_experts)
         return found
+
+
+@lru_cache(maxsize=64)
+def _local_names(entries: tuple[str, ...], recipes: tuple[tuple[str, str], ...], local_experts: int) -> frozenset[str]:
+    """``entries`` and the names ``recipes`` make for ``local_experts`` experts (a ~3 T trainer rank: 17,280)."""
+    per_ep = (at + s for at, suffix in recipes for s in _suffixes(suffix, local_experts if "{j}" in suffix else 1))
+    return frozenset(entries).union(per_ep)
 
 
 @dataclass(frozen=True)
