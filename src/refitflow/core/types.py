@@ -303,7 +303,8 @@ _LAYOUT = operator.attrgetter(
 )  # ShardSpec.layout_key
 _NAME, _DIGEST = operator.attrgetter("name"), operator.attrgetter("digest")
 _REVISION = operator.attrgetter("name", "dtype", "global_shape", "axis", "start", "stop", "digest")
-TILING_KEY = operator.attrgetter("algo", "global_shape", "axis", "start", "stop", "dtype", "tile_rows", "tile_cols")
+TILING_FIELDS = ("algo", "global_shape", "axis", "start", "stop", "dtype", "tile_rows", "tile_cols")
+TILING_KEY = operator.attrgetter(*TILING_FIELDS)
 """What fixes a shard's ``tiling``: shards equal in it share one (a plan looks them up by it)."""
 
 

@@ -23,7 +23,7 @@ import xxhash
 from refitflow.core.digests import Tiling, Units, units_array
 from refitflow.core.errors import ManifestError
 from refitflow.core.gil import breathe
-from refitflow.core.types import Manifest, Publication
+from refitflow.core.types import TILING_FIELDS, Manifest, Publication
 from refitflow.layouts.boxes import Box, volume
 
 __all__ = [
@@ -39,9 +39,7 @@ __all__ = [
     "every_shard",
 ]  # fmt: skip
 
-_PLACE = operator.attrgetter(
-    "name", "algo", "global_shape", "axis", "start", "stop", "dtype", "tile_rows", "tile_cols"
-)  # a shard's name and its digest geometry (TILING_KEY's fields)
+_PLACE = operator.attrgetter("name", *TILING_FIELDS)  # a shard's name and its digest geometry (TILING_KEY after it)
 
 
 @dataclass(slots=True, unsafe_hash=True)  # a plan record: see stages/_records.py
@@ -124,7 +122,7 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         m = self._manifests[source]
         p = m.positions[tensor]
         spec = m.shards[p]
-        place = _PLACE(spec)  # its name and digest geometry (TILING_KEY's fields)
+        place = _PLACE(spec)  # its name, then its TILING_KEY
         t = self._tilings.get(place[1:])
         if t is None:
             t = self._tilings[place[1:]] = spec.tiling

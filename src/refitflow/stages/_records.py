@@ -117,7 +117,7 @@ class Bucket:
 
     @property
     def is_built(self) -> bool:
-        return bool(self.made)
+        return bool(self.made) or self.make is None  # no maker: nothing to make
 
 
 @dataclass(frozen=True, kw_only=True)
