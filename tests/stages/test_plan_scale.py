@@ -29,6 +29,7 @@ from refitflow.layouts.wire import layout_metadata, resolve
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.stages import _target
+from refitflow.stages._wanted import meets
 from refitflow.stages.plan import Plan, build_plan
 
 DIMS = ModelDims(
@@ -118,8 +119,9 @@ def test_a_plan_through_the_layout_index_reads_what_a_plan_from_every_shard_read
 
 
 def test_trainer_layouts_of_one_tp_place_share_their_entries_of_no_expert() -> None:
-    """A trainer at TP 2 × EP 4: its 4 layouts are built on 2 shared parts (one per TP place), each indexed
-    once; each layout as built is the whole layout's entries, every name known."""
+    """A trainer at TP 2 × EP 4: its 4 layouts are built on 2 shared parts (one per TP place), the entries
+    read of each found once; the entries read of each layout are those of the whole layout that meet what the
+    receiver reads, every name known."""
     wanted = _target.Target(_destination(5)).wanted
     assert wanted is not None
     pars = [Parallel(tp=2, tp_rank=r % 2, ep=TRAIN, ep_rank=r, expert_tp=1) for r in range(TRAIN)]
@@ -127,13 +129,16 @@ def test_trainer_layouts_of_one_tp_place_share_their_entries_of_no_expert() -> N
     assert len(wanted._common) == 2
     for f, p in zip(found, pars, strict=True):
         whole = megatron.layout(DIMS, p, experts="grouped")
-        assert f.names == frozenset(whole) and all(f.layout[n] == whole[n] for n in f.layout)
-        assert any(".experts." in n for n in whole) and not all(n in f.layout for n in whole)  # built in part
-        indexed = [(n, seg) for s in f.index.values() for n, seg in s.entries]
-        entries = [(n, seg) for n, lt in f.layout.items() for seg in lt.segments]
-        assert len(indexed) == len(entries) and set(indexed) == set(entries)
-    shared = {id(c.index) for c in wanted._common.values()}
-    assert len(shared) == 2  # one index of each shared part
+        assert f.names == frozenset(whole) and all(lt == whole[n] for n, _, lt in f.met)
+        read = [(n, seg) for n, lt in whole.items() for seg in lt.segments
+                if seg.canonical in wanted.boxes and meets(wanted.boxes[seg.canonical], seg.cbox)]  # fmt: skip
+        met = {n for n, _, _ in f.met}
+        assert any(".experts." in n for n in whole if n not in met)  # read in part
+        assert len(f.met) == len(read) and {(n, seg) for n, seg, _ in f.met} == set(read)
+    assert any(".experts." in n for f in found for n, _, _ in f.met)
+    shared = [c.met for c in wanted._common.values()]
+    assert len({id(m) for m in shared}) == 2 and all(shared)  # the entries read of each shared part, found once
+    assert all(f.met[: len(m)] == m for f, m in zip(found, shared * 2, strict=True))
     assert len({id(f.names) for f in found}) == 1  # one name set: local names are the same at every place
 
 
@@ -187,14 +192,13 @@ def test_a_trainer_layout_is_built_with_only_the_experts_a_receiver_reads() -> N
         found = wanted.resolved(text)
         assert found is wanted.resolved(text)  # kept with the receiver's Wanted
         assert found.names == set(whole)  # every name, built or left out
-        assert all(found.layout[n] == whole[n] for n in found.layout)
-        experts = {n.rsplit(".", 1)[-1] for n in found.layout if ".experts." in n}
+        assert all(lt == whole[n] for n, _, lt in found.met)
+        experts = {n.rsplit(".", 1)[-1] for n, _, _ in found.met if ".experts." in n}
         assert experts == ({"weight2", "weight3"} if r == 2 else set()), (r, experts)
-        assert set(whole) - set(found.layout) == {n for n in whole if ".experts." in n} - set(found.layout)
     hf_text = layout_metadata("hf_legacy", DIMS, Parallel())["layout"]  # HF checkpoint names: every expert, one rank
     found, whole = wanted.resolved(hf_text), resolve(hf_text)[0]
-    assert found.names == set(whole) and all(found.layout[n] == whole[n] for n in found.layout)
-    assert {n.split(".experts.")[1].split(".")[0] for n in found.layout if ".experts." in n} == {"10", "11"}
+    assert found.names == set(whole) and all(lt == whole[n] for n, _, lt in found.met)
+    assert {n.split(".experts.")[1].split(".")[0] for n, _, _ in found.met if ".experts." in n} == {"10", "11"}
     with pytest.raises(rf.ConfigError, match="not a layout option"):
         layout_metadata("megatron", DIMS, Parallel(), only=None)
 

@@ -100,15 +100,16 @@ class Tables:
 class Common:
     """What the layouts of one TP and pipeline place share (a trainer at TP 8 × EP 32 has 4 ranks of each):
     the entries of no expert, in order, and the recipes of those that depend on the EP rank — built once
-    per receiver (``Only.common``). ``index``: the planner's index of ``entries``, kept with them. The set of
-    local names is shared by places further (``_local_names``): a TP 8 × EP 8 trainer's 8 ranks have one."""
+    per receiver (``Only.common``). ``met``: the planner's list of the entries its receiver reads, kept with
+    them. The set of local names is shared by places further (``_local_names``): a TP 8 × EP 8 trainer's 8
+    ranks have one."""
 
     entries: dict[str, LocalTensor]
     # in table order, each entry's name or the recipe (prefix, suffix, kind, canonical names) of those that
     # depend on the EP rank
     slots: list[str | _Recipe]
     per_ep: list[_Recipe]  # the recipes alone
-    index: Any = None
+    met: Any = None
     names: dict[int, frozenset[str]] = field(default_factory=dict)  # by local experts: ``local_names``
 
     def local_names(self, local_experts: int) -> frozenset[str]:

@@ -4,8 +4,9 @@ A receiver with a layout reads a part of each canonical tensor (``Wanted``); a r
 MoE model reads 1/16 of its 150,000 shards. ``held_in_layout`` finds a source's shards that meet those boxes
 through an index of the trainer layout by canonical tensor (sorted along dim 0), not by walking every shard;
 the layout is built in part — of Megatron's per-expert entries, only the experts read (``rules.Only``) — and
-kept with the receiver's ``Wanted``. Every shard's name must be in its layout; the shards read are checked
-against it.
+kept with the receiver's ``Wanted``, with the list of its entries read. The entries of no expert are the same
+on the ranks of one TP place (a TP 8 × EP 32 trainer has 4 of each): their list is made once per place. Every
+shard's name must be in its layout; the shards read are checked against it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import ShardSpec
 from refitflow.layouts.boxes import Box, full, intersect
-from refitflow.layouts.canonical import LayoutMap, LocalTensor, Segment
+from refitflow.layouts.canonical import LocalTensor, Segment
 from refitflow.layouts.rules import Common, Only
 from refitflow.layouts.wire import resolve_only
 
@@ -27,8 +28,8 @@ __all__ = ["Wanted", "check_fits", "held_in_layout", "meets"]
 
 class Wanted:
     """What a receiver of ``layout`` reads of each canonical tensor (``boxes``: canonical -> its boxes; None:
-    all of it), and the trainer layouts it met, each built in part and indexed (``held_in_layout``; the last
-    ``keep`` layouts: a trainer of 256 ranks publishes 256)."""
+    all of it), and the trainer layouts it met, each built in part with the list of its entries read
+    (``held_in_layout``; the last ``keep`` layouts: a trainer of 256 ranks publishes 256)."""
 
     def __init__(self, layout: Mapping[str, LocalTensor], keep: int = 1024) -> None:
         out: dict[str, list[Box] | None] = {}
@@ -44,20 +45,21 @@ class Wanted:
         self._common: dict[tuple[object, ...], Common] = {}  # what layouts of one TP place share (``rules``)
 
     def resolved(self, text: str) -> _Resolved:
-        """The layout ``metadata["layout"] == text`` describes, in the part this receiver reads, indexed."""
+        """The layout ``metadata["layout"] == text`` describes, in the part this receiver reads, and its entries
+        read."""
         found = self._layouts.get(text)
         if found is None:
             if len(self._common) > self._keep:  # the TP places of trainers seen (a few per trainer)
                 self._common.clear()
             only = Only(self.boxes, common=self._common)
             layout = resolve_only(text, only)
-            if only.used:  # built on a part shared with the layouts of its TP place: that part indexed once
+            if only.used:  # built on a part shared with the layouts of its TP place: that part's entries read once
                 common = only.used[0]
-                if common.index is None:
-                    common.index = _index(common.entries.items())
-                found = _Resolved(layout, only.names[0], _merged(common.index, _index(only.extra.items())))
+                if common.met is None:
+                    common.met = _met_each(common.entries, self.boxes)
+                found = _Resolved(only.names[0], common.met + _met_each(only.extra, self.boxes))
             else:
-                found = _Resolved(layout, frozenset(layout), _index(layout.items()))
+                found = _Resolved(frozenset(layout), _met(layout, self.boxes))
             self._layouts[text] = found
             if len(self._layouts) > self._keep:
                 self._layouts.popitem(last=False)
@@ -85,13 +87,41 @@ class _Sorted:
         return self.entries[first : bisect_left(self.starts, hi)]
 
 
+# a layout entry a receiver reads: (local name, the segment read, the entry)
+_Met = list[tuple[str, Segment, LocalTensor]]
+
+
 @dataclass(frozen=True, slots=True)
 class _Resolved:
-    """A trainer layout as a receiver reads it: its entries (those it may read), every local name, the index."""
+    """A trainer layout as a receiver reads it: every local name, the entries read (each segment once)."""
 
-    layout: LayoutMap
     names: frozenset[str]
-    index: dict[str, _Sorted]
+    met: _Met
+
+
+def _met(entries: Mapping[str, LocalTensor], wanted: Mapping[str, tuple[Box, ...] | None]) -> _Met:
+    """The segments of ``entries`` that meet ``wanted`` (found through an index by canonical tensor, sorted
+    along dim 0: a rank reads 1/16 of a stacked tensor's hundreds of per-expert boxes), each once."""
+    out: _Met = []
+    for canon, segs in _index(entries.items()).items():
+        if canon not in wanted:
+            continue
+        boxes = wanted[canon]
+        seen: set[tuple[str, Box]] = set()
+        for box in (None,) if boxes is None else boxes:
+            for name, seg in segs.entries if box is None else segs.meeting(box):
+                if (name, seg.lbox) not in seen and meets(boxes, seg.cbox):
+                    seen.add((name, seg.lbox))
+                    out.append((name, seg, entries[name]))
+    return out
+
+
+def _met_each(entries: Mapping[str, LocalTensor], wanted: Mapping[str, tuple[Box, ...] | None]) -> _Met:
+    """``_met`` of entries built in part (``rules.Only``: of the entries one per expert, those read only):
+    each segment tried, no index."""
+    get = wanted.get
+    return [(name, seg, lt) for name, lt in entries.items() for seg in lt.segments
+            if seg.canonical in wanted and meets(get(seg.canonical), seg.cbox)]  # fmt: skip
 
 
 def _index(entries: Iterable[tuple[str, LocalTensor]]) -> dict[str, _Sorted]:
@@ -108,14 +138,6 @@ def _sorted(entries: list[tuple[str, Segment]]) -> _Sorted:
     starts = [e[1].cbox[0][0] if e[1].cbox else 0 for e in entries]
     stops = [e[1].cbox[0][1] if e[1].cbox else 1 for e in entries]
     return _Sorted(starts, stops if stops == sorted(stops) else None, entries)
-
-
-def _merged(a: dict[str, _Sorted], b: dict[str, _Sorted]) -> dict[str, _Sorted]:
-    """Two indexes of disjoint entries as one (``a`` is shared: not changed)."""
-    out = a | b
-    for canon in a.keys() & b.keys():
-        out[canon] = _sorted(a[canon].entries + b[canon].entries)
-    return out
 
 
 def check_fits(spec: ShardSpec, local: LocalTensor | None, version: int) -> LocalTensor:
@@ -135,17 +157,9 @@ def held_in_layout(text: str, shards: tuple[ShardSpec, ...], positions: Mapping[
     found = wanted.resolved(text)
     if not found.names.issuperset(positions):
         check_fits(next(s for s in shards if s.name not in found.names), None, version)
-    layout = found.layout
-    for canon, boxes in wanted.boxes.items():
-        segs = found.index.get(canon)
-        if segs is None:
-            continue
-        seen: set[tuple[str, Box]] = set()
-        for box in (None,) if boxes is None else boxes:
-            for name, seg in segs.entries if box is None else segs.meeting(box):
-                p = positions.get(name)
-                if p is not None and (name, seg.lbox) not in seen and meets(boxes, seg.cbox):
-                    spec = shards[p]
-                    seen.add((name, seg.lbox))
-                    check_fits(spec, layout[name], version)
-                    add(spec, seg)
+    for name, seg, local in found.met:
+        p = positions.get(name)
+        if p is not None:
+            spec = shards[p]
+            check_fits(spec, local, version)
+            add(spec, seg)
