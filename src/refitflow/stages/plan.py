@@ -113,34 +113,41 @@ def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRe
 
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
     """Lay staged pieces out one after another (8-byte aligned), coalesce adjacent reads; the checks are
-    made on first use (``_checks_of``), each piece's digests placed in the plan's vector now."""
+    made on first use (``_checks_of``), each piece's digests placed in the plan's vector now. One pass over
+    the pieces (a ~3 T model's rank has 16,000 in 3,000 buckets)."""
     laid: list[Piece] = []
-    staged = 0
+    staged_pieces: list[Piece] = []
+    scatters: list[Scatter] = []
+    touched: set[str] = set()
+    staged = direct = pulled = 0
+    seen, place, device_of, assembled = cx.seen, cx.index.place, cx.target.device_of, cx.route.assembled
     for p in pieces:
         breathe()
-        if not p.direct:
+        if p.direct:
+            direct += p.nbytes
+        else:
             staged = -(-staged // 8) * 8
             p = replace(p, landing_offset=staged)
             staged += p.nbytes
+            staged_pieces.append(p)
         laid.append(p)
-        cx.index.place(p.source, p.tensor)  # its place in the digest vector, in plan order
-    reads = coalesce([piece_read(p) for p in laid])
-    for p in laid:
+        pulled += p.nbytes
+        touched.add(p.device)
+        place(p.source, p.tensor)  # its place in the digest vector, in plan order
         for s in p.scatters:
-            if (s.param, s.dbox) in cx.seen:
+            key = (s.param, s.dbox)
+            if key in seen:
                 raise PlanError(f"box {s.dbox} of {s.param} would be written twice", tensor=s.param)
-            cx.seen.add((s.param, s.dbox))
-    direct = sum(p.nbytes for p in laid if p.direct)
-    scatters = [s for p in laid for s in p.scatters]
-    device = next((p.device for p in laid if not p.direct), laid[0].device)
-    touched = {p.device for p in laid} | {cx.target.device_of(s.param) for s in scatters}
+            seen.add(key)
+            scatters.append(s)
+            touched.add(device_of(s.param))
     laid_ = tuple(laid)
     return Bucket(
-        index, laid_, tuple(reads), staging_bytes=-(-staged // 8) * 8, direct_bytes=direct,
-        device=device, devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))),
-        staged=tuple(p for p in laid if not p.direct), make=lambda: _checks_of(laid_, cx),
-        derived=tuple(s for s in scatters if s.param in cx.route.assembled),
-        pulled_bytes=sum(p.nbytes for p in laid),
+        index, laid_, tuple(coalesce([piece_read(p) for p in laid])), staging_bytes=-(-staged // 8) * 8,
+        direct_bytes=direct, device=staged_pieces[0].device if staged_pieces else laid[0].device,
+        devices=tuple(sorted(touched, key=lambda d: (d != "cpu", d))), staged=tuple(staged_pieces),
+        make=lambda: _checks_of(laid_, cx), derived=tuple(s for s in scatters if s.param in assembled),
+        pulled_bytes=pulled,
     )  # fmt: skip
 
 
