@@ -50,7 +50,7 @@ MiB = 1 << 20
 WHAT_IF: list[tuple[str, dict[str, object], str]] = [
     ("relay_bucket_bytes 64 MiB (an option today)", {"relay_bucket_mb": 64.0}, "relay"),
     ("announce early (an option today)", {"announce_early": True}, "pull"),
-    ("read order rotated per engine", {"rotate": True}, "pull"),
+    ("read_start spread per engine (an option today; VllmFleet.init sets it)", {"rotate": True}, "pull"),
     ("digests on the device, 1 TB/s (verify, trainer)", {"verify_gbps": 1000.0, "trainer_digest_gbps": 1000.0},
      "both"),
     ("each receiver fetches only its digests", {"wire_share": True}, "both"),

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import subprocess
 import sys
+import threading
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -34,3 +38,50 @@ def test_the_driver_info_and_checksums_work_without_importing_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A real HTTP server's handler: keeps every POST body by port (each server of the fleet its own)."""
+
+    bodies: ClassVar[dict[int, list[dict[str, Any]]]] = {}
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.setdefault(self.server.server_address[1], []).append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_init_spreads_the_servers_read_starts_unless_they_relay_or_were_given_one() -> None:
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder) for _ in range(4)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    urls = {f"s{i}": f"http://127.0.0.1:{s.server_address[1]}" for i, s in enumerate(servers)}
+    fleet = VllmFleet(urls, request_timeout_s=10)
+    base = {"registry": "tcp://127.0.0.1:1", "model": "m"}
+
+    def starts() -> dict[str, object]:
+        out = {}
+        for name, s in zip(urls, servers, strict=True):
+            info = _Recorder.bodies[s.server_address[1]].pop()["init_info"]
+            out[name] = info.get("receiver_options", {}).get("read_start")
+        return out
+
+    try:
+        with anyio.fail_after(30):
+            await fleet.init(base)
+            assert starts() == {"s0": 0.0, "s1": 0.25, "s2": 0.5, "s3": 0.75}
+            await fleet.init(base | {"receiver_options": {"serve_replicas": True}})
+            assert set(starts().values()) == {None}  # relays read in one order
+            await fleet.init(base | {"receiver_options": {"read_start": 0.5}})
+            assert set(starts().values()) == {0.5}  # the caller's own
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()

@@ -297,3 +297,36 @@ def test_a_publication_whose_shards_moved_under_the_same_layout_digest_is_refuse
         with pytest.raises(ManifestError, match="not where, or not what, its layout digest says"):
             plan.digests(bad)
     assert plan.digests(pub).size == plan.digest_count  # the good one still decodes
+
+
+@pytest.mark.parametrize("start", [0.25, 0.5, 0.9])
+def test_a_plan_that_starts_later_in_its_slice_reads_the_same_from_its_first_shard_there(start: float) -> None:
+    """``read_start``: the same pieces, read from the first shard that begins at ``start`` of the bytes or
+    after, then round to the beginning; a shard's pieces stay together."""
+    pub, dest = _publication(), _destination(0)
+    config = dict(direct_bucket_bytes=64 << 10, bucket_bytes=32 << 10)
+    plain = build_plan(pub, dest, ReceiverConfig(**config).limits)  # type: ignore[arg-type]
+    later = build_plan(pub, dest, ReceiverConfig(read_start=start, **config).limits)  # type: ignore[arg-type]
+    order = [p for b in plain.buckets for p in b.pieces]
+    moved = [p for b in later.buckets for p in b.pieces]
+    assert _reads(later) == _reads(plain) and later.nbytes == plain.nbytes and len(plain.buckets) > 8
+    assert later.digest_count == plain.digest_count
+    at, cut = 0, None
+    for i, p in enumerate(order):
+        if at >= start * plain.nbytes and (p.source, p.tensor) != (order[i - 1].source, order[i - 1].tensor):
+            cut = i
+            break
+        at += p.nbytes
+    assert cut is not None and 0 < cut < len(order)
+    key = lambda p: (p.source, p.tensor, p.box)  # noqa: E731 (staged pieces' landing offsets differ by bucket)
+    assert [key(p) for p in moved] == [key(p) for p in order[cut:] + order[:cut]]
+    shards = [(p.source, p.tensor) for p in moved if p.direct]
+    runs = [s for i, s in enumerate(shards) if i == 0 or s != shards[i - 1]]
+    assert len(runs) == len(set(runs))  # each shard's direct pieces read one after another
+
+
+def test_read_start_is_a_fraction_of_a_slice() -> None:
+    for bad in (1, 1.0, -0.1, float("nan"), "0.5", True):
+        with pytest.raises(rf.ConfigError, match="read_start"):
+            ReceiverConfig(read_start=bad)  # type: ignore[arg-type]
+    assert ReceiverConfig(read_start=0.5).limits.read_start == 0.5

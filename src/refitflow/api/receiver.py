@@ -157,6 +157,9 @@ class Receiver:
             raise ConfigError("serve_replicas needs a registry that keeps relays (rf.Registry or rf.RegistryClient)")
         if serve_replicas and self.config.verify != "strict":
             raise ConfigError("serve_replicas serves only verified bytes: it needs verify='strict'")
+        if serve_replicas and self.config.read_start:
+            raise ConfigError("serve_replicas reads in the relays' one order (a chain's readers follow it): "
+                              f"read_start must be 0, got {self.config.read_start}")  # fmt: skip
         if serve_replicas:  # relays report progress bucket by bucket: small buckets keep the pipeline short
             cap = self.config.relay_bucket_bytes
             self.limits = replace(self.limits, bucket_bytes=min(self.limits.bucket_bytes, cap),

@@ -59,6 +59,11 @@ class ReceiverConfig:
       ``read_timeout_s``), and nothing of that version is skipped as unchanged. False: wait for the
       digests (delta refits keep skipping). A rank that serves replicas always waits (relays serve
       verified bytes).
+    - ``read_start`` (0): where in its slice (a fraction of its bytes, in plan order) this rank starts
+      reading, wrapping round to the beginning. Plans go in layer order, so the ranks of every engine read
+      the same trainer ranks (a pipeline stage) at the same time; engines that read the trainer only spread
+      over it when engine e of E starts at e / E (``VllmFleet.init`` sets that). Relays read in one order
+      (a chain's readers follow it): 0 with ``serve_replicas``.
     """
 
     budget_bytes: int = 256 * MiB
@@ -82,6 +87,7 @@ class ReceiverConfig:
     skip_unchanged: bool = True
     recheck_fraction: float = 0.125
     read_early: bool = True
+    read_start: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode))
@@ -113,6 +119,14 @@ class ReceiverConfig:
             raise ConfigError("relay_bucket_bytes must be at least 64 bytes")
         if not 0 <= self.recheck_fraction <= 1:
             raise ConfigError(f"recheck_fraction must lie between 0 and 1, got {self.recheck_fraction!r}")
+        if (
+            isinstance(self.read_start, bool)
+            or not isinstance(self.read_start, int | float)
+            or not (0 <= self.read_start < 1)
+        ):
+            raise ConfigError(
+                f"read_start is a fraction of a rank's slice, 0 <= read_start < 1, got {self.read_start!r}"
+            )
 
     @property
     def limits(self) -> Limits:
@@ -127,6 +141,7 @@ class ReceiverConfig:
             relay_wait_s=self.relay_wait_s,
             skip_unchanged=self.skip_unchanged,
             recheck_fraction=self.recheck_fraction,
+            read_start=float(self.read_start),
             read_early=self.read_early,
             verify=self.verify,
             max_strided_runs=self.max_strided_runs,

@@ -128,6 +128,7 @@ class Limits:
     compile_targets: tuple[str, ...] | None = None  # None: any
     compile_metadata: tuple[tuple[str, str], ...] = ()  # required subset
     max_direct_buckets: int = 2048  # more direct bytes than this many batches hold: larger batches
+    read_start: float = 0.0  # where in its slice (a fraction of its bytes) the plan starts, wrapping round
 
 
 @dataclass

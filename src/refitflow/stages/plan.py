@@ -187,6 +187,8 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
     # direct batches grow past ``direct_bucket_bytes`` for a slice that would fill more than max_direct_buckets
     batch = max(limits.direct_bucket_bytes, -(-target.nbytes // limits.max_direct_buckets))
     pieces = list(shard_pieces(cs, target, replace(limits, direct_bucket_bytes=batch), route))
+    if limits.read_start:
+        pieces = _rotated(pieces, limits.read_start)
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     whole = _shard_bytes(pieces)
     for p, shard in zip(pieces, whole, strict=True):
@@ -218,6 +220,17 @@ def _build(pub: Publication, target: Target, limits: Limits, key: Hashable) -> P
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
                 copies=tuple(cs), digest_geometry=cx.index.seal(), digest_order=tuple(cx.index.order),
                 digest_count=cx.index.count, target=target, route=route)  # fmt: skip
+
+
+def _rotated(pieces: list[Piece], start: float) -> list[Piece]:
+    """``pieces`` from the first shard that begins at ``start`` of their bytes or after, wrapping round (a
+    shard's pieces stay together; the last batches still taper)."""
+    target, at = start * sum(p.nbytes for p in pieces), 0
+    for i, p in enumerate(pieces):
+        if at >= target and (i == 0 or (p.source, p.tensor) != (pieces[i - 1].source, pieces[i - 1].tensor)):
+            return pieces[i:] + pieces[:i]
+        at += p.nbytes
+    return pieces
 
 
 def _shard_bytes(pieces: list[Piece]) -> list[int]:

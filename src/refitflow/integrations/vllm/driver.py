@@ -68,9 +68,17 @@ class VllmFleet(Membership):
         return cls(servers, mode=init_info.mode, vote_timeout_s=init_info.vote_timeout_s)
 
     async def init(self, init_info: RefitflowInitInfo | Mapping[str, Any], *, timeout_s: float = 180.0) -> None:
-        """``/init_weight_transfer_engine`` on every server; raises the first failure."""
+        """``/init_weight_transfer_engine`` on every server; raises the first failure. Servers that read the
+        trainer only (no ``serve_replicas``) and are given no ``read_start`` start reading at i / n of their
+        slices (server i of n, by name): the engines spread over the trainer's ranks, not all on one pipeline
+        stage at once (``rf.ReceiverConfig.read_start``)."""
         info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
-        await self._all("init_weight_transfer_engine", {"init_info": info}, timeout_s)
+        options = dict(info.get("receiver_options") or {})
+        names = sorted(self.servers)
+        spread = "read_start" not in options and not options.get("serve_replicas")
+        bodies = {name: {"init_info": info | {"receiver_options": options | {"read_start": i / len(names)}}}
+                  for i, name in enumerate(names)} if spread else {}  # fmt: skip
+        await self._all("init_weight_transfer_engine", {"init_info": info}, timeout_s, bodies)
 
     async def shutdown(self, *, timeout_s: float = 60.0) -> None:
         await self._all("shutdown_weight_transfer_engine", None, timeout_s)
@@ -191,15 +199,16 @@ class VllmFleet(Membership):
                         served.remove(old)
         return server_result(name, version, committed=error is None, fenced=False, error=error)
 
-    async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
-
+    async def _all(self, route: str, body: dict[str, Any] | None, timeout_s: float,
+                   bodies: Mapping[str, dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+        """``route`` on every server (``bodies``: a server's own body, else ``body``); the first failure raised."""
         replies: dict[str, Any] = {}
         errors: list[ServerError] = []
 
         async def one(name: str, url: str) -> None:
             async with _client(url, timeout_s) as http:
                 try:
-                    replies[name] = await _post(http, route, body)
+                    replies[name] = await _post(http, route, (bodies or {}).get(name, body))
                 except ServerError as exc:
                     errors.append(exc)
 

@@ -1,0 +1,49 @@
+"""``read_start``: receivers that start reading at different points of their slices (engines spread over the
+trainer's ranks) land the same bytes, over real NIXL transfers; relays read in one order and refuse it."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+import refitflow as rf
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(256, 64 + 8 * i, generator=g) for i in range(12)}
+
+
+@pytest.mark.asyncio
+async def test_receivers_starting_at_different_points_land_the_same_bytes_over_nixl(ident) -> None:
+    registry = rf.Registry()
+    starts = (0.0, 0.3, 0.75)
+    dsts = [{n: torch.zeros_like(t) for n, t in _model(0).items()} for _ in starts]
+    small = {"direct_bucket_bytes": 64 << 10, "bucket_bytes": 64 << 10}
+    with anyio.fail_after(120):
+        async with rf.Publisher(registry, identity=ident, transport="nixl") as pub:
+            receivers = [rf.Receiver(d, registry, identity=ident, transport="nixl", read_start=s, **small)
+                         for d, s in zip(dsts, starts, strict=True)]  # fmt: skip
+            for r in receivers:
+                await r.__aenter__()
+            try:
+                for version in (1, 2):
+                    want = _model(version)
+                    await pub.publish(version, want)
+                    results = [await r.refit(version) for r in receivers]
+                    assert {res.nbytes for res in results} == {sum(t.nbytes for t in want.values())}
+                    for d in dsts:
+                        assert all(torch.equal(d[n], t) for n, t in want.items())
+                plans = [next(reversed(r._plans._plans.values())) for r in receivers]  # each one's cached plan
+                orders = [[p.tensor for b in plan.buckets for p in b.pieces] for plan in plans]
+                assert orders[0][0] == "layers.0.weight" and len({o[0] for o in orders}) == len(starts)
+                assert all(sorted(o) == sorted(orders[0]) for o in orders)
+            finally:
+                for r in receivers:
+                    await r.__aexit__(None, None, None)
+
+
+def test_a_relay_refuses_a_read_start(ident) -> None:
+    with pytest.raises(rf.ConfigError, match="read_start must be 0"):
+        rf.Receiver(_model(0), rf.Registry(), identity=ident, serve_replicas=True, read_start=0.5)
