@@ -7,6 +7,8 @@ import it. SGLang must be installed (``.ci/engines-cpu.sh``): without it the pay
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -123,3 +125,21 @@ def test_the_driver_and_the_payload_work_without_importing_sglang() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_driver_spreads_its_servers_read_starts_unless_they_relay_or_were_given_one() -> None:
+    """Each server's payload carries its own ``read_start`` (server i of n by name: i / n); a server added
+    later starts at 0; relays and a caller's own ``read_start`` are left as they are."""
+    urls = {f"s{i}": f"http://127.0.0.1:{9000 + i}" for i in (2, 0, 1)}
+
+    def start(fleet: SglangFleet, name: str) -> object:
+        payload = fleet._body(name, 1, 10.0, None)["serialized_named_tensors"][0]
+        init, _ = decode(pickle.loads(base64.b64decode(payload)))
+        return init.receiver_options.get("read_start")
+
+    fleet = SglangFleet(urls, INIT, tp=2)
+    assert [start(fleet, n) for n in ("s0", "s1", "s2", "joiner")] == [0.0, 1 / 3, 2 / 3, None]
+    relays = dataclasses.replace(INIT, receiver_options={"serve_replicas": True})
+    assert {start(SglangFleet(urls, relays), n) for n in urls} == {None}
+    own = dataclasses.replace(INIT, receiver_options={"read_start": 0.5})
+    assert {start(SglangFleet(urls, own), n) for n in urls} == {0.5}

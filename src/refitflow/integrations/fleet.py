@@ -14,9 +14,19 @@ from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState
 from refitflow.integrations.http import each_server, named_servers, ready_answer, ready_state
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "read_starts"]
 
 Done = Callable[[EngineState, dict[str, Any]], bool]  # a server's state (by its own account), its route's body
+
+
+def read_starts(names: Sequence[str], options: Mapping[str, Any]) -> dict[str, float]:
+    """Where each server starts reading its slices (``rf.ReceiverConfig.read_start``): server i of n, by name,
+    at i / n — engines that read the trainer only then read from different trainer ranks at once — unless
+    ``options`` (the servers' receiver options) set one or relay (relays read in one order): then none."""
+    if "read_start" in options or options.get("serve_replicas"):
+        return {}
+    ordered = sorted(names)
+    return {name: i / len(ordered) for i, name in enumerate(ordered)}
 
 
 class Membership:

@@ -25,6 +25,7 @@ extra); SGLang itself is not imported.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ import anyio
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState
-from refitflow.integrations.fleet import Membership
+from refitflow.integrations.fleet import Membership, read_starts
 from refitflow.integrations.http import ServerError, client, each_server, post, settle
 from refitflow.integrations.http import step as post_step
 from refitflow.integrations.sglang.payload import LOADER, encode
@@ -56,16 +57,16 @@ class SglangFleet(Membership):
         if tp < 1:
             raise ConfigError(f"tp must be the servers' TP size (at least 1), got {tp}")
         self.init, self.tp, self.pause_mode = init, tp, pause_mode
+        # server i of n starts reading at i / n of its slices (``read_starts``); a server added later at 0
+        self.read_starts = read_starts(list(self.servers), init.receiver_options)
 
     async def refit(
         self, version: int, *, timeout_s: float = 600.0, wait_s: float | None = None
     ) -> dict[str, EngineResult]:
         """Update every server to ``version`` (or newer)."""
-        body = self._body(version, timeout_s, wait_s)
         async with self.membership:
-            return self.note(
-                await each_server(self.servers, lambda n, u: self._refit_one(n, u, version, body, timeout_s))
-            )
+            return self.note(await each_server(self.servers, lambda n, u: self._refit_one(
+                n, u, version, self._body(n, version, timeout_s, wait_s), timeout_s)))  # fmt: skip
 
     async def add(self, name: str, url: str, *, timeout_s: float = 600.0) -> EngineState:
         """Refit server ``name`` (a name already known is replaced: a restarted or moved server) to the fleet's
@@ -74,13 +75,17 @@ class SglangFleet(Membership):
         url = url.rstrip("/")
         async with self.membership:
             version = self.version or 0
-            body = self._body(version, timeout_s, None)
+            body = self._body(name, version, timeout_s, None)
             self.note({name: await self._refit_one(name, url, version, body, timeout_s)})
             return await self.admit(name, url)
 
-    def _body(self, version: int, timeout_s: float, wait_s: float | None) -> dict[str, Any]:
+    def _body(self, name: str, version: int, timeout_s: float, wait_s: float | None) -> dict[str, Any]:
         update = RefitflowUpdateInfo(version=version, timeout_s=timeout_s, wait_s=wait_s)
-        return {"serialized_named_tensors": encode(self.init, update, tp=self.tp), "load_format": LOADER,
+        init = self.init
+        if name in self.read_starts:
+            options = init.receiver_options | {"read_start": self.read_starts[name]}
+            init = dataclasses.replace(init, receiver_options=options)
+        return {"serialized_named_tensors": encode(init, update, tp=self.tp), "load_format": LOADER,
                 "flush_cache": True, "weight_version": str(version), "selector": "target"}  # fmt: skip
 
     async def _refit_one(

@@ -40,7 +40,7 @@ import anyio
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState, against
-from refitflow.integrations.fleet import Membership
+from refitflow.integrations.fleet import Membership, read_starts
 from refitflow.integrations.http import ServerError, each_server, server_result, settle
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
@@ -74,10 +74,8 @@ class VllmFleet(Membership):
         stage at once (``rf.ReceiverConfig.read_start``)."""
         info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
         options = dict(info.get("receiver_options") or {})
-        names = sorted(self.servers)
-        spread = "read_start" not in options and not options.get("serve_replicas")
-        bodies = {name: {"init_info": info | {"receiver_options": options | {"read_start": i / len(names)}}}
-                  for i, name in enumerate(names)} if spread else {}  # fmt: skip
+        bodies = {name: {"init_info": info | {"receiver_options": options | {"read_start": start}}}
+                  for name, start in read_starts(list(self.servers), options).items()}  # fmt: skip
         await self._all("init_weight_transfer_engine", {"init_info": info}, timeout_s, bodies)
 
     async def shutdown(self, *, timeout_s: float = 60.0) -> None:
