@@ -2,11 +2,12 @@
 
 A receiver with a layout reads a part of each canonical tensor (``Wanted``); a rank of a trillion-parameter
 MoE model reads 1/16 of its 150,000 shards. ``held_in_layout`` finds a source's shards that meet those boxes
-through an index of the trainer layout by canonical tensor (sorted along dim 0), not by walking every shard;
-the layout is built in part — of Megatron's per-expert entries, only the experts read (``rules.Only``) — and
-kept with the receiver's ``Wanted``, with the list of its entries read. The entries of no expert are the same
-on the ranks of one TP place (a TP 8 × EP 32 trainer has 4 of each): their list is made once per place. Every
-shard's name must be in its layout; the shards read are checked against it.
+from the list of the trainer layout's entries this receiver reads, not by walking every shard. The layout is
+built in part — of Megatron's per-expert entries, only the experts read (``rules.Only``) — and kept with the
+receiver's ``Wanted`` with that list; the entries of no expert are the same on the ranks of one TP place (a
+TP 8 × EP 32 trainer has 4 of each): their list is made once per place. A layout built whole (no ``Only``)
+is listed through an index by canonical tensor, sorted along dim 0. Every shard's name must be in its
+layout; the shards read are checked against it.
 """
 
 from __future__ import annotations
