@@ -128,8 +128,9 @@ def test_the_driver_and_the_payload_work_without_importing_sglang() -> None:
 
 
 def test_the_driver_spreads_its_servers_read_starts_unless_they_relay_or_were_given_one() -> None:
-    """Each server's payload carries its own ``read_start`` (server i of n by name: i / n); a server added
-    later starts at 0; relays and a caller's own ``read_start`` are left as they are."""
+    """Each server's payload carries its own ``read_start`` (server i of n by name: i / n; the first's 0 is
+    the caller's init as it was); a server added later starts at 0; relays and a caller's own ``read_start``
+    are left as they are."""
     urls = {f"s{i}": f"http://127.0.0.1:{9000 + i}" for i in (2, 0, 1)}
 
     def start(fleet: SglangFleet, name: str) -> object:
@@ -138,7 +139,7 @@ def test_the_driver_spreads_its_servers_read_starts_unless_they_relay_or_were_gi
         return init.receiver_options.get("read_start")
 
     fleet = SglangFleet(urls, INIT, tp=2)
-    assert [start(fleet, n) for n in ("s0", "s1", "s2", "joiner")] == [0.0, 1 / 3, 2 / 3, None]
+    assert [start(fleet, n) for n in ("s0", "s1", "s2", "joiner")] == [None, 1 / 3, 2 / 3, None]
     relays = dataclasses.replace(INIT, receiver_options={"serve_replicas": True})
     assert {start(SglangFleet(urls, relays), n) for n in urls} == {None}
     own = dataclasses.replace(INIT, receiver_options={"read_start": 0.5})

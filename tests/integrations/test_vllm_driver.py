@@ -76,7 +76,7 @@ async def test_init_spreads_the_servers_read_starts_unless_they_relay_or_were_gi
     try:
         with anyio.fail_after(30):
             await fleet.init(base)
-            assert starts() == {"s0": 0.0, "s1": 0.25, "s2": 0.5, "s3": 0.75}
+            assert starts() == {"s0": None, "s1": 0.25, "s2": 0.5, "s3": 0.75}  # the first: the caller's info
             await fleet.init(base | {"receiver_options": {"serve_replicas": True}})
             assert set(starts().values()) == {None}  # relays read in one order
             await fleet.init(base | {"receiver_options": {"read_start": 0.5}})

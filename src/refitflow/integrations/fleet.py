@@ -22,11 +22,13 @@ Done = Callable[[EngineState, dict[str, Any]], bool]  # a server's state (by its
 def read_starts(names: Sequence[str], options: Mapping[str, Any]) -> dict[str, float]:
     """Where each server starts reading its slices (``rf.ReceiverConfig.read_start``): server i of n, by name,
     at i / n — engines that read the trainer only then read from different trainer ranks at once — unless
-    ``options`` (the servers' receiver options) set one or relay (relays read in one order): then none."""
+    ``options`` (the servers' receiver options) set one or relay (relays read in one order): then none. The
+    first server's 0 is left out: its init info stays the caller's (a changed init reopens an SGLang rank's
+    session), and a fleet of one is as it was."""
     if "read_start" in options or options.get("serve_replicas"):
         return {}
     ordered = sorted(names)
-    return {name: i / len(ordered) for i, name in enumerate(ordered)}
+    return {name: i / len(ordered) for i, name in enumerate(ordered) if i}
 
 
 class Membership:
