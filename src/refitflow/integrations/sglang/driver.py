@@ -63,10 +63,12 @@ class SglangFleet(Membership):
     async def refit(
         self, version: int, *, timeout_s: float = 600.0, wait_s: float | None = None
     ) -> dict[str, EngineResult]:
-        """Update every server to ``version`` (or newer)."""
+        """Update every server to ``version`` (or newer); bad arguments are a ``ConfigError`` before any server
+        is asked."""
+        bodies = {name: self._body(name, version, timeout_s, wait_s) for name in self.servers}
         async with self.membership:
             return self.note(await each_server(self.servers, lambda n, u: self._refit_one(
-                n, u, version, self._body(n, version, timeout_s, wait_s), timeout_s)))  # fmt: skip
+                n, u, version, bodies[n], timeout_s)))  # fmt: skip
 
     async def add(self, name: str, url: str, *, timeout_s: float = 600.0) -> EngineState:
         """Refit server ``name`` (a name already known is replaced: a restarted or moved server) to the fleet's
