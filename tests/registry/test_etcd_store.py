@@ -178,6 +178,41 @@ async def test_a_client_fails_over_to_the_other_replica_within_its_deadline(etcd
                 RegistryClient("tcp://127.0.0.1:1,nonsense")
 
 
+@pytest.mark.asyncio
+async def test_a_publish_through_a_replica_whose_watch_lags_waits_for_it_instead_of_losing_every_round(
+    etcd: Cluster,
+) -> None:
+    """A rank's claim ends in etcd (its lease expired; deleted here directly) while replica a's watch is held
+    back, as when the member it watches is cut off from the rest (tests/hosts cuts one for real): a's mirror
+    still shows the claim, so its compare-and-set fails. A deletion leaves no key whose revision says so; the
+    next round compares with what etcd answered the lost one, and the publish lands (answered once the watch
+    moves on). Before, every round compared with the stale mirror, and all 16 were lost in milliseconds (CI saw
+    it, an etcd member cut off)."""
+    with anyio.fail_after(60):
+        ns = uuid.uuid4().hex[:10]
+        async with EtcdStore.open(etcd.url, namespace=ns) as a:
+            await a.publish(manifest(1, 0, world=1), owner="trainer")  # claims rank 0 for "trainer"
+            supervisor = a._tasks[0]  # the watch held back: its supervisor and the watch itself stopped
+            supervisor.cancel()
+            assert a._watch is not None
+            a._watch.cancel()
+            await asyncio.gather(supervisor, a._watch, return_exceptions=True)
+            _, claims = await a.etcd.get_prefix(a.keys.claim(ID, 0))
+            assert claims
+            await a.etcd.delete_prefix(a.keys.claim(ID, 0))
+
+            async def resume() -> None:
+                await anyio.sleep(1.0)
+                a._tasks[0] = asyncio.create_task(a._supervise())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(resume)
+                await a.publish(manifest(2, 0, world=1), owner="trainer")
+            assert (await a.latest(ID)).version == 2  # type: ignore[union-attr]
+            _, claims = await a.etcd.get_prefix(a.keys.claim(ID, 0))
+            assert len(claims) == 1  # taken again, by the same owner
+
+
 def test_keys_refuse_a_namespace_with_a_slash(tmp_path: Path) -> None:
     with pytest.raises(rf.ManifestError):
         Keys("a/b")

@@ -154,7 +154,10 @@ class EtcdStore:
     async def _follow(self) -> None:
         self._progress = asyncio.Queue()
         try:
-            async for revision, events in self.etcd.watch(self.keys.root, self._applied + 1, self._progress):
+            async for _, events in self.etcd.watch(self.keys.root, self._applied + 1, self._progress):
+                # a progress notification (no events) only says the watch is alive, never how far the mirror is:
+                # etcd before 3.4.24 and 3.5.8 can send one ahead of events not yet sent (etcd-io/etcd#15220), and
+                # a watch moved to another member restarts after the revision applied (an event skipped: lost)
                 self._heard = time.monotonic()
                 if events:
                     for event in events:
@@ -165,8 +168,6 @@ class EtcdStore:
                             await self._put(item, item.mod_revision)
                     await self._announce()
                     self._advance(max(e.kv.mod_revision for e in events))
-                else:  # a progress notification: nothing below this revision is left to come
-                    self._advance(revision)
         except RevisionCompacted as exc:
             log.warning("registry (etcd): %s; reloading", exc)
             await self._load()
@@ -340,13 +341,14 @@ class EtcdStore:
         async def write(lease: int) -> None:
             for chunk_key, chunk in chunks:  # a large manifest: its chunks first (under the lease), then its head
                 await self.etcd.txn([], [kv.put(chunk_key, chunk, lease)])
+            # the first round compares with the mirror; a lost one with what etcd said the keys hold (the mirror
+            # may lag: a claim whose lease ended is a deletion, and no key's revision tells of it)
+            holder, seen = self._claims.get((identity, manifest.rank)), self._vrev.get((identity, version), 0)
             for _ in range(_CAS_TRIES):
-                holder = self._claims.get((identity, manifest.rank))
                 if owner is not None and holder not in (None, owner):
                     raise claimed(manifest, self.lease_s)
                 if not self.mirror.admit(manifest):
                     return
-                seen = self._vrev.get((identity, version), 0)
                 compare, success = [kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)]
                 if owner is not None:  # the rank's claim: taken now, or still this owner's (one transaction)
                     compare.append(kv.missing(ckey) if holder is None else kv.value_is(ckey, cdoc))
@@ -355,8 +357,10 @@ class EtcdStore:
                 if ok:
                     return
                 # another replica changed the version, or another client took the rank: see that, try again
-                seen_now = [item.mod_revision for r in found for item in r.response_range.kvs]
-                await self._caught_up(max(seen_now, default=0))
+                (vkv, ckv) = (list(r.response_range.kvs) for r in found)
+                seen = vkv[0].mod_revision if vkv else 0
+                holder = str(decode(ckv[0].value)["owner"]) if ckv else None
+                await self._caught_up(max([seen] + [c.mod_revision for c in ckv]))  # the mirror: for admit()
             raise RefitTimeoutError(f"version {version}: {_CAS_TRIES} compare-and-set rounds lost", version=version)
 
         await self._with_lease(owner, write)
