@@ -35,6 +35,7 @@ from refitflow.engine.member import Preparer
 from refitflow.integrations.rank_session import Build, SessionConfig
 from refitflow.layouts.canonical import sliced
 from refitflow.layouts.wire import resolve
+from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
 from refitflow.pipeline.fence import Fence, FenceState
 from refitflow.pipeline.transaction import Ledger, Transaction
@@ -144,6 +145,9 @@ class BucketLoader:
         self.load, self.config, self.stack = load, config, stack
         self.transport, self.registry, self.family = transport, registry, family
         self.fence = Fence()
+        # where the buckets start (ConfigError out of range): from the first that starts at that fraction of
+        # the bytes, wrapping round (each bucket's receiver reads its own tensors in order)
+        self.read_start = ReceiverConfig(read_start=config.receiver_options.get("read_start", 0.0)).read_start
         # the transaction counts what load_weights reports over the live parameters, as bytes: any dtype
         # (quantised formats included) is written and restored the same way
         views = {n: p.detach().reshape(-1).view(torch.uint8) for n, p in params}
@@ -159,11 +163,12 @@ class BucketLoader:
         if key == self._key:
             return
         groups: list[list[tuple[str, int]]] = [[]]
-        used = 0
+        used, starts = 0, [0]  # starts: the bytes of the publication before each group
         for name, (shape, dtype) in tensors.items():
             nbytes = -(-torch.Size(shape).numel() * dtype.itemsize // _ALIGN) * _ALIGN
             if groups[-1] and used + nbytes > self.config.budget_bytes:
                 groups.append([])
+                starts.append(starts[-1] + used)
                 used = 0
             groups[-1].append((name, used))
             used += nbytes
@@ -172,8 +177,9 @@ class BucketLoader:
         self._window = torch.empty(max(size, self.config.budget_bytes), dtype=torch.uint8, device=device)
         self.transport.cover(self._window)
         staging = max(1 << 16, self.config.budget_bytes // 4)
-        own = ("shadow_commit", "serve_replicas")
+        own = ("shadow_commit", "serve_replicas", "read_start")
         options = {k: v for k, v in self.config.receiver_options.items() if k not in own}
+        first = next((i for i, start in enumerate(starts) if start >= self.read_start * (starts[-1] + used)), 0)
         # every bucket's views share one window, rewritten by the next bucket: nothing is held there between
         # versions (no delta refit) and nothing can be relayed from it
         options["skip_unchanged"] = False
@@ -187,6 +193,7 @@ class BucketLoader:
             )  # fmt: skip
             await self.stack.enter_async_context(receiver)
             self.buckets.append(_Bucket(tuple(views), receiver))
+        self.buckets = self.buckets[first:] + self.buckets[:first]
         self._key = key
 
     def _view(self, spec: tuple[tuple[int, ...], torch.dtype], offset: int) -> torch.Tensor:
