@@ -86,7 +86,8 @@ class Receiver:
       publisher's tensors are translated into it, and only this rank's slice is read.
     - ``serve_replicas``: serve each version to other receivers as a relay, tensor by tensor as soon as its
       bytes are verified, before this rank commits (pipelined fan-out; docs/fanout.md). Every receiver
-      with a registry that has relays reads from the upstream relay the registry names, if any.
+      with a registry that has relays reads from the upstream relay the registry names, if any — but one
+      given a ``read_start``, which reads the trainer from there (relays read in one order).
     - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``) or an
       ``rf.ClientSecurity`` (as for ``rf.Publisher``).
     - ``quant``: parameter name -> quantised format (``layouts/quant.py``) where its dtypes cannot tell: a
@@ -186,7 +187,7 @@ class Receiver:
         assert self._transport is not None
         await anyio.to_thread.run_sync(self._prepare_landing)
         self._landing = {self._transport.register(t) for t in self.destination.landing_tensors()}
-        if self._relays:
+        if self._relays and not self.config.read_start:  # a rotated reader reads the trainer (docs/fanout.md)
             self._relaying = Relaying(self.registry, self.identity, self.receiver_id, self.destination,  # type: ignore[arg-type]
                                       self._transport, serve=self.serve_replicas)  # fmt: skip
 
