@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 
+from refitflow.core.errors import RefitError
 from refitflow.integrations.vllm.driver import ServerError, VllmFleet
 from tests.conftest import free_ports
 
@@ -81,6 +82,14 @@ async def test_init_spreads_the_servers_read_starts_unless_they_relay_or_were_gi
             assert set(starts().values()) == {None}  # relays read in one order
             await fleet.init(base | {"receiver_options": {"read_start": 0.5}})
             assert set(starts().values()) == {0.5}  # the caller's own
+            await fleet.init(base)
+            starts()
+            # a restarted server taken in again with init info starts where it did (these stubs do not refit:
+            # the add fails after its init)
+            port = servers[2].server_address[1]
+            with pytest.raises(RefitError):
+                await fleet.add("s2", urls["s2"], init_info=base, timeout_s=5)
+            assert _Recorder.bodies[port][0]["init_info"]["receiver_options"] == {"read_start": 0.5}
     finally:
         for s in servers:
             s.shutdown()

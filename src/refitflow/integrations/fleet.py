@@ -14,7 +14,7 @@ from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState
 from refitflow.integrations.http import each_server, named_servers, ready_answer, ready_state
 
-__all__ = ["Membership", "read_starts"]
+__all__ = ["Membership", "read_starts", "spread"]
 
 Done = Callable[[EngineState, dict[str, Any]], bool]  # a server's state (by its own account), its route's body
 
@@ -25,10 +25,16 @@ def read_starts(names: Sequence[str], options: Mapping[str, Any]) -> dict[str, f
     ``options`` (the servers' receiver options) set one or relay (relays read in one order): then none. The
     first server's 0 is left out: its init info stays the caller's (a changed init reopens an SGLang rank's
     session), and a fleet of one is as it was."""
-    if "read_start" in options or options.get("serve_replicas"):
+    if not spread(options):
         return {}
     ordered = sorted(names)
     return {name: i / len(ordered) for i, name in enumerate(ordered) if i}
+
+
+def spread(options: Mapping[str, Any]) -> bool:
+    """Whether servers of these receiver options are given a ``read_start`` by the driver: not when they relay
+    (relays read in one order) or the caller set one."""
+    return "read_start" not in options and not options.get("serve_replicas")
 
 
 class Membership:

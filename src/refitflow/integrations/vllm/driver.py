@@ -40,7 +40,7 @@ import anyio
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState, against
-from refitflow.integrations.fleet import Membership, read_starts
+from refitflow.integrations.fleet import Membership, read_starts, spread
 from refitflow.integrations.http import ServerError, each_server, server_result, settle
 from refitflow.integrations.http import client as _client
 from refitflow.integrations.http import post as _post
@@ -62,6 +62,7 @@ class VllmFleet(Membership):
         self.mode, self.pause_mode = mode, pause_mode
         self.vote_timeout_s = vote_timeout_s  # the backend's: an update's vote may take this long after its pull
         self.adapters: dict[str, dict[str, list[int]]] = {}  # server -> adapter -> the versions it serves by name
+        self.read_starts: dict[str, float] = {}  # server -> the read_start init gave it (none: 0)
 
     @classmethod
     def for_backend(cls, servers: Mapping[str, str] | Sequence[str], init_info: RefitflowInitInfo) -> VllmFleet:
@@ -73,10 +74,17 @@ class VllmFleet(Membership):
         slices (server i of n, by name): the engines spread over the trainer's ranks, not all on one pipeline
         stage at once (``rf.ReceiverConfig.read_start``)."""
         info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
-        options = dict(info.get("receiver_options") or {})
-        bodies = {name: {"init_info": info | {"receiver_options": options | {"read_start": start}}}
-                  for name, start in read_starts(list(self.servers), options).items()}  # fmt: skip
+        self.read_starts = read_starts(list(self.servers), info.get("receiver_options") or {})
+        bodies = {name: {"init_info": self._started(name, info)} for name in self.read_starts}
         await self._all("init_weight_transfer_engine", {"init_info": info}, timeout_s, bodies)
+
+    def _started(self, name: str, info: dict[str, Any]) -> dict[str, Any]:
+        """``info`` with server ``name``'s ``read_start`` from ``init`` (a server added under a name ``init``
+        did not know: none, it starts at 0), unless the options relay or set their own."""
+        options = info.get("receiver_options") or {}
+        if name not in self.read_starts or not spread(options):
+            return info
+        return info | {"receiver_options": options | {"read_start": self.read_starts[name]}}
 
     async def shutdown(self, *, timeout_s: float = 60.0) -> None:
         await self._all("shutdown_weight_transfer_engine", None, timeout_s)
@@ -103,6 +111,7 @@ class VllmFleet(Membership):
             )
         else:
             info = init_info.to_dict() if isinstance(init_info, RefitflowInitInfo) else dict(init_info)
+            info = self._started(name, info)  # a restarted server starts where it did
             async with _client(url, self.request_timeout_s) as http:
                 await _post(http, "init_weight_transfer_engine", {"init_info": info}, timeout=timeout_s)
             state = None
