@@ -36,12 +36,15 @@ NBYTES = N * 96 * 64 * 4
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["in_place", "shadow"])
-async def test_a_half_frozen_model_pulls_half_the_bytes_and_stays_bit_exact(ident, registry, mode: str) -> None:
+@pytest.mark.parametrize("read_start", [0.0, 0.5])  # 0.5: the plan starts at the layers that change
+async def test_a_half_frozen_model_pulls_half_the_bytes_and_stays_bit_exact(
+    ident, registry, mode: str, read_start: float
+) -> None:
     dst, trainer = zeros(), LoopbackTransport()
     with anyio.fail_after(30):
         async with (
             rf.Publisher(registry, identity=ident, transport=trainer) as pub,
-            rf.Receiver(dst, registry, identity=ident, mode=mode) as recv,
+            rf.Receiver(dst, registry, identity=ident, mode=mode, read_start=read_start) as recv,
         ):
             v1 = layers(1)
             await pub.publish(1, v1)
