@@ -213,6 +213,29 @@ async def test_a_publish_through_a_replica_whose_watch_lags_waits_for_it_instead
             assert len(claims) == 1  # taken again, by the same owner
 
 
+@pytest.mark.asyncio
+async def test_the_janitor_never_judges_a_version_whose_manifest_is_still_being_applied(
+    etcd: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch applies a version's key, then decodes its manifest (a large one in a worker thread); the
+    janitor, running meanwhile, saw a version key with no version in the mirror and deleted the version just
+    published. The decode is slowed here (0.5 s) to widen that window; the janitor runs every 0.2 s."""
+    with anyio.fail_after(60):
+        ns = uuid.uuid4().hex[:10]
+        async with EtcdStore.open(etcd.url, namespace=ns, lease_s=0.8) as a:
+            decode = a._decode
+
+            async def slow(d: dict[str, Any], rows: int, fn: Any) -> Any:
+                await anyio.sleep(0.5)
+                return await decode(d, rows, fn)
+
+            monkeypatch.setattr(a, "_decode", slow)
+            await a.publish(big_manifest(1, 300))
+            await anyio.sleep(1.5)  # several of the janitor's rounds
+            assert (await a.etcd.get_prefix(a.keys.version(ID, 1)))[1]
+            assert (await a.latest(ID)).version == 1  # type: ignore[union-attr]
+
+
 def test_keys_refuse_a_namespace_with_a_slash(tmp_path: Path) -> None:
     with pytest.raises(rf.ManifestError):
         Keys("a/b")

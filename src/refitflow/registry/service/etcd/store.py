@@ -71,6 +71,7 @@ class EtcdStore:
         self.incarnation = ""
         self.on_announce: Callable[[dict[str, str], int], Awaitable[None]] | None = None
         self._applied = 0  # the revision the mirror has applied
+        self._applying = 0  # > 0 while a watch batch (or a load) is half applied: a version key before its manifest
         self._advanced = asyncio.Event()
         self._owners: dict[str, int] = {}  # owner -> its lease (o/ keys)
         self._meaning: dict[bytes, tuple[str, Identity, Any]] = {}  # key -> what it holds (for its deletion)
@@ -121,11 +122,15 @@ class EtcdStore:
     async def _load(self) -> None:
         """Rebuild the mirror from what etcd holds now (at start, or after a compacted watch)."""
         revision, kvs = await self.etcd.get_prefix(self.keys.root)
-        self.mirror.reset()  # the same mirror object: its waiters wake on what is loaded
-        self._owners, self._meaning, self._vrev, self._leases, self._claims = {}, {}, {}, {}, {}
-        for item in sorted(kvs, key=lambda k: k.mod_revision):  # relays join in the order they joined
-            await self._put(item, revision)
-        self._advance(revision)
+        self._applying += 1
+        try:
+            self.mirror.reset()  # the same mirror object: its waiters wake on what is loaded
+            self._owners, self._meaning, self._vrev, self._leases, self._claims = {}, {}, {}, {}, {}
+            for item in sorted(kvs, key=lambda k: k.mod_revision):  # relays join in the order they joined
+                await self._put(item, revision)
+            self._advance(revision)
+        finally:
+            self._applying -= 1
 
     def _advance(self, revision: int) -> None:
         if revision > self._applied:
@@ -160,14 +165,18 @@ class EtcdStore:
                 # a watch moved to another member restarts after the revision applied (an event skipped: lost)
                 self._heard = time.monotonic()
                 if events:
-                    for event in events:
-                        item = KV.of(event.kv)
-                        if event.type == kv.DELETE:
-                            await self._delete(item.key)
-                        else:
-                            await self._put(item, item.mod_revision)
-                    await self._announce()
-                    self._advance(max(e.kv.mod_revision for e in events))
+                    self._applying += 1
+                    try:
+                        for event in events:
+                            item = KV.of(event.kv)
+                            if event.type == kv.DELETE:
+                                await self._delete(item.key)
+                            else:
+                                await self._put(item, item.mod_revision)
+                        await self._announce()
+                        self._advance(max(e.kv.mod_revision for e in events))
+                    finally:
+                        self._applying -= 1
         except RevisionCompacted as exc:
             log.warning("registry (etcd): %s; reloading", exc)
             await self._load()
@@ -273,6 +282,13 @@ class EtcdStore:
             raise RefitTimeoutError(f"etcd wrote revision {revision} but this replica's watch has not delivered it "
                                     f"within {self.etcd.op_timeout_s} s (at {self._applied})") from None  # fmt: skip
 
+    async def _version_seen(self, identity: Identity, version: int, revision: int) -> None:
+        """Wait (at most a call's deadline) until the mirror holds ``version``'s key at ``revision`` (0: none, as
+        after the janitor deleted it): the version's manifests then are those etcd holds."""
+        with anyio.move_on_after(self.etcd.op_timeout_s):  # changed again meanwhile: the next round loses anyway
+            while self._applying or self._vrev.get((identity, version), 0) != revision:
+                await self._advanced.wait()
+
     async def _write(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None
                      ) -> tuple[bool, Any]:  # fmt: skip
         """One transaction; when it changed something, answered once this replica's mirror applied it (a
@@ -360,7 +376,7 @@ class EtcdStore:
                 (vkv, ckv) = (list(r.response_range.kvs) for r in found)
                 seen = vkv[0].mod_revision if vkv else 0
                 holder = str(decode(ckv[0].value)["owner"]) if ckv else None
-                await self._caught_up(max([seen] + [c.mod_revision for c in ckv]))  # the mirror: for admit()
+                await self._version_seen(identity, version, seen)  # admit() checks the mirror: as etcd answered
             raise RefitTimeoutError(f"version {version}: {_CAS_TRIES} compare-and-set rounds lost", version=version)
 
         await self._with_lease(owner, write)
@@ -425,6 +441,8 @@ class EtcdStore:
             await asyncio.sleep(max(0.2, self.lease_s / 4))
             now = self.mirror.now()
             for (identity, version), _ in list(self._vrev.items()):
+                if self._applying:  # a version key may be applied before its manifest: judge a whole mirror only
+                    break
                 model = self.mirror.model(identity)
                 gone = version not in model.versions  # released and superseded, or every rank's lease ran out
                 ranks = model.versions.get(version, {})
