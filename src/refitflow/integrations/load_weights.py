@@ -177,7 +177,8 @@ class BucketLoader:
         self._window = torch.empty(max(size, self.config.budget_bytes), dtype=torch.uint8, device=device)
         self.transport.cover(self._window)
         staging = max(1 << 16, self.config.budget_bytes // 4)
-        own = ("shadow_commit", "serve_replicas", "read_start")
+        own = ("shadow_commit", "serve_replicas")
+        # read_start stays in each bucket's options: a bucket receiver given one joins no relays (Receiver)
         options = {k: v for k, v in self.config.receiver_options.items() if k not in own}
         first = next((i for i, start in enumerate(starts) if start >= self.read_start * (starts[-1] + used)), 0)
         # every bucket's views share one window, rewritten by the next bucket: nothing is held there between
