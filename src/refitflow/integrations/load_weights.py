@@ -146,7 +146,7 @@ class BucketLoader:
         self.transport, self.registry, self.family = transport, registry, family
         self.fence = Fence()
         # where the buckets start (ConfigError out of range): from the first that starts at that fraction of
-        # the bytes, wrapping round (each bucket's receiver reads its own tensors in order)
+        # the bytes, wrapping round (each bucket's receiver is given it too: it joins no relays)
         self.read_start = ReceiverConfig(read_start=config.receiver_options.get("read_start", 0.0)).read_start
         # the transaction counts what load_weights reports over the live parameters, as bytes: any dtype
         # (quantised formats included) is written and restored the same way

@@ -30,7 +30,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -122,13 +122,19 @@ class EtcdStore:
     async def _load(self) -> None:
         """Rebuild the mirror from what etcd holds now (at start, or after a compacted watch)."""
         revision, kvs = await self.etcd.get_prefix(self.keys.root)
-        self._applying += 1
-        try:
+        with self._half_applied():
             self.mirror.reset()  # the same mirror object: its waiters wake on what is loaded
             self._owners, self._meaning, self._vrev, self._leases, self._claims = {}, {}, {}, {}, {}
             for item in sorted(kvs, key=lambda k: k.mod_revision):  # relays join in the order they joined
                 await self._put(item, revision)
             self._advance(revision)
+
+    @contextlib.contextmanager
+    def _half_applied(self) -> Iterator[None]:
+        """Mark the mirror as being changed (a watch batch or a load: a version key applied before its manifest)."""
+        self._applying += 1
+        try:
+            yield
         finally:
             self._applying -= 1
 
@@ -165,8 +171,7 @@ class EtcdStore:
                 # a watch moved to another member restarts after the revision applied (an event skipped: lost)
                 self._heard = time.monotonic()
                 if events:
-                    self._applying += 1
-                    try:
+                    with self._half_applied():
                         for event in events:
                             item = KV.of(event.kv)
                             if event.type == kv.DELETE:
@@ -175,8 +180,6 @@ class EtcdStore:
                                 await self._put(item, item.mod_revision)
                         await self._announce()
                         self._advance(max(e.kv.mod_revision for e in events))
-                    finally:
-                        self._applying -= 1
         except RevisionCompacted as exc:
             log.warning("registry (etcd): %s; reloading", exc)
             await self._load()
