@@ -121,7 +121,9 @@ def test_what_builders_made_joins_the_oldest_generation_without_a_collection_pas
             before = gc.get_freeze_count()
             with building():
                 kept += [[i] for i in range(1000)]
-            assert gc.get_freeze_count() == before  # not thawed (nor more frozen)
+            # not thawed (that leaves none frozen) nor more frozen (that adds the 1,000): a frozen object
+            # freed meanwhile by another thread (a test's leftover daemon) lowers the count by one
+            assert before - 500 < gc.get_freeze_count() <= before
         finally:
             gc.unfreeze()
     finally:
