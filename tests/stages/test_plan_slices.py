@@ -11,7 +11,7 @@ import refitflow as rf
 from refitflow.layouts.canonical import sliced
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages.plan import build_plan, check_compile
+from refitflow.stages.plan import PlannedRead, build_plan, check_compile, coalesce
 
 SHAPE = (4096, 1024)
 ROW = 1024 * 2  # bf16 bytes per row
@@ -93,8 +93,9 @@ def test_column_slice_reads_only_its_columns_as_strided_reads() -> None:
     assert plan.nbytes == plan.ideal_bytes == 4096 * 256 * 2
     # one run per row and nothing more, described as a few strided reads (a row apart)
     assert all(r.nbytes == 256 * 2 and r.stride == ROW for r in reads) and sum(r.count for r in reads) == 4096
-    assert [r.count for r in reads] == [1000, 1000, 48] * 2
+    # pieces of at most 1,000 runs (what verify checks at a time), read as one strided read per shard
     assert max(p.count for b in plan.buckets for p in b.pieces) <= 1000
+    assert [r.count for r in reads] == [2048, 2048]
 
 
 def test_short_strided_runs_read_the_enclosing_rows() -> None:
@@ -194,3 +195,23 @@ def test_the_last_direct_buckets_taper_so_the_last_verification_is_short() -> No
     sizes = [b.nbytes >> 20 for b in plan.buckets]
     assert sum(sizes) == 320 and max(sizes) <= 64 and sizes[-1] <= 16  # MiB: the taper's floor
     assert sizes == sorted(sizes, reverse=True) and len(sizes) <= 10
+
+
+def test_reads_landing_back_to_back_merge_where_their_sources_keep_one_step() -> None:
+    def read(src: int, n: int, at: int, param: str | None = "w") -> PlannedRead:
+        return PlannedRead(0, 3, src, n, param, at)
+
+    # neighbouring tensors of a buffer laid out last first: one read, runs downwards
+    down = coalesce([read(300, 100, 0), read(200, 100, 100), read(100, 100, 200), read(0, 100, 300)])
+    assert down == [PlannedRead(0, 3, 300, 100, "w", 0, stride=-100, count=4)]
+    # back to back in both places: one run; a constant gap: strided
+    assert coalesce([read(0, 100, 0), read(100, 100, 100)]) == [read(0, 200, 0)]
+    assert coalesce([read(0, 100, 0), read(150, 100, 100), read(300, 100, 200)]) == [
+        PlannedRead(0, 3, 0, 100, "w", 0, stride=150, count=3)
+    ]
+    # another step, size, region, landing or overlapping runs: a read of its own
+    assert len(coalesce([read(300, 100, 0), read(200, 100, 100), read(50, 100, 200)])) == 2
+    assert len(coalesce([read(300, 100, 0), read(200, 50, 100)])) == 2
+    assert len(coalesce([read(300, 100, 0), read(200, 100, 100, param=None)])) == 2
+    assert len(coalesce([read(300, 100, 0), read(200, 100, 150)])) == 2
+    assert len(coalesce([read(100, 100, 0), read(150, 100, 100)])) == 2

@@ -117,6 +117,35 @@ async def test_a_strided_read_lands_a_column_slice_back_to_back(kind: str) -> No
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["nixl", "loopback"])
+async def test_a_read_with_a_negative_stride_lands_a_reversed_buffers_tensors_in_order(kind: str) -> None:
+    """Megatron's DDP buffer holds a layer's experts last first: one read, runs downwards, lands them in order."""
+    make = NixlTransport if kind == "nixl" else rf.LoopbackTransport
+    owner, reader = make(), make()
+    experts = torch.arange(8 * 96, dtype=torch.int32).reshape(8, 96)
+    buffer = experts.flip(0).contiguous()  # expert 7 first, as the trainer's buffer lays them
+    dst = torch.zeros(5, 96, dtype=torch.int32)
+    try:
+        with anyio.fail_after(20):
+            region = owner.register(buffer)
+            reader.register(dst)
+            reader.connect(owner.address())
+            row = 96 * 4
+            # experts 2..6 in order: the first at row 5 of the buffer, each next one a row lower
+            down = Read(owner.agent, region, 5 * row, row, as_bytes(dst), stride=-row, count=5)
+            assert (down.low, down.extent) == (row, 5 * row)
+            for key in ("down", "down", None):  # prepared, replayed, unprepared
+                dst.zero_()
+                await reader.read([down], key=key)
+                assert torch.equal(dst, experts[2:7])
+            with pytest.raises(rf.TransportError, match="outside region"):  # the fifth run would start below 0
+                await reader.read([Read(owner.agent, region, 3 * row, row, as_bytes(dst), stride=-row, count=5)])
+    finally:
+        await reader.aclose()
+        await owner.aclose()
+
+
+@pytest.mark.asyncio
 async def test_reads_coalesce_and_refuse_unregistered_or_out_of_range_memory() -> None:
     owner, reader = NixlTransport(), NixlTransport()
     src = torch.arange(4096, dtype=torch.uint8)

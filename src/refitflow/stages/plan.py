@@ -95,20 +95,37 @@ def runs_read(
 
 
 def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRead]:
-    """Reads in landing order, each run that continues the previous one in both places merged into it."""
+    """Reads in landing order, each that continues the previous one where it lands merged into it: one
+    run when the sources continue too, else runs of equal size a constant step apart (neighbouring
+    tensors of one trainer buffer — a step down where the buffer holds them in reverse, as Megatron's
+    DDP buffers do a layer's experts)."""
     out: list[PlannedRead] = []
     for r in reads:
         prev = out[-1] if out else None
         if (
-            r.count == 1 and prev is not None and prev.count == 1
-            and (prev.source, prev.region, prev.param) == (r.source, r.region, r.param)
-            and prev.src_offset + prev.nbytes == r.src_offset and prev.landing_offset + prev.nbytes == r.landing_offset
+            prev is None or (prev.source, prev.region, prev.param) != (r.source, r.region, r.param)
+            or prev.landing_offset + prev.nbytes * prev.count != r.landing_offset
         ):  # fmt: skip
-            out[-1] = PlannedRead(prev.source, prev.region, prev.src_offset, prev.nbytes + r.nbytes, prev.param,
-                                  prev.landing_offset)  # fmt: skip
+            out.append(r)
+        elif r.count == 1 and prev.count == 1 and prev.src_offset + prev.nbytes == r.src_offset:
+            out[-1] = replace(prev, nbytes=prev.nbytes + r.nbytes)
+        elif (merged := _continued(prev, r)) is not None:
+            out[-1] = merged
         else:
             out.append(r)
     return out
+
+
+def _continued(prev: PlannedRead, r: PlannedRead) -> PlannedRead | None:
+    """``prev`` and ``r`` (landing back to back) as one strided read, if their runs keep one step."""
+    if r.nbytes != prev.nbytes:
+        return None
+    step = prev.stride if prev.count > 1 else r.src_offset - prev.src_offset
+    if abs(step) < r.nbytes or (r.count > 1 and r.stride != step):  # overlapping runs: read apart
+        return None
+    if r.src_offset != prev.src_offset + prev.count * step:
+        return None
+    return replace(prev, stride=step, count=prev.count + r.count)
 
 
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:

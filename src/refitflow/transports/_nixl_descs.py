@@ -134,11 +134,13 @@ def describe(
         if info is None:
             why = "is not connected" if regions is None else f"has no region {r.region}"
             raise TransportError(f"nixl peer {r.peer!r} {why}")
-        if r.offset < 0 or r.offset + r.extent > info.nbytes or r.dst.nbytes != r.total:
-            raise TransportError(f"read [{r.offset}, +{r.extent}) outside region {r.region} of {r.peer!r}")
+        if r.low < 0 or r.low + r.extent > info.nbytes or r.dst.nbytes != r.total:
+            raise TransportError(f"read [{r.low}, +{r.extent}) outside region {r.region} of {r.peer!r}")
         rows.append((info.addr + r.offset, r.region, info.devid, r.dst.data_ptr(), r.nbytes, r.stride, r.count))
         groups.setdefault((r.peer, info.mem), []).append(i)
-    raddr, rkey, rdev, laddr, nbytes, stride, count = np.array(rows, dtype=np.uint64).reshape(n, 7).T
+    table = np.array(rows, dtype=np.int64).reshape(n, 7)  # addresses fit: user space is below 2**63
+    stride = table[:, 5].copy()  # signed (runs downwards)
+    raddr, rkey, rdev, laddr, nbytes, _, count = table.astype(np.uint64).T
     lpos = index.locate(laddr, nbytes * count) if n else np.empty(0, dtype=np.int64)
     ldev = np.array([i.devid for i in index.infos], dtype=np.uint64)[lpos]
     lvram = np.array([i.mem == "VRAM" for i in index.infos], dtype=bool)[lpos]
@@ -157,14 +159,16 @@ def describe(
 def _expand(
     laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray, stride: np.ndarray, count: np.ndarray, *keys: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """One entry per run: a strided read's runs land back to back locally, ``stride`` apart remotely."""
+    """One entry per run: a strided read's runs land back to back locally, ``stride`` apart remotely
+    (``stride`` signed: runs downwards from the first)."""
     if not len(count) or int(count.max()) <= 1:
         return (laddr, raddr, nbytes, *keys)
     reps = count.astype(np.int64)
     starts = np.cumsum(reps) - reps
-    k = (np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(starts, reps)).astype(np.uint64)
+    k = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(starts, reps)
     nb = np.repeat(nbytes, reps)
-    return (np.repeat(laddr, reps) + k * nb, np.repeat(raddr, reps) + k * np.repeat(stride, reps), nb,
+    remote = (np.repeat(raddr.astype(np.int64), reps) + k * np.repeat(stride, reps)).astype(np.uint64)
+    return (np.repeat(laddr, reps) + k.astype(np.uint64) * nb, remote, nb,
             *(np.repeat(x, reps) for x in keys))  # fmt: skip
 
 

@@ -23,6 +23,8 @@ __all__ = ["Read", "Transport", "as_bytes"]
 class Read:
     """``count`` byte ranges of ``nbytes`` from one source region, ``stride`` bytes apart, landing back
     to back in one local buffer (a column slice of many rows is one strided read; transports expand it).
+    A negative ``stride`` reads runs downwards from ``offset``: neighbouring tensors of a trainer buffer
+    laid out in reverse (Megatron's DDP buffers) landing in order in one parameter.
     """
 
     peer: str
@@ -30,7 +32,7 @@ class Read:
     offset: int
     nbytes: int  # per run
     dst: torch.Tensor  # contiguous uint8 view of exactly nbytes * count, inside registered local memory
-    stride: int = 0  # source bytes from one run's start to the next (count > 1)
+    stride: int = 0  # source bytes from one run's start to the next (count > 1; may be negative)
     count: int = 1
 
     @property
@@ -39,9 +41,14 @@ class Read:
         return self.nbytes * self.count
 
     @property
+    def low(self) -> int:
+        """The lowest source offset read (the last run's start when ``stride`` is negative)."""
+        return self.offset + min(0, (self.count - 1) * self.stride)
+
+    @property
     def extent(self) -> int:
-        """Source bytes spanned, from the first run's start to the last run's end."""
-        return (self.count - 1) * self.stride + self.nbytes if self.count else 0
+        """Source bytes spanned, from the lowest run's start to the highest run's end."""
+        return (self.count - 1) * abs(self.stride) + self.nbytes if self.count else 0
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -103,11 +103,12 @@ class LoopbackTransport(Transport):
         region = peer._regions.get(read.region)
         if region is None:
             raise TransportError(f"peer {read.peer!r} has no region {read.region}")
-        if read.offset < 0 or read.offset + read.extent > region.numel() or read.dst.numel() != read.total:
-            raise TransportError(f"read [{read.offset}, +{read.extent}) outside region {read.region}")
+        if read.low < 0 or read.low + read.extent > region.numel() or read.dst.numel() != read.total:
+            raise TransportError(f"read [{read.low}, +{read.extent}) outside region {read.region}")
         if read.count == 1:
             return region[read.offset : read.offset + read.nbytes]
-        return region.as_strided((read.count, read.nbytes), (read.stride, 1), region.storage_offset() + read.offset)
+        up = abs(read.stride)  # torch has no negative strides: the runs upwards, turned round in ``_copies``
+        return region.as_strided((read.count, read.nbytes), (up, 1), region.storage_offset() + read.low)
 
     def _copies(self, reads: Sequence[Read]) -> _Copies:
         out = _Copies()
@@ -117,6 +118,9 @@ class LoopbackTransport(Transport):
             out.nbytes += r.total
             if r.count == 1 and r.nbytes <= _MEMMOVE_MAX and src.is_cpu and r.dst.is_cpu:
                 out.small.append((r.dst.data_ptr(), src.data_ptr(), r.nbytes))
+            elif r.nbytes and r.stride < 0 and r.count > 1:  # runs downwards: each its own copy
+                rows = r.dst.view(r.count, r.nbytes)
+                out.views += [(rows[k], src[r.count - 1 - k]) for k in range(r.count)]
             elif r.nbytes:
                 out.views.append((r.dst.view(r.count, r.nbytes) if r.count > 1 else r.dst, src))
                 out.cuda |= {t.device for t in (r.dst, src) if t.device.type == "cuda"}
