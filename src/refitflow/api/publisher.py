@@ -1,8 +1,10 @@
 """Publisher: a trainer rank announces each version of its shards; receivers read them in place.
 
-The publisher never copies or mutates the trainer's tensors. It registers each tensor's memory with
-the transport once per storage (a new storage is registered anew, and the address re-announced),
-digests the bytes, and publishes a manifest. The trainer must not change the tensors of a version
+The publisher never copies or mutates the trainer's tensors. It registers each tensor's whole storage
+with the transport, once (a new storage is registered anew, and the address re-announced): tensors that
+are views of one buffer (Megatron's DDP buffers) share a region at their offsets, so receivers read
+neighbouring tensors as one read and the transport holds one registration per buffer. It then
+digests the bytes and publishes a manifest. The trainer must not change the tensors of a version
 until ``await pub.released(version)`` returns.
 """
 
@@ -246,13 +248,13 @@ class Publisher:
             check_device(device, repr(next(n for n, t in zip(names, held, strict=True) if t.device == device)))
         meta |= quant_metadata(dict(zip(names, held, strict=True)), quant, meta)
         step = mark_current(devices)  # the trainer's work, as queued on its streams
-        regions = [self.transport.register(t) for t in held]
+        regions, offsets = zip(*(self._register(t) for t in held), strict=True) if held else ((), ())
         await wait_marks(step)  # off the loop: digests and peers read the finished step
         source = self.transport.address()
         items = [(t, digest_algorithm(t, self._digest_choice)) for t in held]
         tilings = [_tiling(t, algo, self.column_digests) for t, algo in items]
         # the specs a column at a time (``core.columns``): the layout's columns once, the digests' per message
-        columns: dict[str, list[Any]] = {"name": names, "region": regions}
+        columns: dict[str, list[Any]] = {"name": names, "region": list(regions), "offset": list(offsets)}
         columns |= {f: [fields[k] for _, _, fields in prepared] for k, f in enumerate(_LAYOUT_FIELDS)}
         columns |= {f: [v] * len(names) for f, v in self.compile.items()}
 
@@ -283,6 +285,11 @@ class Publisher:
         self._known_regions |= set(regions)
         await self._forget_released()
         return manifest
+
+    def _register(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """The region of ``tensor``'s whole storage and the tensor's byte offset in it."""
+        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        return self.transport.register(whole), int(tensor.storage_offset()) * tensor.element_size()
 
     @property
     def announces_early(self) -> bool:
