@@ -1,13 +1,14 @@
 """Planning time for a Kimi-K2-shaped model: a Megatron trainer at EP 8 into vLLM ranks at EP 16.
 
     python bench/kimi_plan_bench.py [--layers 61] [--experts 384] [--receiver tp16|dp16|tp8xdp8] [--ranks 0,15]
-        [--train-tp 8] [--train-ep 8] [--train-pp 1] [--digests]
+        [--train-tp 8] [--train-ep 8] [--train-pp 1] [--digests] [--apart]
 
 No weights: the trainer's shards are shape-only ``ShardSpec``s (block digests of the publisher's block
 sizes, zero bytes) and the receiver's parameters are meta tensors, so a 1-T-parameter model plans in
 little memory. Trainer: Megatron-core TE names, grouped experts, TP 8 × EP 8 folded on 8 ranks
 (expert TP 1: rank r holds attention slice r and experts 48r..48r+47), in each of ``--train-pp`` pipeline
-stages. Receivers: vLLM, experts on EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN``
+stages; its memory two DDP buffers laid out last parameter first, as Megatron's are (``--apart``: each
+tensor its own registration). Receivers: vLLM, experts on EP ranks (expert TP 1): ``tpN`` attention TP N (EP N), ``dpN``
 attention data-parallel (TP 1 × DP N, EP N), ``tpAxdpB`` both (EP A × B). For each receiver rank asked
 for it (default: the first and the last) it prints the time to build its plan (what its first read waits
 for; "+ checks": what verify and commit need of each bucket, made as the plan stage hands the buckets on,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import math
 import re
 import time
 
@@ -46,19 +48,35 @@ def kimi_k2(layers: int, experts: int) -> ModelDims:
     )  # fmt: skip
 
 
-def _spec(name: str, shape: tuple[int, ...], dtype: str = "bfloat16", algo: str = "xxh3") -> rf.ShardSpec:
-    """A shape-only shard: the publisher's tile geometry, zero digests, no bytes."""
+def _spec(name: str, shape: tuple[int, ...], region: int, offset: int, algo: str = "xxh3") -> rf.ShardSpec:
+    """A shape-only bf16 shard at ``offset`` of ``region``: the publisher's tile geometry, zero digests, no bytes."""
     rows, cols = choose_tiling(shape, 2)
     blocks = base64.b64encode(bytes(8 * Tiling(algo, shape, 2, rows, cols).count)).decode()
     return rf.ShardSpec(
-        name=name, dtype=dtype, global_shape=shape, axis=None, start=0, stop=shape[0] if shape else 1,
-        digest="0" * 16, region=0, algo=algo, tile_rows=rows, tile_cols=cols, blocks=blocks,
+        name=name, dtype="bfloat16", global_shape=shape, axis=None, start=0, stop=shape[0] if shape else 1,
+        digest="0" * 16, region=region, offset=offset, algo=algo, tile_rows=rows, tile_cols=cols, blocks=blocks,
     )  # fmt: skip
 
 
-def publication(d: ModelDims, tp: int, ep: int, pp: int = 1) -> tuple[rf.Publication, float]:
+def memory(shapes: dict[str, tuple[int, ...]], apart: bool) -> dict[str, tuple[int, int]]:
+    """Where a Megatron rank holds each tensor, (region, byte offset): two DDP buffers (dense parameters,
+    expert parameters), each laid out last parameter first, each start padded to 64 elements (Megatron's
+    distributed optimizer), the publisher registering each buffer once; ``apart``: each tensor its own
+    region (a trainer without DDP buffers)."""
+    if apart:
+        return {n: (k, 0) for k, n in enumerate(shapes)}
+    out, ends = {}, [0, 0]
+    for n in reversed(shapes):
+        region = int(".mlp.experts." in n)
+        out[n] = (region, ends[region])
+        ends[region] += -(-math.prod(shapes[n]) // 64) * 64 * 2
+    return out
+
+
+def publication(d: ModelDims, tp: int, ep: int, pp: int = 1, apart: bool = False) -> tuple[rf.Publication, float]:
     """The trainer's publication (shape-only) and the seconds its layouts took to build: ``pp`` pipeline stages
-    (the first ones a layer more when they do not divide the layers), each of ``max(tp, ep)`` ranks."""
+    (the first ones a layer more when they do not divide the layers), each of ``max(tp, ep)`` ranks, its
+    memory as ``memory`` lays it out."""
     ident = rf.Identity(model="kimi-k2", layout="megatron")
     manifests, seconds = [], 0.0
     world = max(tp, ep)
@@ -72,7 +90,8 @@ def publication(d: ModelDims, tp: int, ep: int, pp: int = 1) -> tuple[rf.Publica
             meta = layout_metadata("megatron", d, par, **options)
             layout = megatron.layout(d, par, **options)  # type: ignore[arg-type]
             seconds += time.perf_counter() - t0
-            shards = tuple(_spec(n, lt.shape) for n, lt in layout.items())
+            where = memory({n: lt.shape for n, lt in layout.items()}, apart)
+            shards = tuple(_spec(n, lt.shape, *where[n]) for n, lt in layout.items())
             rank = p * world + r
             src = rf.SourceAddress(transport="loopback", agent=f"trainer-{rank}")
             manifests.append(rf.Manifest(identity=ident, version=1, rank=rank, world_size=world * pp, source=src,
@@ -108,6 +127,7 @@ def main() -> None:
     ap.add_argument("--receiver", default="tp16", help="tpN, dpN or tpAxdpB: vLLM's attention TP and DP (EP: TP x DP)")
     ap.add_argument("--ranks", default=None, help="receiver ranks to plan (default: the first and the last)")
     ap.add_argument("--digests", action="store_true", help="time each rank's digest decode per version too")
+    ap.add_argument("--apart", action="store_true", help="each trainer tensor its own region (no DDP buffers)")
     a = ap.parse_args()
     shape = re.fullmatch(r"(?:tp(\d+))?x?(?:dp(\d+))?", a.receiver)
     if shape is None or not any(shape.groups()):
@@ -116,10 +136,11 @@ def main() -> None:
     ranks = [int(x) for x in a.ranks.split(",")] if a.ranks else [0, rtp * rdp - 1]
     d = kimi_k2(a.layers, a.experts)
     t0 = time.perf_counter()
-    pub, layout_s = publication(d, a.train_tp, a.train_ep, a.train_pp)
+    pub, layout_s = publication(d, a.train_tp, a.train_ep, a.train_pp, a.apart)
     shards = sum(len(m.shards) for m in pub.manifests)
     print(f"Kimi-K2 shape: {d.layers} layers, {d.experts} experts, {pub.nbytes / 1e12:.2f} TB bf16; "
-          f"trainer Megatron TE grouped TP {a.train_tp} x EP {a.train_ep} (expert TP 1) x PP {a.train_pp}: "
+          f"trainer Megatron TE grouped TP {a.train_tp} x EP {a.train_ep} (expert TP 1) x PP {a.train_pp}"
+          f"{', each tensor apart' if a.apart else ', DDP buffers'}: "
           f"{len(pub.manifests)} "
           f"ranks, {shards:,} shards; publication built in {time.perf_counter() - t0:.1f} s "
           f"(trainer layouts {layout_s:.1f} s)")  # fmt: skip

@@ -108,7 +108,8 @@ def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRe
         ):  # fmt: skip
             out.append(r)
         elif r.count == 1 and prev.count == 1 and prev.src_offset + prev.nbytes == r.src_offset:
-            out[-1] = replace(prev, nbytes=prev.nbytes + r.nbytes)
+            out[-1] = PlannedRead(prev.source, prev.region, prev.src_offset, prev.nbytes + r.nbytes, prev.param,
+                                  prev.landing_offset)  # fmt: skip
         elif (merged := _continued(prev, r)) is not None:
             out[-1] = merged
         else:
@@ -125,7 +126,8 @@ def _continued(prev: PlannedRead, r: PlannedRead) -> PlannedRead | None:
         return None
     if r.src_offset != prev.src_offset + prev.count * step:
         return None
-    return replace(prev, stride=step, count=prev.count + r.count)
+    return PlannedRead(prev.source, prev.region, prev.src_offset, prev.nbytes, prev.param, prev.landing_offset, step,
+                       prev.count + r.count)  # fmt: skip
 
 
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:
