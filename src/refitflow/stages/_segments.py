@@ -20,7 +20,7 @@ from refitflow.layouts.quant import QuantFormat, declared_quant
 from refitflow.layouts.quant_layout import with_scales
 from refitflow.layouts.wire import resolve
 from refitflow.layouts.wire import shapes as layout_shapes
-from refitflow.stages._wanted import Wanted, check_fits, held_in_layout, meets
+from refitflow.stages._wanted import Source, Wanted, check_fits, held_in_layout, held_in_place, meets
 from refitflow.stages.sources import SourceLoad
 
 __all__ = ["Copy", "Held", "Published", "copies", "published"]
@@ -69,10 +69,21 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
     rows_only = frozenset(i for i, m in enumerate(pub.manifests) if m.metadata.get("digests") == "rows")
     if any(m.metadata.get("quant") for m in pub.manifests):
         wanted = None
+    # through the layouts' indexes: the shards read only; what a TP place's layouts share, from one of its ranks
+    found = {i: wanted.resolved(m.metadata["layout"]) for i, m in enumerate(pub.manifests)
+             if "layout" in m.metadata and wanted is not None}  # fmt: skip
+    places: dict[int, list[int]] = {}
+    for i, f in found.items():
+        if f.shared is not None:
+            places.setdefault(id(f.shared), []).append(i)
     for i, m in enumerate(pub.manifests):  # trainer ranks
-        if "layout" in m.metadata and wanted is not None:  # through the layout's index: the shards read only
+        if i in found:
             shapes |= layout_shapes(m.metadata["layout"])
-            held_in_layout(m.metadata["layout"], m.shards, m.positions, wanted, pub.version, _adder(held, i))
+            f = found[i]
+            place = places.get(id(f.shared), ()) if f.shared is not None else ()
+            if place and place[0] == i:
+                held_in_place(f.shared or [], [_source(pub, k, held) for k in place], pub.version)
+            held_in_layout(f, _source(pub, i, held), pub.version)
             continue
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
         declared = declared_quant(m.metadata.get("quant"), pub.version)
@@ -122,6 +133,11 @@ def _adder(held: dict[str, dict[Box, list[Held]]], i: int) -> Callable[[ShardSpe
         held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
 
     return add
+
+
+def _source(pub: Publication, i: int, held: dict[str, dict[Box, list[Held]]]) -> Source:
+    m = pub.manifests[i]
+    return m.shards, m.positions, _adder(held, i)
 
 
 def _from_layout(i: int, shards: tuple[ShardSpec, ...], layout: Mapping[str, LocalTensor],

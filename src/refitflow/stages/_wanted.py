@@ -5,7 +5,8 @@ MoE model reads 1/16 of its 150,000 shards. ``held_in_layout`` finds a source's 
 from the list of the trainer layout's entries this receiver reads, not by walking every shard. The layout is
 built in part — of Megatron's per-expert entries, only the experts read (``rules.Only``) — and kept with the
 receiver's ``Wanted`` with that list; the entries of no expert are the same on the ranks of one TP place (a
-TP 8 × EP 32 trainer has 4 of each): their list is made once per place. A layout built whole (no ``Only``)
+TP 8 × EP 32 trainer has 4 of each): their list is made once per place, and each of them is taken from one
+of the place's ranks (``held_in_place``), not offered from all four. A layout built whole (no ``Only``)
 is listed through an index by canonical tensor, sorted along dim 0. Every shard's name must be in its
 layout; the shards read are checked against it.
 """
@@ -24,7 +25,7 @@ from refitflow.layouts.canonical import LocalTensor, Segment
 from refitflow.layouts.rules import Common, Only
 from refitflow.layouts.wire import resolve_only
 
-__all__ = ["Wanted", "check_fits", "held_in_layout", "meets"]
+__all__ = ["Source", "Wanted", "check_fits", "held_in_layout", "held_in_place", "meets"]
 
 
 class Wanted:
@@ -58,7 +59,7 @@ class Wanted:
                 common = only.used[0]
                 if common.met is None:
                     common.met = _met_each(common.entries, self.boxes)
-                found = _Resolved(only.names[0], common.met + _met_each(only.extra, self.boxes))
+                found = _Resolved(only.names[0], _met_each(only.extra, self.boxes), common.met)
             else:
                 found = _Resolved(frozenset(layout), _met(layout, self.boxes))
             self._layouts[text] = found
@@ -94,10 +95,16 @@ _Met = list[tuple[str, Segment, LocalTensor]]
 
 @dataclass(frozen=True, slots=True)
 class _Resolved:
-    """A trainer layout as a receiver reads it: every local name, the entries read (each segment once)."""
+    """A trainer layout as a receiver reads it: every local name, the entries read (each segment once): its
+    own, and those of the part it shares with the layouts of its TP place (one list for the place)."""
 
     names: frozenset[str]
-    met: _Met
+    own: _Met
+    shared: _Met | None = None
+
+    @property
+    def met(self) -> _Met:
+        return [*(self.shared or ()), *self.own]
 
 
 def _met(entries: Mapping[str, LocalTensor], wanted: Mapping[str, tuple[Box, ...] | None]) -> _Met:
@@ -149,18 +156,44 @@ def check_fits(spec: ShardSpec, local: LocalTensor | None, version: int) -> Loca
     return local
 
 
-def held_in_layout(text: str, shards: tuple[ShardSpec, ...], positions: Mapping[str, int], wanted: Wanted,
-                   version: int, add: Callable[[ShardSpec, Segment], None]) -> None:  # fmt: skip
-    """``add(spec, segment)`` for each of a source's shards (laid out by ``metadata["layout"] == text``;
-    ``positions``: each shard's position by name, ``Manifest.positions``) and each of its segments that meets
-    ``wanted``. Every shard's name must be in the layout; the shards added are checked against it
-    (``check_fits``)."""
-    found = wanted.resolved(text)
+Positions = Mapping[str, int]
+# what a source adds: (its shards, each one's position by name, ``add(spec, segment)``)
+Source = tuple[tuple[ShardSpec, ...], Positions, Callable[[ShardSpec, Segment], None]]
+
+
+def held_in_layout(found: _Resolved, source: Source, version: int) -> None:
+    """``add(spec, segment)`` for each of a source's shards (laid out as ``found``, ``Wanted.resolved``;
+    positions: ``Manifest.positions``) and each of its segments in ``found.own``. Every shard's name must be in
+    the layout; the shards added are checked against it (``check_fits``)."""
+    shards, positions, add = source
     if not found.names.issuperset(positions):
         check_fits(next(s for s in shards if s.name not in found.names), None, version)
-    for name, seg, local in found.met:
+    for name, seg, local in found.own:
         p = positions.get(name)
         if p is not None:
             spec = shards[p]
             check_fits(spec, local, version)
             add(spec, seg)
+
+
+def held_in_place(shared: _Met, place: list[Source], version: int) -> None:
+    """The entries of a part the layouts of one TP place share (``found.shared``), each added from one of the
+    place's sources: the one that has given the fewest bytes of them so far (a TP 8 × EP 32 trainer holds each
+    4 times; choosing here, not among every copy later, is a quarter of the work). Checked as
+    ``held_in_layout``."""
+    load = [0] * len(place)
+    last, pick, spec = "", -1, None
+    for name, seg, local in shared:
+        if name != last:  # (an entry's segments are listed together)
+            last, pick = name, -1
+            for k, (_, positions, _) in enumerate(place):
+                if name in positions and (pick < 0 or load[k] < load[pick]):
+                    pick = k
+            if pick >= 0:
+                shards, positions, _ = place[pick]
+                spec = shards[positions[name]]
+                check_fits(spec, local, version)
+                load[pick] += spec.nbytes
+        if pick >= 0:
+            assert spec is not None
+            place[pick][2](spec, seg)
