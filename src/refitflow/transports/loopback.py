@@ -118,11 +118,12 @@ class LoopbackTransport(Transport):
             out.nbytes += r.total
             if r.count == 1 and r.nbytes <= _MEMMOVE_MAX and src.is_cpu and r.dst.is_cpu:
                 out.small.append((r.dst.data_ptr(), src.data_ptr(), r.nbytes))
-            elif r.nbytes and r.stride < 0 and r.count > 1:  # runs downwards: each its own copy
-                rows = r.dst.view(r.count, r.nbytes)
-                out.views += [(rows[k], src[r.count - 1 - k]) for k in range(r.count)]
             elif r.nbytes:
-                out.views.append((r.dst.view(r.count, r.nbytes) if r.count > 1 else r.dst, src))
+                if r.stride < 0 and r.count > 1:  # runs downwards: each its own copy
+                    rows = r.dst.view(r.count, r.nbytes)
+                    out.views += [(rows[k], src[r.count - 1 - k]) for k in range(r.count)]
+                else:
+                    out.views.append((r.dst.view(r.count, r.nbytes) if r.count > 1 else r.dst, src))
                 out.cuda |= {t.device for t in (r.dst, src) if t.device.type == "cuda"}
         return out
 
