@@ -90,59 +90,54 @@ async def test_storage_change_between_versions_reads_the_new_storage() -> None:
                 del garbage
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["nixl", "loopback"])
-async def test_a_strided_read_lands_a_column_slice_back_to_back(kind: str) -> None:
+async def _strided(kind: str, src: torch.Tensor, dst: torch.Tensor, want: torch.Tensor,
+                   read: tuple[int, int, int, int], overrun: tuple[int, int, int, int]) -> None:  # fmt: skip
+    """``read`` (offset, run, stride, count) of ``src`` lands ``want`` in ``dst`` prepared, replayed and unprepared;
+    ``overrun`` is refused."""
     make = NixlTransport if kind == "nixl" else rf.LoopbackTransport
     owner, reader = make(), make()
-    src = torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48)  # rows of 192 bytes
-    dst = torch.zeros(64, 16, dtype=torch.int32)
     try:
         with anyio.fail_after(20):
             region = owner.register(src)
             reader.register(dst)
             reader.connect(owner.address())
-            d = as_bytes(dst)
-            # columns 8..24 of every row: 64 runs of 64 bytes, 192 bytes apart, as one read
-            columns = Read(owner.agent, region, 8 * 4, 16 * 4, d, stride=48 * 4, count=64)
-            for key in ("cols", "cols", None):  # prepared, replayed, unprepared
+            offset, run, stride, count = read
+            one = Read(owner.agent, region, offset, run, as_bytes(dst), stride=stride, count=count)
+            for key in ("strided", "strided", None):  # prepared, replayed, unprepared
                 dst.zero_()
-                await reader.read([columns], key=key)
-                assert torch.equal(dst, src[:, 8:24])
-            with pytest.raises(rf.TransportError, match="outside region"):  # the last run would overrun
-                await reader.read([Read(owner.agent, region, 40 * 4, 16 * 4, d, stride=48 * 4, count=64)])
+                await reader.read([one], key=key)
+                assert torch.equal(dst, want)
+            offset, run, stride, count = overrun
+            with pytest.raises(rf.TransportError, match="outside region"):
+                await reader.read([Read(owner.agent, region, offset, run, as_bytes(dst), stride=stride, count=count)])
     finally:
         await reader.aclose()
         await owner.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["nixl", "loopback"])
+async def test_a_strided_read_lands_a_column_slice_back_to_back(kind: str) -> None:
+    src = torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48)  # rows of 192 bytes
+    dst = torch.zeros(64, 16, dtype=torch.int32)
+    # columns 8..24 of every row: 64 runs of 64 bytes, 192 bytes apart, as one read; from column 40 the last
+    # run would overrun
+    await _strided(kind, src, dst, src[:, 8:24], (8 * 4, 16 * 4, 48 * 4, 64), (40 * 4, 16 * 4, 48 * 4, 64))
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["nixl", "loopback"])
 async def test_a_read_with_a_negative_stride_lands_a_reversed_buffers_tensors_in_order(kind: str) -> None:
     """Megatron's DDP buffer holds a layer's experts last first: one read, runs downwards, lands them in order."""
-    make = NixlTransport if kind == "nixl" else rf.LoopbackTransport
-    owner, reader = make(), make()
     experts = torch.arange(8 * 96, dtype=torch.int32).reshape(8, 96)
     buffer = experts.flip(0).contiguous()  # expert 7 first, as the trainer's buffer lays them
     dst = torch.zeros(5, 96, dtype=torch.int32)
-    try:
-        with anyio.fail_after(20):
-            region = owner.register(buffer)
-            reader.register(dst)
-            reader.connect(owner.address())
-            row = 96 * 4
-            # experts 2..6 in order: the first at row 5 of the buffer, each next one a row lower
-            down = Read(owner.agent, region, 5 * row, row, as_bytes(dst), stride=-row, count=5)
-            assert (down.low, down.extent) == (row, 5 * row)
-            for key in ("down", "down", None):  # prepared, replayed, unprepared
-                dst.zero_()
-                await reader.read([down], key=key)
-                assert torch.equal(dst, experts[2:7])
-            with pytest.raises(rf.TransportError, match="outside region"):  # the fifth run would start below 0
-                await reader.read([Read(owner.agent, region, 3 * row, row, as_bytes(dst), stride=-row, count=5)])
-    finally:
-        await reader.aclose()
-        await owner.aclose()
+    row = 96 * 4
+    down = Read("owner", 0, 5 * row, row, as_bytes(dst), stride=-row, count=5)
+    assert (down.low, down.extent) == (row, 5 * row)
+    # experts 2..6 in order: the first at row 5 of the buffer, each next one a row lower; from row 3 the fifth
+    # run would start below 0
+    await _strided(kind, buffer, dst, experts[2:7], (5 * row, row, -row, 5), (3 * row, row, -row, 5))
 
 
 @pytest.mark.asyncio
