@@ -11,7 +11,8 @@ import refitflow as rf
 from refitflow.layouts.canonical import sliced
 from refitflow.pipeline.config import ReceiverConfig
 from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages.plan import PlannedRead, build_plan, check_compile, coalesce
+from refitflow.stages._reads import coalesce
+from refitflow.stages.plan import PlannedRead, build_plan, check_compile
 
 SHAPE = (4096, 1024)
 ROW = 1024 * 2  # bf16 bytes per row

@@ -28,8 +28,9 @@ from refitflow.core.gil import breathe, building
 from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, relay_layout
 from refitflow.layouts.boxes import contiguous_span, full, intersect, shape_of, shift, strided, volume
 from refitflow.stages._context import Landing
+from refitflow.stages._reads import runs_read
 from refitflow.stages._target import Target
-from refitflow.stages.plan import Plan, PlannedRead, runs_read
+from refitflow.stages.plan import Plan, PlannedRead
 
 __all__ = ["RELAY", "Geometry", "RelayPiece", "Upstream", "geometry", "held_boxes"]
 

@@ -9,7 +9,7 @@ The box copies come from ``_segments`` (receiver segments ∩ publisher segments
 the pieces each shard is read as from ``_pieces`` (regions and chunks: ``_regions``); the records from
 ``_records``. (The compile filter, ``_filter``, runs in discover, before begin.) Pieces fill buckets in
 order; a staged piece is laid out in its bucket's staging at an 8-byte aligned offset, and reads that
-continue each other in both places merge.
+continue each other merge (``_reads``).
 
 Each bucket also carries what verify and commit need (``_checks``), so a replayed plan does no
 per-tensor planning work at all; a new plan's are made as the plan stage hands its buckets on, a
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import replace
 
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -36,6 +36,7 @@ from refitflow.stages._context import Landing, Limits, StageContext, Work
 from refitflow.stages._delta import DeltaIndex, Skips, decide
 from refitflow.stages._filter import check_compile
 from refitflow.stages._pieces import check_cast, shard_pieces
+from refitflow.stages._reads import coalesce, piece_read
 from refitflow.stages._records import Bucket, Piece, Plan, PlannedRead, Scatter
 from refitflow.stages._route import Route, build_route
 from refitflow.stages._segments import copies, published
@@ -76,58 +77,6 @@ class _Context:
         self.target = target
         self.route = route
         self.seen: set[tuple[str, Box]] = set()
-
-
-def piece_read(p: Piece) -> PlannedRead:
-    """The one read of a piece from its trainer source (runs back to back become one run)."""
-    item = p.nbytes // max(p.run * p.count, 1)
-    return runs_read(p.source, p.src_region, p.src_offset + p.first * item, p.run * item, p.stride * item, p.count,
-                     p.scatters[0].param if p.direct else None, p.landing_offset)  # fmt: skip
-
-
-def runs_read(
-    source: int, region: int, src: int, n: int, stride: int, count: int, param: str | None, at: int
-) -> PlannedRead:
-    """``count`` runs of ``n`` bytes ``stride`` apart as one planned read (one run when back to back)."""
-    if count > 1 and stride == n:
-        n, count = n * count, 1
-    return PlannedRead(source, region, src, n, param, at, stride if count > 1 else 0, count)
-
-
-def coalesce(reads: Iterator[PlannedRead] | list[PlannedRead]) -> list[PlannedRead]:
-    """Reads in landing order, each that continues the previous one where it lands merged into it: one
-    run when the sources continue too, else runs of equal size a constant step apart (neighbouring
-    tensors of one trainer buffer — a step down where the buffer holds them in reverse, as Megatron's
-    DDP buffers do a layer's experts)."""
-    out: list[PlannedRead] = []
-    for r in reads:
-        prev = out[-1] if out else None
-        if (
-            prev is None or (prev.source, prev.region, prev.param) != (r.source, r.region, r.param)
-            or prev.landing_offset + prev.nbytes * prev.count != r.landing_offset
-        ):  # fmt: skip
-            out.append(r)
-        elif r.count == 1 and prev.count == 1 and prev.src_offset + prev.nbytes == r.src_offset:
-            out[-1] = PlannedRead(prev.source, prev.region, prev.src_offset, prev.nbytes + r.nbytes, prev.param,
-                                  prev.landing_offset)  # fmt: skip
-        elif (merged := _continued(prev, r)) is not None:
-            out[-1] = merged
-        else:
-            out.append(r)
-    return out
-
-
-def _continued(prev: PlannedRead, r: PlannedRead) -> PlannedRead | None:
-    """``prev`` and ``r`` (landing back to back) as one strided read, if their runs keep one step."""
-    if r.nbytes != prev.nbytes:
-        return None
-    step = prev.stride if prev.count > 1 else r.src_offset - prev.src_offset
-    if abs(step) < r.nbytes or (r.count > 1 and r.stride != step):  # overlapping runs: read apart
-        return None
-    if r.src_offset != prev.src_offset + prev.count * step:
-        return None
-    return PlannedRead(prev.source, prev.region, prev.src_offset, prev.nbytes, prev.param, prev.landing_offset, step,
-                       prev.count + r.count)  # fmt: skip
 
 
 def _bucket(index: int, pieces: list[Piece], cx: _Context) -> Bucket:

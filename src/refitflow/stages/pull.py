@@ -23,8 +23,9 @@ from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.core.gil import off_loop
 from refitflow.stages._context import StageContext, Work
 from refitflow.stages._delta import PULL
+from refitflow.stages._reads import coalesce, piece_read
 from refitflow.stages._relay import RELAY, RelayPiece, Upstream
-from refitflow.stages.plan import PlannedRead, coalesce, piece_read
+from refitflow.stages.plan import PlannedRead
 from refitflow.transports.base import Read, as_bytes
 
 __all__ = ["read_pieces", "reads_of", "run"]
