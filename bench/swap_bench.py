@@ -25,7 +25,7 @@ import anyio
 import torch
 
 import refitflow as rf
-from refitflow.integrations.vllm.kernels import StorageWatch
+from refitflow.integrations.vllm.worker.kernels import StorageWatch
 
 
 async def commits(mode: str, args: argparse.Namespace) -> tuple[list[float], list[float], list[float]]:

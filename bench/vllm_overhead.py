@@ -31,7 +31,7 @@ import torch
 import transformers as tf
 
 import refitflow as rf
-from refitflow.integrations.fused_model import derive, parameters
+from refitflow.integrations.hosting.fused_model import derive, parameters
 from refitflow.layouts import Parallel, canonical_shapes, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.hf import dims_from_config
@@ -59,7 +59,7 @@ def _engine(hf_config: Any, model: torch.nn.Module) -> Any:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from refitflow.integrations.vllm.plugin import register
+    from refitflow.integrations.vllm.server.plugin import register
 
     register()
     vc = VllmConfig(parallel_config=ParallelConfig(), device_config=DeviceConfig(device="cpu"),

@@ -84,6 +84,44 @@ def test_folders_import_only_what_the_layering_allows() -> None:
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
 
+# integrations/: the engine-neutral hosting layer imports no plug-in; plug-ins import hosting (and what is named)
+PLUGINS: dict[str, set[str]] = {
+    "hosting": set(),
+    "lora": set(),
+    "sglang": {"hosting"},
+    "verl": {"hosting"},
+    "vllm": {"hosting", "lora"},
+}
+# vllm/ by process role: the worker backend, the server plug-ins, the trainer side, the RL loop's driver
+VLLM_ROLES: dict[str, set[str]] = {"worker": set(), "server": set(), "trainer": set(), "driver": {"worker"}}
+
+
+def _dir(prefix: str) -> pathlib.Path:
+    return SRC / pathlib.Path(*prefix.split(".")[1:-1])
+
+
+def _part(module: str, prefix: str) -> str | None:
+    """The sub-package of ``prefix`` that ``module`` lies in (None: outside, or a module of ``prefix`` itself)."""
+    rest = module[len(prefix) :].split(".") if module.startswith(prefix) else []
+    return rest[0] if len(rest) > 1 or (rest and (_dir(prefix) / rest[0]).is_dir()) else None
+
+
+def test_integrations_stand_on_hosting_and_vllm_is_cut_by_role() -> None:
+    wrong = []
+    for prefix, allowed in (("refitflow.integrations.", PLUGINS), ("refitflow.integrations.vllm.", VLLM_ROLES)):
+        folders = {p.name for p in _dir(prefix).iterdir() if (p / "__init__.py").exists()}
+        assert folders == set(allowed), f"a new folder under {prefix} needs its place here and in docs/architecture.md"
+        for mod, deps in _graph().items():
+            src = _part(mod, prefix)
+            if src is None:
+                continue
+            for dep in deps:
+                dst = _part(dep, prefix)
+                if dst is not None and dst != src and dst not in allowed[src]:
+                    wrong.append(f"{mod} -> {dep}")
+    assert not wrong, "imports against the integrations' layering:\n" + "\n".join(sorted(wrong))
+
+
 def test_no_import_circles_between_files() -> None:
     graph = _graph()
     state: dict[str, int] = {}  # 1: on the path, 2: done
@@ -109,11 +147,12 @@ def test_no_import_circles_between_files() -> None:
 def test_only_the_cli_and_the_integrations_key_finder_read_the_environment() -> None:
     readers = []
     for path in SRC.rglob("*.py"):
-        if _folder(_module(path)) == "cli" or _module(path) == "refitflow.integrations.keys":
+        if _folder(_module(path)) == "cli" or _module(path) == "refitflow.integrations.hosting.keys":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(_module(path))
     assert not readers, (
-        f"only refitflow.cli and refitflow.integrations.keys may read environment variables: {sorted(set(readers))}"
+        "only refitflow.cli and refitflow.integrations.hosting.keys may read environment variables: "
+        f"{sorted(set(readers))}"
     )

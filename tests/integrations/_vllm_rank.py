@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
-from refitflow.integrations.load_weights import checkpoint_names
+from refitflow.integrations.hosting.load_weights import checkpoint_names
 from tests.integrations._fused_model import SENTINEL, FusedModel
 from tests.integrations._tiny import canonical, config, dims
 
@@ -99,7 +99,7 @@ def make_engine(kind: str, tp: int, rank: int, model: torch.nn.Module | None = N
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from refitflow.integrations.vllm.plugin import register
+    from refitflow.integrations.vllm.server.plugin import register
 
     register()  # the hook vLLM's plugin loader runs in every process (its discovery: test_vllm_backend)
     vc = VllmConfig(

@@ -12,7 +12,7 @@ from typing import Any, Self
 import torch
 import transformers as tf
 
-from refitflow.integrations.vllm.info import RefitflowInitInfo
+from refitflow.integrations.hosting.info import RefitflowInitInfo
 from tests.integrations._vllm_cpu import VllmServer
 from tests.transports._nixl_peer import LineChild
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.integrations.fused_model import derive, parameters
+from refitflow.integrations.hosting.fused_model import derive, parameters
 from refitflow.layouts import Parallel, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata

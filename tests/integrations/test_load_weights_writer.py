@@ -14,8 +14,8 @@ import transformers as tf
 
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity
-from refitflow.integrations.load_weights import load_weights_writer
-from refitflow.integrations.rank_session import RankSession, SessionConfig
+from refitflow.integrations.hosting.load_weights import load_weights_writer
+from refitflow.integrations.hosting.rank_session import RankSession, SessionConfig
 from tests._keys import KEYS
 from tests.integrations._vllm_real import HfTrainer, save
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 CODE = """
-from refitflow.integrations.loop_thread import LoopThread
+from refitflow.integrations.hosting.loop_thread import LoopThread
 
 async def answer() -> int:
     return 42

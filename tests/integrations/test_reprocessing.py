@@ -1,4 +1,4 @@
-"""The preparer that processes vLLM's transformed layers before the vote (``integrations/vllm/reprocessing.py``).
+"""The preparer that processes vLLM's transformed layers before the vote (``integrations/vllm/worker/reprocessing.py``).
 
 A real publisher and receiver (in process, loopback transport); vLLM's processing itself is replaced here by a
 function that copies the staged bytes (or fails): it needs a model vLLM loaded, and the real path is checked on
@@ -14,8 +14,8 @@ import torch
 
 import refitflow as rf
 from refitflow.core.errors import RefitError
-from refitflow.integrations.vllm import kernels
-from refitflow.integrations.vllm.reprocessing import Reprocessing
+from refitflow.integrations.vllm.worker import kernels
+from refitflow.integrations.vllm.worker.reprocessing import Reprocessing
 
 NUMEL = 256
 

@@ -21,9 +21,9 @@ import httpx
 import pytest
 import sglang  # noqa: F401  (a missing SGLang fails here, loudly)
 
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.sglang.driver import SglangFleet
 from refitflow.integrations.sglang.payload import LOADER, encode
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 from tests.conftest import free_ports
 from tests.integrations._tiny import config
 from tests.integrations._trainer import ROOT, Trainer

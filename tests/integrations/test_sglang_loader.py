@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from refitflow.core.errors import ConfigError, IntegrityError
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.sglang import loader, plugin
 from refitflow.integrations.sglang.driver import SglangFleet
 from refitflow.integrations.sglang.payload import KEY, LOADER, decode, encode
 from refitflow.integrations.sglang.place import Place, receiver_layout
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 from tests.conftest import free_ports
 from tests.integrations._sglang_stub import stub_torchvision
 
@@ -119,7 +119,7 @@ def test_the_driver_and_the_payload_work_without_importing_sglang() -> None:
     code = (
         "import sys\n"
         "from refitflow.integrations.sglang import SglangFleet, encode, LOADER\n"
-        "from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo\n"
+        "from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo\n"
         "encode(RefitflowInitInfo(registry='tcp://h:1', model='m'), RefitflowUpdateInfo(version=1), tp=2)\n"
         "print(sorted(m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')))"
     )

@@ -21,8 +21,8 @@ import vllm  # noqa: F401  (a missing vLLM fails here, loudly)
 
 from refitflow.core.errors import ConfigError, CoverageError, IntegrityError, RefitError
 from refitflow.engine.vote import Decision
-from refitflow.integrations.vllm.engine import RefitflowEngine
-from refitflow.integrations.vllm.plugin import register
+from refitflow.integrations.vllm.server.plugin import register
+from refitflow.integrations.vllm.worker.backend import RefitflowEngine
 from tests.conftest import free_ports
 from tests.integrations._fused_model import SENTINEL, FusedModel
 from tests.integrations._tiny import dims

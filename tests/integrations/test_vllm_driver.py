@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from refitflow.core.errors import RefitError
-from refitflow.integrations.vllm.driver import ServerError, VllmFleet
+from refitflow.integrations.vllm.driver.fleet import ServerError, VllmFleet
 from tests.conftest import free_ports
 
 

@@ -18,9 +18,9 @@ import requests
 import vllm  # noqa: F401  (a missing vLLM fails here, loudly)
 from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
-from refitflow.integrations.vllm.checksums import expected_checksums
-from refitflow.integrations.vllm.driver import VllmFleet
-from refitflow.integrations.vllm.info import RefitflowInitInfo
+from refitflow.integrations.hosting.info import RefitflowInitInfo
+from refitflow.integrations.vllm.driver.checksums import expected_checksums
+from refitflow.integrations.vllm.driver.fleet import VllmFleet
 from tests.conftest import free_ports
 from tests.integrations._tiny import canonical, dims
 from tests.integrations.test_vllm_backend import ROOT, Trainer

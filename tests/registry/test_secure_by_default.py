@@ -22,7 +22,7 @@ import torch
 import refitflow as rf
 from refitflow.cli.registry_cmd import keys_main
 from refitflow.engine.solo_vote import SoloVote
-from refitflow.integrations.keys import deployment_keys
+from refitflow.integrations.hosting.keys import deployment_keys
 from refitflow.registry.client.client import RegistryClient
 from tests.registry.test_registry_client import ID, manifest
 

@@ -35,11 +35,11 @@ import anyio
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState
-from refitflow.integrations.fleet import Membership, read_starts
-from refitflow.integrations.http import ServerError, client, each_server, post, settle
-from refitflow.integrations.http import step as post_step
+from refitflow.integrations.hosting.fleet import Membership, read_starts
+from refitflow.integrations.hosting.http import ServerError, client, each_server, post, settle
+from refitflow.integrations.hosting.http import step as post_step
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.sglang.payload import LOADER, encode
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 
 __all__ = ["SglangFleet"]
 

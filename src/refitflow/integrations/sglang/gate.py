@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from refitflow.integrations.keys import join_setting
+from refitflow.integrations.hosting.keys import join_setting
 from refitflow.integrations.sglang.answers import NOT_SERVING
 from refitflow.integrations.sglang.payload import LOADER
 

@@ -32,13 +32,13 @@ import torch
 
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
-from refitflow.integrations import vote_setup, writers
-from refitflow.integrations.fused_model import parameters
-from refitflow.integrations.keys import deployment_keys
-from refitflow.integrations.rank_session import RankSession, SessionConfig, process_id
+from refitflow.integrations.hosting import vote_setup, writers
+from refitflow.integrations.hosting.fused_model import parameters
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
+from refitflow.integrations.hosting.keys import deployment_keys
+from refitflow.integrations.hosting.rank_session import RankSession, SessionConfig, process_id
 from refitflow.integrations.sglang import answers, payload
 from refitflow.integrations.sglang.place import Place, receiver_layout
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
 
 __all__ = ["Worker", "guarded", "refit", "workers"]
 

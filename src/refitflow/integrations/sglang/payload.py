@@ -20,7 +20,7 @@ import orjson
 import torch
 
 from refitflow.core.errors import ConfigError
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
 
 __all__ = ["KEY", "LOADER", "decode", "encode"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from refitflow.core.errors import ConfigError
-from refitflow.integrations.vllm.place import vocab_padding
+from refitflow.integrations.hosting.fused_model import vocab_padding
 from refitflow.layouts import fused
 from refitflow.layouts import sglang as tables
 from refitflow.layouts.canonical import LayoutMap

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from refitflow.engine.readiness import EngineState, gated
-from refitflow.integrations.http import READY_ROUTE, set_ready
+from refitflow.integrations.hosting.http import READY_ROUTE, set_ready
 from refitflow.integrations.sglang import gate
 
 __all__ = ["attach", "state_of"]

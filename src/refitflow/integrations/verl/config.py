@@ -14,7 +14,7 @@ from typing import Any
 from refitflow.api._digests import DIGEST_CHOICES
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity
-from refitflow.integrations.vllm.info import RefitflowInitInfo
+from refitflow.integrations.hosting.info import RefitflowInitInfo
 
 __all__ = ["VerlBackendConfig"]
 

@@ -26,8 +26,8 @@ import torch
 from refitflow.api._dtensor import chunk_range, is_dtensor
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.core.errors import ConfigError
-from refitflow.integrations.keys import deployment_keys
-from refitflow.integrations.loop_thread import LoopThread
+from refitflow.integrations.hosting.keys import deployment_keys
+from refitflow.integrations.hosting.loop_thread import LoopThread
 from refitflow.integrations.verl.config import VerlBackendConfig
 from refitflow.registry.keys import client_of, server_of
 from refitflow.registry.release import ReleasePolicy

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from refitflow.layouts import fused
 from refitflow.layouts.canonical import LayoutMap
 
-__all__ = ["Derived", "derive", "parameters"]
+__all__ = ["Derived", "derive", "parameters", "vocab_padding"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,3 +74,12 @@ def parameters(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> list[tupl
             seen.add(id(t))
             out.append((name, t))
     return out
+
+
+def vocab_padding(model: torch.nn.Module) -> int:
+    """The vocabulary padding of the model's embedding (``VocabParallelEmbedding.padding_size``, which vLLM and
+    SGLang share; 64 by default)."""
+    for name, module in model.named_modules():
+        if name.endswith("embed_tokens") and isinstance(getattr(module, "padding_size", None), int):
+            return int(module.padding_size)
+    return fused.VOCAB_PADDING

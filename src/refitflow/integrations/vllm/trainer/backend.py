@@ -48,9 +48,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 import refitflow as rf
 from refitflow.core.errors import ConfigError, RefitError
-from refitflow.integrations.keys import deployment_keys
-from refitflow.integrations.loop_thread import LoopThread
-from refitflow.integrations.vllm.info import RefitflowInitInfo
+from refitflow.integrations.hosting.info import RefitflowInitInfo
+from refitflow.integrations.hosting.keys import deployment_keys
+from refitflow.integrations.hosting.loop_thread import LoopThread
 from refitflow.layouts import Parallel, hf
 from refitflow.layouts.wire import layout_metadata
 from refitflow.registry.keys import client_of, server_of

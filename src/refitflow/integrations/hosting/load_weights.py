@@ -11,7 +11,7 @@ or restores the copy taken at begin (``shadow``: one more copy of the model whil
 
 Every rank reads the whole tensors (not its slice): this mode costs TP times the bytes of
 ``direct``. A ``load`` with ``begin()`` and ``end(failed)`` has them called around each version's buckets
-(vLLM's layerwise reload: ``integrations/vllm/reload.py``). Stacked canonical experts are fed per expert,
+(vLLM's layerwise reload: ``integrations/vllm/worker/reload.py``). Stacked canonical experts are fed per expert,
 under the model family's checkpoint names.
 """
 
@@ -32,7 +32,7 @@ from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Publication, SourceAddress
 from refitflow.engine.member import Preparer
-from refitflow.integrations.rank_session import Build, SessionConfig
+from refitflow.integrations.hosting.rank_session import Build, SessionConfig
 from refitflow.layouts.canonical import sliced
 from refitflow.layouts.wire import resolve
 from refitflow.pipeline.config import ReceiverConfig

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from refitflow.integrations.vllm.place import Place
+from refitflow.integrations.vllm.worker.place import Place
 from refitflow.layouts import fused
 from refitflow.layouts.canonical import ModelDims, from_canonical
 

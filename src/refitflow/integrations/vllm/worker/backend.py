@@ -32,16 +32,16 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from refitflow.api.receiver import Receiver
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Identity
-from refitflow.integrations import vote_setup, writers
-from refitflow.integrations.fused_model import parameters
-from refitflow.integrations.keys import deployment_keys
-from refitflow.integrations.rank_session import RankSession, SessionConfig, process_id
-from refitflow.integrations.vllm import kernels, mla
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
-from refitflow.integrations.vllm.lora import Landing
-from refitflow.integrations.vllm.place import Place, receiver_layout
-from refitflow.integrations.vllm.reload import LayerwiseLoad
-from refitflow.integrations.vllm.reprocessing import Reprocessing, reprocessing
+from refitflow.integrations.hosting import vote_setup, writers
+from refitflow.integrations.hosting.fused_model import parameters
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
+from refitflow.integrations.hosting.keys import deployment_keys
+from refitflow.integrations.hosting.rank_session import RankSession, SessionConfig, process_id
+from refitflow.integrations.vllm.worker import kernels, mla
+from refitflow.integrations.vllm.worker.lora import Landing
+from refitflow.integrations.vllm.worker.place import Place, receiver_layout
+from refitflow.integrations.vllm.worker.reload import LayerwiseLoad
+from refitflow.integrations.vllm.worker.reprocessing import Reprocessing, reprocessing
 
 __all__ = ["RefitflowEngine"]
 

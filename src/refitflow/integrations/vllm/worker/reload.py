@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from refitflow.integrations.vllm.kernels import as_at_load, quantised_layers
+from refitflow.integrations.vllm.worker.kernels import as_at_load, quantised_layers
 
 __all__ = ["LayerwiseLoad"]
 

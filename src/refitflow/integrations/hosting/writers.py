@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import torch
 
 from refitflow.core.errors import ConfigError
-from refitflow.integrations.fused_model import derive
-from refitflow.integrations.load_weights import load_weights_writer
-from refitflow.integrations.rank_session import Build, direct_writer
+from refitflow.integrations.hosting.fused_model import derive
+from refitflow.integrations.hosting.load_weights import load_weights_writer
+from refitflow.integrations.hosting.rank_session import Build, direct_writer
 from refitflow.layouts.canonical import LayoutMap
 
 __all__ = ["Choice", "choose", "expert_family"]

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from refitflow.core.errors import ConfigError
+from refitflow.integrations.hosting.fused_model import vocab_padding
 from refitflow.layouts import fused
 from refitflow.layouts.canonical import LayoutMap
 from refitflow.layouts.rules import Parallel
 
-__all__ = ["Place", "receiver_layout", "vocab_padding"]
+__all__ = ["Place", "receiver_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,14 +83,6 @@ class Place:
             tp=self.tp, tp_rank=self.tp_rank, dp=self.dp * self.pcp, dp_rank=self.dp_index * self.pcp + self.pcp_rank,
             expert_parallel=self.expert_parallel, pp=self.pp, pp_rank=self.pp_rank,
         )  # fmt: skip
-
-
-def vocab_padding(model: torch.nn.Module) -> int:
-    """The vocabulary padding of the model's embedding (``VocabParallelEmbedding.padding_size``; 64 by default)."""
-    for name, module in model.named_modules():
-        if name.endswith("embed_tokens") and isinstance(getattr(module, "padding_size", None), int):
-            return int(module.padding_size)
-    return fused.VOCAB_PADDING
 
 
 def receiver_layout(model_config: Any, model: torch.nn.Module, place: Place) -> LayoutMap:

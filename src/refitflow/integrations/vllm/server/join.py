@@ -31,10 +31,10 @@ from typing import Any
 
 from refitflow.core.errors import ConfigError
 from refitflow.engine.readiness import EngineState, gated, rank_summary
-from refitflow.integrations.http import set_ready
-from refitflow.integrations.keys import JOIN_ENV, join_setting
-from refitflow.integrations.vllm import gate
-from refitflow.integrations.vllm.info import RefitflowInitInfo, RefitflowUpdateInfo
+from refitflow.integrations.hosting.http import set_ready
+from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
+from refitflow.integrations.hosting.keys import JOIN_ENV, join_setting
+from refitflow.integrations.vllm.server import gate
 
 __all__ = ["ENV", "JoinSpec", "catch_up", "caught_up", "install", "joining", "judge", "readiness", "spec_from_env",
            "start", "taken_in"]  # fmt: skip

@@ -15,9 +15,9 @@ import concurrent.futures
 import pathlib
 from typing import Any
 
+from refitflow.integrations.hosting.info import RefitflowUpdateInfo
+from refitflow.integrations.hosting.rank_session import RankSession
 from refitflow.integrations.lora import AdapterReceiver, Landed
-from refitflow.integrations.rank_session import RankSession
-from refitflow.integrations.vllm.info import RefitflowUpdateInfo
 
 __all__ = ["Landing"]
 

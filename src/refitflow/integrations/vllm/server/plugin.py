@@ -20,15 +20,18 @@ __all__ = ["BACKEND", "register", "share_vllm_log"]
 BACKEND = "refitflow"
 
 
+BACKEND_MODULE = "refitflow.integrations.vllm.worker.backend"  # imported by vLLM's factory when it makes the engine
+
+
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "refitflow.integrations.vllm.engine", "RefitflowEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, BACKEND_MODULE, "RefitflowEngine")
     except ValueError:  # registered already, by an earlier run of this hook in this process
         pass
     share_vllm_log()
-    from refitflow.integrations.vllm import gate, join
+    from refitflow.integrations.vllm.server import gate, join
 
     gate.install()
     join.install()

@@ -40,13 +40,13 @@ import anyio
 from refitflow.core.errors import ConfigError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState, against
-from refitflow.integrations.fleet import Membership, read_starts, spread
-from refitflow.integrations.http import ServerError, each_server, server_result, settle
-from refitflow.integrations.http import client as _client
-from refitflow.integrations.http import post as _post
-from refitflow.integrations.http import step as post_step
+from refitflow.integrations.hosting.fleet import Membership, read_starts, spread
+from refitflow.integrations.hosting.http import ServerError, each_server, server_result, settle
+from refitflow.integrations.hosting.http import client as _client
+from refitflow.integrations.hosting.http import post as _post
+from refitflow.integrations.hosting.http import step as post_step
+from refitflow.integrations.hosting.info import LORA_ROOT, RefitflowInitInfo
 from refitflow.integrations.lora.adapter import adapter_identity, lora_name
-from refitflow.integrations.vllm.info import LORA_ROOT, RefitflowInitInfo
 
 __all__ = ["ServerError", "VllmFleet"]
 

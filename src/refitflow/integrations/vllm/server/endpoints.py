@@ -15,8 +15,8 @@ import logging
 from argparse import Namespace
 from typing import Any
 
-from refitflow.integrations.http import READY_ROUTE
-from refitflow.integrations.vllm import join, plugin
+from refitflow.integrations.hosting.http import READY_ROUTE
+from refitflow.integrations.vllm.server import join, plugin
 
 __all__ = ["Endpoints"]
 

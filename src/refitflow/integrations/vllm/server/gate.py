@@ -28,8 +28,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from refitflow.integrations.vllm import nodrain
-from refitflow.integrations.vllm._workers import call, worker_fence
+from refitflow.integrations.vllm.server import nodrain
+from refitflow.integrations.vllm.server.workers import call, worker_fence
 
 __all__ = ["AFTER_CALL", "REFUSALS", "WEIGHT_METHODS", "behind", "cached", "install", "refresh"]
 

@@ -37,8 +37,8 @@ from refitflow.engine.member import EngineMember, EngineOutcome, Preparer
 from refitflow.engine.solo_vote import SoloVote
 from refitflow.engine.vote import Decision, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
-from refitflow.integrations.fused_model import Derived
-from refitflow.integrations.loop_thread import LoopThread
+from refitflow.integrations.hosting.fused_model import Derived
+from refitflow.integrations.hosting.loop_thread import LoopThread
 from refitflow.registry.keys import DeploymentKeys, client_of, server_of
 from refitflow.registry.security import ClientSecurity
 

@@ -12,7 +12,7 @@ import anyio
 from refitflow.core.errors import RefitError
 from refitflow.engine.controller import EngineResult
 from refitflow.engine.readiness import EngineState
-from refitflow.integrations.http import each_server, named_servers, ready_answer, ready_state
+from refitflow.integrations.hosting.http import each_server, named_servers, ready_answer, ready_state
 
 __all__ = ["Membership", "read_starts", "spread"]
 

@@ -19,8 +19,8 @@ import anyio.to_thread
 
 from refitflow.core.errors import RefitError
 from refitflow.engine.member import Preparer
-from refitflow.integrations.rank_session import Build, SessionConfig
-from refitflow.integrations.vllm import kernels
+from refitflow.integrations.hosting.rank_session import Build, SessionConfig
+from refitflow.integrations.vllm.worker import kernels
 from refitflow.pipeline.transaction import Transaction
 
 __all__ = ["Reprocessing", "reprocessing"]

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from refitflow.integrations.vllm._workers import call, worker_state
+from refitflow.integrations.vllm.server.workers import call, worker_state
 
 __all__ = ["POLL_S", "Drain", "active", "begin", "finish", "has_work", "tick", "wanted"]
 
