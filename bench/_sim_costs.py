@@ -26,10 +26,10 @@ import anyio
 
 import refitflow as rf
 from refitflow.core.wire import PROTOCOL_VERSION, decode, encode, manifest_from_dict, manifest_to_dict
+from refitflow.planner.checks import digest_vector, every_shard
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.service.frames import decode_request
 from refitflow.registry.service.store import RegistryStore
-from refitflow.stages._checks import digest_vector, every_shard
 
 __all__ = ["Costs", "measure"]
 

@@ -13,7 +13,7 @@ on), joins the relays (one round trip) and then works through its segments in or
   read), then its trainer bytes (one flow per trainer GPU, all at once), then, once its upstream has
   verified the segment it needs, its relayed bytes (one flow); a reader that had to wait notices on its
   next status poll (0.2 ms doubling to 5 ms, each sleep at least ``poll_floor_ms``, then a status read:
-  ``bucket_us`` + ``latency_us``; ``stages/pull.py``);
+  ``bucket_us`` + ``latency_us``; ``refit/stages/pull.py``);
 - **verify** segment j once pulled and j - 1 verified, at ``verify_gbps`` (not before the digests are in,
   for a version announced early);
 - after the last segment: prepare, the engine's vote, finish (``commit_ms``).

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _sim_traffic import Setup, meta_landing
 from kimi_plan_bench import kimi_k2
 
-from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.refit.destination import ApplyMode, Destination
 
 __all__ = ["dsv3", "flat", "kimi"]
 

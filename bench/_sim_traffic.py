@@ -30,12 +30,12 @@ import torch
 
 import refitflow as rf
 from refitflow.core.relay import RelayOffer
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.planner import Plan, build_plan
+from refitflow.planner.fanout import Geometry, held_boxes
+from refitflow.planner.limits import Limits
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 from refitflow.registry.service.relays import Relays, check_offer
-from refitflow.stages._context import Limits
-from refitflow.stages._relay import Geometry, held_boxes
-from refitflow.stages.plan import Plan, build_plan
 
 __all__ = ["Classes", "Pair", "RankPlan", "Setup", "limits_for", "plan_classes", "segments", "upstreams"]
 
@@ -121,7 +121,7 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
             pn.append(p.nbytes)
         reads.append(sum(r.count if r.count > 1 else 1 for r in b.reads))
         bbytes.append(b.nbytes)
-    target = plan.target
+    target = plan.receiver
     assert target is not None
     last = np.full(len(target.relay_params), -1, dtype=np.int64)
     for b in plan.buckets:
@@ -130,7 +130,7 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
                 last[target.position[s.param]] = b.index
     offer, layout = None, ""
     if relay:
-        held, layout = held_boxes(plan, dest)
+        held, layout = held_boxes(plan)
         offer = RelayOffer(identity=pub.identity, version=pub.version, receiver=f"class-{rank}",
                            source=rf.SourceAddress(transport="loopback", agent=f"receiver-{rank}"), status=0,
                            params=target.relay_params, held=held, layout=layout)  # fmt: skip

@@ -33,10 +33,10 @@ import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages._checks import digest_vector
-from refitflow.stages.plan import Plan, build_plan
+from refitflow.planner import Plan, build_plan
+from refitflow.planner.checks import digest_vector
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 
 
 def kimi_k2(layers: int, experts: int) -> ModelDims:
@@ -110,7 +110,7 @@ def _best(f: object, *args: object) -> float:
 
 def digests(pub: rf.Publication, plan: Plan) -> str:
     """A rank's digest decode per version, against every shard's (``--digests``: trees of stop 45 on)."""
-    from refitflow.stages._checks import every_shard
+    from refitflow.planner.checks import every_shard
 
     every, count = every_shard(pub)
     mine, whole = _best(plan.digests, pub), _best(digest_vector, pub, every, count)

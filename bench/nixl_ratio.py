@@ -47,7 +47,7 @@ async def main() -> None:
     ap.add_argument("--diagnose-no-hashing", action="store_true", help="verify hashes nothing (unverified refits)")
     a = ap.parse_args()
     if a.diagnose_no_hashing:
-        from refitflow.stages import _unit_hashes
+        from refitflow.refit import hashes as _unit_hashes
 
         _unit_hashes._whole_units = lambda *args, **kwargs: None  # type: ignore[assignment]
     numel = int(a.size_mb * 2**20 / 4 / a.tensors)

@@ -6,7 +6,7 @@ Plans only (no bytes move): a Megatron-sharded bf16 trainer of the real model's 
 digests of the publisher's tile geometry) into fused bf16 inference ranks held as ``meta`` tensors.
 Per (m, n) it prints the worst rank's pulled/slice ratio, its planned reads and its plan seconds
 (wall, and the process's CPU seconds: robust on a shared machine) — the plan a refit builds, not the
-receiver's own part (``stages._target.Target``, built once as the receiver starts), and with refitflow's
+receiver's own part (``planner.ReceiverLayout``, built once as the receiver starts), and with refitflow's
 memos emptied before each rank (``cold``).
 """
 
@@ -23,10 +23,10 @@ import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages._target import Target
-from refitflow.stages.plan import Plan, build_plan
+from refitflow.planner import Plan, build_plan
+from refitflow.planner.receiver_layout import ReceiverLayout
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 
 MODELS = {
     "llama-8b": ModelDims(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336),
@@ -57,11 +57,11 @@ def publication(d: ModelDims, tp: int, algo: str = "xxh3") -> rf.Publication:
     return rf.Publication(identity=ident, version=1, manifests=tuple(manifests))
 
 
-def rank_target(d: ModelDims, tp: int, rank: int) -> Target:
+def rank_target(d: ModelDims, tp: int, rank: int) -> ReceiverLayout:
     """The receiving rank's parameters and what plans need of them (a receiver builds this as it starts)."""
     lay = fused.layout(d, Parallel(tp=tp, tp_rank=rank))
     params = {n: torch.empty(lt.shape, dtype=torch.bfloat16, device="meta") for n, lt in lay.items()}
-    return Target(Destination(params, ApplyMode.IN_PLACE, lay))
+    return ReceiverLayout(Destination(params, ApplyMode.IN_PLACE, lay))
 
 
 def cold() -> None:
@@ -74,8 +74,8 @@ def cold() -> None:
                     value.cache_clear()
 
 
-def rank_plan(pub: rf.Publication, target: Target, verify: str) -> Plan:
-    return build_plan(pub, target.landing, ReceiverConfig(verify=verify).limits, target=target)
+def rank_plan(pub: rf.Publication, target: ReceiverLayout, verify: str) -> Plan:
+    return build_plan(pub, target, ReceiverConfig(verify=verify).limits)
 
 
 def main() -> None:

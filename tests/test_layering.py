@@ -18,12 +18,12 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": set(),
     "layouts": {"core"},
     "transports": {"core"},
-    "stages": {"core", "layouts", "transports", "metrics"},
-    "pipeline": {"core", "layouts", "transports", "metrics", "stages"},
+    "planner": {"core", "layouts"},
+    "refit": {"core", "layouts", "transports", "metrics", "planner"},
     "registry": {"core"},
-    "api": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry"},
-    "stream": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "api"},
-    "engine": {"core", "layouts", "transports", "metrics", "stages", "pipeline", "registry", "api"},
+    "api": {"core", "layouts", "transports", "metrics", "planner", "refit", "registry"},
+    "stream": {"core", "layouts", "transports", "metrics", "planner", "refit", "api"},
+    "engine": {"core", "layouts", "transports", "metrics", "planner", "refit", "registry", "api"},
 }
 ALLOWED["integrations"] = set(ALLOWED["engine"]) | {"engine", "stream"}
 ALLOWED["cli"] = set(ALLOWED) - {"cli"}

@@ -30,10 +30,10 @@ from refitflow.engine.member import EngineMember, EngineOutcome
 from refitflow.engine.readiness import EngineState
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
-from refitflow.pipeline.budget import BudgetStatistics, ByteBudget
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode
-from refitflow.pipeline.fence import Fence, FenceState
+from refitflow.refit.budget import BudgetStatistics, ByteBudget
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode
+from refitflow.refit.fence import Fence, FenceState
 from refitflow.registry.client.client import RegistryClient
 from refitflow.registry.keys import DeploymentKeys, find_keys
 from refitflow.registry.limits import RegistryLimits

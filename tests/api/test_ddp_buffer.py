@@ -54,7 +54,7 @@ async def _refit(trainer: torch.nn.Module, packed: bool) -> tuple[list, list, li
             async with rf.Receiver(tensors, registry, identity=ident, layout=m, transport="nixl") as recv:
                 result = await recv.refit(1, timeout=30)
                 assert result.direct_bytes > 0
-                plans.append(next(reversed(recv._plans._plans.values())))
+                plans.append(recv._plans.plans()[-1])
     return ranks, [dict(m) for m in maps], manifests, [r for plan in plans for b in plan.buckets for r in b.reads]
 
 

@@ -205,7 +205,7 @@ async def test_a_receiver_that_waits_for_digests_never_sees_the_early_announceme
 async def test_digests_of_another_layout_or_version_are_refused_before_anything_is_compared(ident) -> None:
     """Defence in depth beside the registry's own check: the receiver compares the complete version's layout
     with the one it read. (A stand-in registry answers here: the real one refuses such a manifest.)"""
-    from refitflow.stages.discover import _complete
+    from refitflow.refit.stages.discover import _complete
 
     registry = rf.Registry()
     async with rf.Publisher(registry, identity=ident, announce_early=True) as pub:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.pipeline.device import DeviceLane
+from refitflow.refit.device import DeviceLane
 from tests.conftest import mlp, params, same
 
 pytestmark = pytest.mark.cuda

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.pipeline.arena import StagingArenas
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.stages.plan import build_plan
+from refitflow.planner.build import build_plan
+from refitflow.refit.arena import StagingArenas
+from refitflow.refit.config import ReceiverConfig
 
 SHAPE = (64, 64)
 

@@ -17,7 +17,7 @@ import torch
 
 import refitflow as rf
 from refitflow.metrics import NullObserver
-from refitflow.pipeline.device import DeviceLane
+from refitflow.refit.device import DeviceLane
 from tests.conftest import mlp, params, same
 
 SLEEP_CYCLES = 50_000_000  # ≈ 25 ms at 2 GHz

@@ -14,7 +14,7 @@ from refitflow.integrations.hosting.fused_model import derive, parameters
 from refitflow.layouts import Parallel, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata
-from refitflow.pipeline.destination import ApplyMode, Destination
+from refitflow.refit.destination import ApplyMode, Destination
 from tests.integrations._fused_model import SENTINEL, FusedModel
 from tests.integrations._tiny import canonical, config, dims
 from tests.integrations._vllm_rank import expected, holds

@@ -144,7 +144,7 @@ async def test_a_rank_whose_vocabulary_rows_are_all_padding_refits() -> None:
 
 
 def test_a_float8_parameter_that_is_all_padding_expects_nothing_not_even_its_scale() -> None:
-    from refitflow.pipeline.destination import ApplyMode, Destination
+    from refitflow.refit.destination import ApplyMode, Destination
 
     layout = fused.layout(D, Parallel(tp=8, tp_rank=7))  # rows [224, 256): all padding
     tensors = {n: torch.zeros(lt.shape) for n, lt in layout.items()}

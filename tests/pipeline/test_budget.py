@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.pipeline.arena import StagingArena
+from refitflow.refit.arena import StagingArena
 from tests.conftest import mlp, params, same
 
 

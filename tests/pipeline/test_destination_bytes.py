@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from refitflow.pipeline.destination import ApplyMode, Destination, ShadowCommit
+from refitflow.refit.destination import ApplyMode, Destination, ShadowCommit
 
 
 @pytest.mark.parametrize("mode", [ApplyMode.IN_PLACE, ApplyMode.SHADOW])

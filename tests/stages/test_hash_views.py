@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from refitflow.stages import _unit_hashes as verify
+from refitflow.refit import hashes as verify
 
 
 def test_grouped_hashes_equal_one_call_per_unit_and_the_gil_is_let_go_between_groups(

@@ -10,9 +10,9 @@ import torch
 import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts.boxes import volume
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages.plan import build_plan
+from refitflow.planner.build import build_plan
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 
 SHAPE = (96, 64)
 

@@ -26,11 +26,11 @@ from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.core.errors import ManifestError
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata, resolve
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages import _target
-from refitflow.stages._wanted import meets
-from refitflow.stages.plan import Plan, build_plan
+from refitflow.planner import Plan, build_plan
+from refitflow.planner import receiver_layout as _layout
+from refitflow.planner.sources import meets
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 
 DIMS = ModelDims(
     vocab=512,
@@ -104,8 +104,8 @@ def test_a_plan_through_the_layout_index_reads_what_a_plan_from_every_shard_read
 ) -> None:
     pub, dest, limits = _publication(experts=experts, tp=tp), _destination(rank), ReceiverConfig().limits
     indexed = build_plan(pub, dest, limits)
-    assert _target.Target(dest).wanted is not None  # a layout: the index is used
-    monkeypatch.setattr(_target, "Wanted", lambda layout: None)  # every shard, as before the index
+    assert _layout.ReceiverLayout(dest).wanted is not None  # a layout: the index is used
+    monkeypatch.setattr(_layout, "Wanted", lambda layout: None)  # every shard, as before the index
     whole = build_plan(pub, dest, limits)
     if tp == TRAIN:
         assert _reads(indexed) == _reads(whole)
@@ -127,7 +127,7 @@ def test_trainer_layouts_of_one_tp_place_share_their_entries_of_no_expert() -> N
     """A trainer at TP 2 × EP 4: its 4 layouts are built on 2 shared parts (one per TP place), the entries
     read of each found once; the entries read of each layout are those of the whole layout that meet what the
     receiver reads, every name known."""
-    wanted = _target.Target(_destination(5)).wanted
+    wanted = _layout.ReceiverLayout(_destination(5)).wanted
     assert wanted is not None
     pars = [Parallel(tp=2, tp_rank=r % 2, ep=TRAIN, ep_rank=r, expert_tp=1) for r in range(TRAIN)]
     found = [wanted.resolved(layout_metadata("megatron", DIMS, p, experts="grouped")["layout"]) for p in pars]
@@ -178,7 +178,7 @@ def test_a_slice_that_would_fill_too_many_batches_gets_larger_ones() -> None:
     pub, dest = _publication(), _destination(0)
     many = build_plan(pub, dest, ReceiverConfig(direct_bucket_bytes=1024).limits)
     few = build_plan(pub, dest, ReceiverConfig(direct_bucket_bytes=1024, max_direct_buckets=8).limits)
-    batch = -(-_target.Target(dest).nbytes // 8)
+    batch = -(-_layout.ReceiverLayout(dest).nbytes // 8)
     assert max(b.direct_bytes for b in many.buckets) <= 1024 < max(b.direct_bytes for b in few.buckets) <= batch
     assert len(few.buckets) < len(many.buckets) // 4
     assert _reads(many) != _reads(few) and many.nbytes == few.nbytes
@@ -188,7 +188,7 @@ def test_a_slice_that_would_fill_too_many_batches_gets_larger_ones() -> None:
 
 def test_a_trainer_layout_is_built_with_only_the_experts_a_receiver_reads() -> None:
     # receiver rank 5 of 8 (EP 8) holds experts 10 and 11: trainer rank 2's local experts 2 and 3
-    wanted = _target.Target(_destination(5)).wanted
+    wanted = _layout.ReceiverLayout(_destination(5)).wanted
     assert wanted is not None
     for r in range(TRAIN):
         text = layout_metadata("megatron", DIMS, Parallel(tp=TRAIN, tp_rank=r, ep=TRAIN, ep_rank=r, expert_tp=1),

@@ -9,10 +9,11 @@ import torch
 
 import refitflow as rf
 from refitflow.layouts.canonical import sliced
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages._reads import coalesce
-from refitflow.stages.plan import PlannedRead, build_plan, check_compile
+from refitflow.planner import PlannedRead, build_plan
+from refitflow.planner.compile_filter import check_compile
+from refitflow.planner.reads import coalesce
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 
 SHAPE = (4096, 1024)
 ROW = 1024 * 2  # bf16 bytes per row

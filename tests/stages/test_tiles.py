@@ -14,9 +14,9 @@ from bench.tp_matrix import publication, rank_plan, rank_target
 from refitflow.layouts import ModelDims, Parallel, canonical_shapes, fused, megatron
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.stages.plan import build_plan
+from refitflow.planner.build import build_plan
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
 
 # wide enough that row-parallel weights get 8 column ranges (>= 256 bytes each), small enough for a test
 DIMS = ModelDims(vocab=512, hidden=1024, layers=1, heads=8, kv_heads=8, head_dim=128, ffn=2048)
@@ -170,16 +170,16 @@ async def test_a_replayed_plan_reuses_its_checks_and_credits(ident, registry) ->
         ):
             await pub.publish(1, src)
             await recv.refit(1)
-            plan = next(iter(recv._plans._plans.values()))
-            views = dict(plan.views)
+            plan, replay = next(iter(recv._plans._plans.values()))
+            views = dict(replay.views)
             assert all(b.is_built for b in plan.buckets)  # made as the first refit handed them on
             made = [b.made[0] for b in plan.buckets]
             for v in src.values():
                 v.add_(1)  # the same storages: the same layout, the plan replays
             await pub.publish(2, src)
             second = await recv.refit(2)
-    assert second.plan_cached and next(iter(recv._plans._plans.values())) is plan
-    assert all(plan.views[k] is v for k, v in views.items())  # the same memoryviews, not rebuilt
+    assert second.plan_cached and next(iter(recv._plans._plans.values()))[0] is plan
+    assert all(replay.views[k] is v for k, v in views.items())  # the same memoryviews, not rebuilt
     assert all(b.made == [m] for b, m in zip(plan.buckets, made, strict=True))  # the same checks, made once
     units = sum(len(b.checks.want) for b in plan.buckets)
     credited = sum(int(b.credits.counts.sum()) for b in plan.buckets)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.pipeline.coverage import CoverageTracker
+from refitflow.refit.coverage import CoverageTracker
 from tests.conftest import mlp, params, same
 
 

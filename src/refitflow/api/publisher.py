@@ -36,7 +36,7 @@ from refitflow.core.gil import off_loop
 from refitflow.core.types import Identity, Manifest
 from refitflow.layouts.quant_layout import quant_metadata
 from refitflow.metrics import NULL_OBSERVER, PublishObserver
-from refitflow.pipeline.device import check_device, devices_of, mark_current, wait_marks
+from refitflow.refit.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.client.connect import connect_registry
 from refitflow.registry.keys import DeploymentKeys
 from refitflow.registry.release import ReleasePolicy

@@ -14,7 +14,6 @@ import anyio
 import anyio.to_thread
 import torch
 
-from refitflow.api._results import ReceiverStatus, RefitResult, StageStats
 from refitflow.api._transport import choose_transport
 from refitflow.core.errors import (
     RELEASED_HINT,
@@ -28,19 +27,20 @@ from refitflow.core.gil import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
-from refitflow.pipeline.arena import StagingArenas
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import Destination
-from refitflow.pipeline.device import DeviceLane, Marks
-from refitflow.pipeline.graph import run_pipeline
-from refitflow.pipeline.rank import RankState
-from refitflow.pipeline.relay import Relaying
-from refitflow.pipeline.transaction import Transaction
+from refitflow.refit.arena import StagingArenas
+from refitflow.refit.attempt import Resources
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import Destination
+from refitflow.refit.device import DeviceLane, Marks
+from refitflow.refit.fanout.relaying import Relaying
+from refitflow.refit.graph import run_pipeline
+from refitflow.refit.plans import PlanCache
+from refitflow.refit.rank import RankState
+from refitflow.refit.results import ReceiverStatus, RefitResult, StageStats, refit_result
+from refitflow.refit.transaction import Transaction
 from refitflow.registry.client.connect import connect_registry
 from refitflow.registry.keys import DeploymentKeys
 from refitflow.registry.security import ClientSecurity
-from refitflow.stages._context import StageContext
-from refitflow.stages.plan import PlanCache
 from refitflow.transports import Transport, make_transport
 
 __all__ = ["Receiver", "ReceiverStatus", "RefitResult", "StageStats"]
@@ -138,7 +138,7 @@ class Receiver:
         rank = RankState.build(model, self.config.mode, layout, self.config.budget_bytes, observer,
                                shadow_commit=self.config.shadow_commit, quant=quant)  # fmt: skip
         self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
-        self.devices: DeviceLane = rank.devices  # refit streams and events (pipeline/device.py)
+        self.devices: DeviceLane = rank.devices  # refit streams and events (refit/device.py)
         observer.budget(0, 0, self.config.budget_bytes)  # the capacity is known before anything is staged
         self._plans = PlanCache()
         self._unreadable: set[int] = set()  # versions whose sources this rank could not reach: passed over
@@ -217,10 +217,10 @@ class Receiver:
 
     def _prepare_landing(self) -> None:
         """The first refit's share of setup, done once as the receiver starts (a worker thread): what plans
-        need of the parameters (``stages._target``) and a byte view of each (reads land there). Not
+        need of the parameters (``planner.ReceiverLayout``) and a byte view of each (reads land there). Not
         their memoryviews: 10,000 more objects the collector tracks moved a full pass (≈ 100 ms, every
         thread stopped) into the first refit of ``bench/loop_lag.py``."""
-        self._plans.target(self.destination)
+        self._plans.receiver(self.destination)
         for name in self.destination.params:
             self.destination.target_bytes(name)
 
@@ -282,55 +282,48 @@ class Receiver:
             self._running = False
 
     async def _prepare(self, min_version: int | None, timeout: float) -> tuple[Transaction, RefitResult]:
-        assert self._transport is not None and self._arena is not None
+        assert self._transport is not None and self._arena is not None  # entered (prepare checked)
         if min_version is None:
             min_version = (self.ledger.last_begun or 0) + 1
-        ctx = StageContext(
-            transport=self._transport, staging=self._arena, landing=self.destination,
-            limits=self.limits, devices=self.devices, observer=self.observer, fanout=self._relaying,
-            unreadable=self._unreadable,
+        res = Resources(
+            destination=self.destination, staging=self._arena, devices=self.devices, ledger=self.ledger,
+            limits=self.limits, plans=self._plans, transport=self._transport, fanout=self._relaying,
+            observer=self.observer, unreadable=self._unreadable,
         )  # fmt: skip
         misses = self._plans.misses
         self.budget.reset_peak()
         d = self.destination
         if self._relaying is not None and d.holdings.ids(d.generation)[0] == d.holdings.ids(d.generation + 1)[0]:
             await self._relaying.leave()  # this refit overwrites the storage served: offer it to nobody new
+        before = self.ledger.last_begun  # a failure after begin reports the version it consumed
         try:
             # a storage replaced behind our back (param.data = ...): refused before anything is written
             await off_loop(d.check_unmoved) if len(d.params) > 1024 else d.check_unmoved()
             with anyio.fail_after(self.config.refit_timeout_s):
-                txn = await run_pipeline(
-                    ctx, ledger=self.ledger, registry=self.registry, identity=self.identity,
-                    min_version=min_version, discover_timeout=timeout, cache=self._plans,
-                    depth=self.config.stream_depth,
+                outcome = await run_pipeline(
+                    res, registry=self.registry, identity=self.identity, min_version=min_version,
+                    discover_timeout=timeout, depth=self.config.stream_depth,
                 )  # fmt: skip
         except BaseException as exc:
-            await self._ended(ctx, exc)
+            began = self.ledger.last_begun if self.ledger.last_begun != before else None
+            await self._ended(began, exc)
             if isinstance(exc, IntegrityError) and RELEASED_HINT not in str(exc):
                 raise IntegrityError(f"{exc.reason}; {RELEASED_HINT}", version=exc.version, tensor=exc.tensor) from exc
             if isinstance(exc, TimeoutError) and not isinstance(exc, RefitError):
                 raise RefitTimeoutError(
                     f"refit did not finish within {self.config.refit_timeout_s} s",
-                    version=ctx.attempt.version if ctx.attempt else None,
+                    version=began,
                 ) from exc
             raise
-        stats = self.budget.statistics()
-        direct = sum(b.direct_bytes for b in ctx.plan.buckets)
-        c = ctx.counts
-        result = RefitResult(
-            version=txn.version, revision=txn.revision, nbytes=c.pulled, direct_bytes=direct,
-            ideal_bytes=ctx.plan.ideal_bytes, unverified_bytes=ctx.unverified_bytes,
-            seconds=time.perf_counter() - ctx.discovered_at, wait_seconds=ctx.waited_s,
-            plan_cached=self._plans.misses == misses,
-            peak_staging_bytes=stats.peak_bytes,
-            stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in ctx.stats.items()},
-            skipped_bytes=c.skipped, rechecked_bytes=c.rechecked, repaired_bytes=c.repaired, relay_bytes=c.relayed,
-            rerouted_bytes=c.rerouted,
+        result = refit_result(
+            outcome, seconds=time.perf_counter() - outcome.attempt.found.found_at,
+            plan_cached=self._plans.misses == misses, peak_staging_bytes=self.budget.statistics().peak_bytes,
         )  # fmt: skip
-        for kind, n in (("skipped", c.skipped), ("rechecked", c.rechecked), ("repaired", c.repaired),
-                        ("relayed", c.relayed), ("rerouted", c.rerouted)):  # fmt: skip
+        for kind, n in (("skipped", result.skipped_bytes), ("rechecked", result.rechecked_bytes),
+                        ("repaired", result.repaired_bytes), ("relayed", result.relay_bytes),
+                        ("rerouted", result.rerouted_bytes)):  # fmt: skip
             self.observer.refit_bytes(kind, n)
-        return txn, result
+        return outcome.txn, result
 
     async def finish(self, txn: Transaction) -> None:
         """Make a prepared version visible."""
@@ -373,9 +366,8 @@ class Receiver:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             await self.registry.report(self.identity, self.receiver_id, version)
 
-    async def _ended(self, ctx: StageContext, exc: BaseException) -> None:
-        refused = isinstance(exc, RefitError) and ctx.attempt is None  # never began: nothing consumed
-        version = ctx.attempt.version if ctx.attempt is not None else None
+    async def _ended(self, version: int | None, exc: BaseException) -> None:
+        refused = isinstance(exc, RefitError) and version is None  # never began: nothing consumed
         if self._relaying is not None and version is not None:
             self._relaying.abandon()
             await self._relaying.leave()

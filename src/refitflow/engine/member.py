@@ -15,7 +15,7 @@ import anyio
 
 from refitflow.core.errors import AlreadyCommittedError, RefitError, VersionError
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
-from refitflow.pipeline.transaction import Ledger, Transaction
+from refitflow.refit.transaction import Ledger, Transaction
 
 __all__ = ["EngineMember", "EngineOutcome", "Preparer"]
 

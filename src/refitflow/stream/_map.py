@@ -24,8 +24,9 @@ from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import PlanError
 from refitflow.layouts.boxes import full, intersect, shape_of, shift
 from refitflow.layouts.canonical import LocalTensor, Segment, sliced
-from refitflow.stages._context import Landing
-from refitflow.stages.plan import Bucket, Piece, Scatter, check_cast
+from refitflow.planner.pieces import check_cast
+from refitflow.planner.records import Bucket, Piece, Scatter
+from refitflow.refit.destination import Destination
 from refitflow.stream.format import Entry
 
 __all__ = ["EntryMap"]
@@ -34,7 +35,9 @@ __all__ = ["EntryMap"]
 class EntryMap:
     """Scatters per (name, shape, dtype), computed once per receiver and reused version after version."""
 
-    def __init__(self, landing: Landing, source_layout: Mapping[str, LocalTensor] | None, lossy_casts: bool) -> None:
+    def __init__(
+        self, landing: Destination, source_layout: Mapping[str, LocalTensor] | None, lossy_casts: bool
+    ) -> None:
         self.landing = landing
         self.source_layout = dict(source_layout) if source_layout is not None else None
         self.lossy = lossy_casts

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refitflow.core.errors import ConfigError
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode
 
 __all__ = ["StreamReceiverConfig", "StreamSenderConfig"]
 

@@ -26,18 +26,21 @@ from typing import Any
 import anyio
 import torch
 
-from refitflow.api._results import ReceiverStatus, RefitResult, StageStats
 from refitflow.core.errors import ConfigError, FrameError, OutOfStepError, PlanError, RefitError, VersionError
 from refitflow.layouts.boxes import volume
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
-from refitflow.pipeline.arena import StagingArenas
-from refitflow.pipeline.graph import Attempt
-from refitflow.pipeline.rank import RankState
-from refitflow.pipeline.transaction import Transaction
-from refitflow.stages import apply, commit
-from refitflow.stages._context import Lease, Limits, StageContext, Work
-from refitflow.stages.translate import copies_of
+from refitflow.planner.limits import Limits
+from refitflow.planner.routes import Job, Route
+from refitflow.refit.arena import Lease, StagingArenas
+from refitflow.refit.attempt import STAGES, Meter, Resources
+from refitflow.refit.landing import copies_of, write
+from refitflow.refit.plans import PlanCache
+from refitflow.refit.rank import RankState
+from refitflow.refit.results import ReceiverStatus, RefitResult, StageStats
+from refitflow.refit.stages.commit import credit
+from refitflow.refit.transaction import Transaction
+from refitflow.refit.work import Work
 from refitflow.stream._map import EntryMap
 from refitflow.stream.config import StreamReceiverConfig
 from refitflow.stream.format import CMD_BUCKET, CMD_END, HEADER_DTYPE, METADATA_CEILING, Header, decode_metadata
@@ -70,6 +73,10 @@ class StreamReceiver:
         self.devices = rank.devices
         self.arena = StagingArenas(self.budget, [group.device])  # the payload lands on the group's device
         self.entries = EntryMap(self.destination, source_layout, self.config.lossy_casts)
+        # entries are mapped by the stream itself (push/_map.py): of a route, only the quantised jobs are used
+        d = self.destination
+        jobs = {p: Job(p, q, ((p, d.expected[p]),)) for p, q in d.quantised.items()}
+        self.route = Route({}, frozenset(jobs), jobs=jobs)
 
     @property
     def status(self) -> ReceiverStatus:
@@ -122,14 +129,11 @@ class _Stream:
             bucket_bytes=recv.budget.capacity_bytes, direct_bucket_bytes=recv.budget.capacity_bytes,
             max_reads_per_bucket=1, lossy_casts=recv.config.lossy_casts, read_timeout_s=recv.group.timeout_s,
         )  # fmt: skip
-        self.ctx = StageContext(
-            transport=None,
-            staging=recv.arena,
-            landing=recv.destination,
-            limits=limits,
-            observer=recv.observer,
-            devices=recv.devices,
-        )
+        self.res = Resources(
+            destination=recv.destination, staging=recv.arena, devices=recv.devices, ledger=recv.ledger,
+            limits=limits, plans=PlanCache(0), observer=recv.observer,
+        )  # fmt: skip
+        self.meters = {stage: Meter(stage, recv.observer) for stage in STAGES}
         self.version: int | None = None
         self.txn: Transaction | None = None
         self.failure: RefitError | None = None  # the first one: raised at the end marker
@@ -142,12 +146,13 @@ class _Stream:
 
     async def run(self, first_timeout: float) -> Transaction:
         t_wait = time.perf_counter()
-        self.ctx.enter("discover")
+        discover = self.meters["discover"]
+        discover.enter()
         header = await self._header(first_timeout)
         self.t0 = time.perf_counter()
         self.waited = self.t0 - t_wait
         self._begin(header.version)
-        self.ctx.note("discover", 1, 0, time.perf_counter() - self.t0)
+        discover.note(1, 0, time.perf_counter() - self.t0)
         while header.command != CMD_END:
             await self._frame(header)
             header = await self._header(None)
@@ -157,8 +162,8 @@ class _Stream:
                                     version=self.version))  # fmt: skip
         if self.failure is not None:
             raise self.failure
-        assert self.txn is not None and self.ctx.attempt is not None
-        self.ctx.attempt.prepare()  # coverage: every parameter written exactly once
+        assert self.txn is not None  # begun, or the failure was raised
+        self.recv.ledger.prepare(self.txn)  # coverage: every parameter written exactly once
         return self.txn
 
     def _begin(self, version: int) -> None:
@@ -168,7 +173,6 @@ class _Stream:
                 raise VersionError(f"the stream carries version {version}, older than the {self.floor} asked for",
                                    version=version)  # fmt: skip
             self.txn = self.recv.ledger.begin(version, "")
-            self.ctx.attempt = Attempt(self.recv.ledger, self.txn)
         except VersionError as exc:
             self._refuse(exc, "version")
 
@@ -215,8 +219,10 @@ class _Stream:
                 await self.recv.devices.drain()
             self.recv.arena.free(lease)  # before the next bucket is leased
         if work is not None:
+            assert self.txn is not None  # buckets are written only after a begin
             try:
-                await self._step("commit", h.payload_bytes, commit.credit, self.ctx, work, self.assembled)
+                await self._step("commit", h.payload_bytes, credit, self.res, self.txn, self.recv.route, work,
+                                 self.assembled)  # fmt: skip
             except RefitError as exc:
                 self._refuse(exc)
 
@@ -229,26 +235,28 @@ class _Stream:
         return buf.cpu().numpy().tobytes()
 
     async def _payload(self, n: int) -> Lease:
-        self.ctx.enter("allocate")
+        allocate, pull = self.meters["allocate"], self.meters["pull"]
+        allocate.enter()
         t0 = time.perf_counter()
         try:
             lease = await self.recv.arena.allocate(n, str(self.group.device))
         except RuntimeError as exc:  # the arena's buffer (the budget) could not be allocated
             cap = self.recv.budget.capacity_bytes
             raise self._out_of_step(f"could not allocate the {cap}-byte budget: {exc}") from exc
-        self.ctx.note("allocate", 1, n, time.perf_counter() - t0)
-        self.ctx.enter("pull")
+        allocate.note(1, n, time.perf_counter() - t0)
+        pull.enter()
         t0 = time.perf_counter()
         await self.group.broadcast(lease.view, self.src)  # failing, it leaves: ended_badly frees the lease
         self.recv.observer.transport_read("stream", n, time.perf_counter() - t0)
-        self.ctx.note("pull", 1, n, time.perf_counter() - t0)
+        pull.note(1, n, time.perf_counter() - t0)
         self.nbytes += n
         return lease
 
     async def _write(self, metadata: bytes, lease: Lease, n: int) -> Work | None:
         """Check and map every entry, then translate and apply the bucket; ``None`` if it failed."""
-        assert self.version is not None
-        self.ctx.enter("plan")
+        assert self.version is not None and self.txn is not None  # buckets are written only after a begin
+        plan = self.meters["plan"]
+        plan.enter()
         t0 = time.perf_counter()
         try:
             entries = decode_metadata(metadata, n, version=self.version)
@@ -259,13 +267,13 @@ class _Stream:
         except PlanError as exc:
             self._refuse(exc, "mapping")
             return None
-        self.ctx.note("plan", 1, n, time.perf_counter() - t0)
+        plan.note(1, n, time.perf_counter() - t0)
         self.buckets += 1
         self.ideal += sum(volume(s.sub) * p.nbytes // max(volume(p.box), 1) for p in bucket.pieces for s in p.scatters)
         work = Work(bucket, lease=lease)
         try:
             await self._step("translate", n, self._translate, work)
-            await self._step("apply", n, apply.write, self.ctx, work)
+            await self._step("apply", n, write, self.res, self.txn, work)
         except RefitError as exc:
             self._refuse(exc)
             return None
@@ -273,15 +281,16 @@ class _Stream:
         return work
 
     async def _translate(self, work: Work) -> None:
-        work.copies = copies_of(self.ctx, work)
+        work.copies = copies_of(self.res, work, self.recv.route, None)
 
     async def _step(self, stage: str, nbytes: int, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run one stage's work on a bucket, accounted as the pull path's stages are."""
-        self.ctx.enter(stage)
+        meter = self.meters[stage]
+        meter.enter()
         t0 = time.perf_counter()
         try:
             await fn(*args)
-            self.ctx.note(stage, 1, nbytes, time.perf_counter() - t0)
+            meter.note(1, nbytes, time.perf_counter() - t0)
         except RefitError:
             raise
         except Exception as exc:
@@ -303,5 +312,6 @@ class _Stream:
             unverified_bytes=self.nbytes, direct_bytes=0, seconds=time.perf_counter() - self.t0,
             wait_seconds=self.waited, plan_cached=self.recv.entries.misses == self.misses,
             peak_staging_bytes=stats.peak_bytes,
-            stages={k: StageStats(items=int(v[0]), nbytes=int(v[1]), seconds=v[2]) for k, v in self.ctx.stats.items()},
+            stages={k: StageStats(items=m.items, nbytes=m.nbytes, seconds=m.seconds) for k, m in self.meters.items()
+                    if m.noted},
         )  # fmt: skip

@@ -35,10 +35,10 @@ from refitflow.engine.member import Preparer
 from refitflow.integrations.hosting.rank_session import Build, SessionConfig
 from refitflow.layouts.canonical import sliced
 from refitflow.layouts.wire import resolve
-from refitflow.pipeline.config import ReceiverConfig
-from refitflow.pipeline.destination import ApplyMode, Destination
-from refitflow.pipeline.fence import Fence, FenceState
-from refitflow.pipeline.transaction import Ledger, Transaction
+from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.destination import ApplyMode, Destination
+from refitflow.refit.fence import Fence, FenceState
+from refitflow.refit.transaction import Ledger, Transaction
 from refitflow.registry.client.client import RegistryClient
 from refitflow.transports import Read, Transport, make_transport
 

@@ -21,7 +21,7 @@ from refitflow.core.errors import RefitError
 from refitflow.engine.member import Preparer
 from refitflow.integrations.hosting.rank_session import Build, SessionConfig
 from refitflow.integrations.vllm.worker import kernels
-from refitflow.pipeline.transaction import Transaction
+from refitflow.refit.transaction import Transaction
 
 __all__ = ["Reprocessing", "reprocessing"]
 

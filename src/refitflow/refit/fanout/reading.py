@@ -1,0 +1,89 @@
+"""Reading from an upstream relay: the pieces it holds, once its status says they are verified.
+
+A relay's piece is read only once the relay's status says every tensor it lies in is verified for this
+version, and its status is read again after the bytes: if the relay moved on (its storage may be changing),
+failed, or made no progress for ``relay_wait_s``, the pieces still owed are read from the trainer
+(*rerouted*) and the relay is not read again in this attempt. Verify checks relayed bytes against the
+trainer's digests like any read; a relay whose bytes differ fails too (``Upstream.fail``), and its pieces are
+read again from the trainer within their bucket.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from refitflow.core.errors import RefitTimeoutError, TransportError
+from refitflow.planner.fanout import RelayPiece
+from refitflow.planner.reads import coalesce
+from refitflow.refit.attempt import Attempt, Resources
+from refitflow.refit.fanout.relaying import Upstream
+from refitflow.refit.landing import read, read_pieces, reads_for
+from refitflow.refit.work import Work
+from refitflow.transports.base import Read, as_bytes
+
+__all__ = ["owed_by_upstream", "take"]
+
+
+def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int, RelayPiece]:
+    """Of the pieces to ``pull``, those the attempt's upstream relay holds (none once it failed)."""
+    up = attempt.upstream
+    if up is None or up.failed is not None:
+        return {}
+    held = up.geometry.buckets[work.bucket.index]
+    return {k: held[k] for k in pull if k in held}
+
+
+async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) -> bool:
+    """Read the relay's status into its probe: whether its storage still holds or receives this version."""
+    if not up.status_reads:  # one list object, read again and again: a transport replays what it prepared
+        up.status_reads = [Read(up.offer.source.agent, up.offer.status, 0, up.probe.numel() * 8, as_bytes(up.probe))]
+    key = ("relay-status", up.offer.source.agent, up.offer.status)
+    await read(res, attempt, work, up.status_reads, key, count=False)
+    up.fresh = True
+    return int(up.probe[0]) == attempt.version
+
+
+async def take(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> None:
+    """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver.
+
+    One status read after each batch of pieces both checks that the relay's storage did not begin to change
+    while they were read and tells which pieces the next batch (of this bucket or the next) may take."""
+    up = attempt.upstream
+    assert up is not None  # owed pieces come from it
+    v = attempt.version
+    flags = up.probe.numpy()[1:]
+    piece_bytes = work.bucket.checks.piece_bytes
+    deadline = anyio.current_time() + res.limits.relay_wait_s
+    delay = 2e-4
+    while owed and up.failed is None:
+        try:
+            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()] if up.fresh else []
+            if not ready:
+                if not await _status(res, attempt, work, up):
+                    up.fail(f"it no longer holds version {v}")
+                    break
+                ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
+            if ready:
+                planned = coalesce([r for rp in ready for r in rp.reads])
+                await read(res, attempt, work, reads_for(res, attempt, work, planned), None, count=False)
+                if not await _status(res, attempt, work, up):  # it moved on while we read: not served bytes
+                    up.fail(f"it left version {v} while being read")
+                    break
+                for rp in ready:
+                    del owed[rp.piece]
+                    work.relayed.append(rp.piece)
+                work.relay_bytes += int(piece_bytes[[rp.piece for rp in ready]].sum())
+                deadline, delay = anyio.current_time() + res.limits.relay_wait_s, 2e-4
+                continue
+        except (TransportError, RefitTimeoutError) as exc:
+            up.fail(f"{type(exc).__name__}: {exc}")
+            break
+        if anyio.current_time() >= deadline:
+            up.fail(f"no progress within relay_wait_s={res.limits.relay_wait_s} s")
+            break
+        up.fresh = False
+        await anyio.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+    if owed:
+        await read_pieces(res, attempt, work, sorted(owed))
+        work.rerouted += int(piece_bytes[sorted(owed)].sum())

@@ -1,0 +1,73 @@
+"""Plan: make the attempt — the plan for what discover found, the version's digests, what a delta refit
+leaves, whom to read from — then hand its buckets downstream in order.
+
+The plan itself comes from the planner (``refitflow.planner``), cached with its replay state
+(``refit/plans.py``). A version announced before its digests is read whole and from the trainer (verify
+takes the digests when they follow): nothing is skipped and no relay is joined for it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from anyio.abc import ObjectSendStream
+
+from refitflow.core.gil import off_loop
+from refitflow.planner.delta import Skips, decide, delta_index
+from refitflow.planner.records import Bucket, Plan
+from refitflow.refit.attempt import Attempt, Found, Meter, Resources
+from refitflow.refit.work import Work
+
+__all__ = ["run", "start"]
+
+
+async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
+    """The attempt for ``found``: its plan (cached, or built off the event loop), and unless the version was
+    announced before its digests, the digests, the delta decision and the upstream relay."""
+    meter.enter()
+    t0 = time.perf_counter()
+    pub, txn = found.publication, found.txn
+    plan, replay = await res.plans.get(pub, res.destination, res.limits)
+    digests = skips = upstream = None
+    if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
+        digests = await off_loop(plan.digests, pub)
+        txn.holding = (plan.digest_geometry, digests)
+        if res.limits.skip_unchanged:
+            skips = await _skips(res, plan, digests, txn.version)
+        if res.fanout is not None:
+            upstream = await res.fanout.join(plan, txn.version)
+    meter.note(len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
+    return Attempt(found=found, plan=plan, replay=replay, digests=digests, skips=skips, upstream=upstream)
+
+
+async def run(res: Resources, attempt: Attempt, send: ObjectSendStream[Work], meter: Meter) -> None:
+    """Send the plan's buckets downstream in order, with this refit's delta decision for each."""
+    skips = attempt.skips
+    buckets = attempt.plan.buckets
+    async with send:
+        for bucket in buckets:
+            if not bucket.is_built:  # a new plan: its checks are made as its buckets go, the first read
+                await off_loop(_build_ahead, buckets, bucket.index)
+            actions, recheck = skips.of(bucket.index) if skips is not None else (None, None)
+            await send.send(Work(bucket, actions=actions, recheck=recheck))
+
+
+def _build_ahead(buckets: tuple[Bucket, ...], first: int) -> None:
+    """The checks of ``buckets[first]`` and of those after it, for about a millisecond (a hop each)."""
+    t0 = time.perf_counter()
+    for b in buckets[first:]:
+        b.built()
+        if time.perf_counter() - t0 > 0.001:
+            break
+
+
+async def _skips(res: Resources, plan: Plan, digests: np.ndarray, version: int) -> Skips | None:
+    """This refit's delta decision (None: every piece is pulled), the plan's index built on first use."""
+    dest = res.destination
+    target, live = dest.holding("target"), dest.holding("live")
+    if target is None and live is None:
+        return None
+    index = delta_index(plan) if "delta" in plan.derived else await off_loop(delta_index, plan)
+    return decide(index, plan.digest_geometry, digests, target, live, turn=version,
+                  recheck_fraction=res.limits.recheck_fraction)  # fmt: skip
