@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 import refitflow as rf
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
 from refitflow.planner import Plan, build_plan
 from refitflow.planner.fanout import Geometry, held_boxes
 from refitflow.planner.limits import Limits
 from refitflow.refit.config import ReceiverConfig
 from refitflow.refit.destination import ApplyMode, Destination
-from refitflow.registry.service.relays import Relays, check_offer
+from refitflow.registry.service.fanout import Relays, check_offer
 
 __all__ = ["Classes", "Pair", "RankPlan", "Setup", "limits_for", "plan_classes", "segments", "upstreams"]
 
@@ -280,7 +280,7 @@ def _source_hash() -> str:
     """A digest of the planner's and layouts' source: a cached reduction is stale when they change."""
     src = pathlib.Path(rf.__file__).parent
     h = hashlib.sha256()
-    for p in sorted([*src.glob("stages/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/relays.py")]):
+    for p in sorted([*src.glob("stages/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/fanout.py")]):
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
 

@@ -93,7 +93,7 @@ def _manifest(version: int, rank: int, world: int, tensors: int, *, pending: boo
 
 def _offer(version: int, receiver: int, world: int, tensors: int) -> Any:
     import refitflow as rf
-    from refitflow.core.relay import HeldBox, RelayOffer, RelayParam
+    from refitflow.core.fanout import HeldBox, RelayOffer, RelayParam
 
     rank = receiver % world
     names = _names(tensors, world, rank)

@@ -22,10 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "refit": {"core", "layouts", "transports", "metrics", "planner"},
     "registry": {"core"},
     "api": {"core", "layouts", "transports", "metrics", "planner", "refit", "registry"},
-    "stream": {"core", "layouts", "transports", "metrics", "planner", "refit", "api"},
+    "push": {"core", "layouts", "transports", "metrics", "planner", "refit", "api"},
     "engine": {"core", "layouts", "transports", "metrics", "planner", "refit", "registry", "api"},
 }
-ALLOWED["integrations"] = set(ALLOWED["engine"]) | {"engine", "stream"}
+ALLOWED["integrations"] = set(ALLOWED["engine"]) | {"engine", "push"}
 ALLOWED["cli"] = set(ALLOWED) - {"cli"}
 
 

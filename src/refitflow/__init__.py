@@ -30,6 +30,9 @@ from refitflow.engine.member import EngineMember, EngineOutcome
 from refitflow.engine.readiness import EngineState
 from refitflow.engine.vote import Ballot, Decision, Verdict, VoteChannel
 from refitflow.engine.zmq_vote import ZmqVote
+from refitflow.push.group import StreamGroup, stream_group
+from refitflow.push.receiver import StreamReceiver
+from refitflow.push.sender import StreamSender
 from refitflow.refit.budget import BudgetStatistics, ByteBudget
 from refitflow.refit.config import ReceiverConfig
 from refitflow.refit.destination import ApplyMode
@@ -40,9 +43,6 @@ from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity, ServerSecurity
 from refitflow.registry.service.embedded import Registry
-from refitflow.stream.group import StreamGroup, stream_group
-from refitflow.stream.receiver import StreamReceiver
-from refitflow.stream.sender import StreamSender
 from refitflow.transports import LoopbackTransport, Transport
 
 __version__ = "0.1.0"

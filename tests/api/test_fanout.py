@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.core.relay import HeldBox, RelayOffer, RelayParam
+from refitflow.core.fanout import HeldBox, RelayOffer, RelayParam
 from refitflow.metrics import NullObserver
-from refitflow.registry.service.relays import Relays
+from refitflow.registry.service.fanout import Relays
 from refitflow.transports import LoopbackTransport
 from refitflow.transports.base import Read
 from tests.conftest import mlp, params, same

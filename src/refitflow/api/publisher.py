@@ -32,7 +32,7 @@ from refitflow.api._transport import choose_transport
 from refitflow.core.columns import specs_of_columns
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.core.types import Identity, Manifest
 from refitflow.layouts.quant_layout import quant_metadata
 from refitflow.metrics import NULL_OBSERVER, PublishObserver

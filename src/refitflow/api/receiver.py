@@ -23,7 +23,7 @@ from refitflow.core.errors import (
     RefitTimeoutError,
     VersionError,
 )
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer

@@ -14,7 +14,7 @@ import orjson
 
 from refitflow.core.columns import DIGESTS, completed_columns, shards_from_columns, shards_to_columns
 from refitflow.core.errors import ManifestError, RefitError
-from refitflow.core.relay import HeldBox, RelayLayouts, RelayOffer, RelayParam, check_offer_shape
+from refitflow.core.fanout import HeldBox, RelayLayouts, RelayOffer, RelayParam, check_offer_shape
 from refitflow.core.types import Identity, Manifest, SourceAddress
 
 __all__ = [

@@ -25,7 +25,7 @@ from collections.abc import Hashable
 from dataclasses import replace
 
 from refitflow.core.errors import PlanError
-from refitflow.core.gil import breathe, built
+from refitflow.core.threads import breathe, built
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, volume
 from refitflow.planner.checks import Checks, Credits, DigestIndex, Land, build_checks, build_credits

@@ -22,7 +22,7 @@ import xxhash
 
 from refitflow.core.digests import Tiling, Units, units_array
 from refitflow.core.errors import ManifestError
-from refitflow.core.gil import breathe
+from refitflow.core.threads import breathe
 from refitflow.core.types import TILING_FIELDS, Manifest, Publication
 from refitflow.layouts.boxes import Box, volume
 

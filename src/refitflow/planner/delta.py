@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refitflow.core.gil import breathe
+from refitflow.core.threads import breathe
 from refitflow.layouts.boxes import volume
 from refitflow.planner.records import Piece, Plan
 

@@ -22,8 +22,8 @@ from itertools import pairwise
 import numpy as np
 
 from refitflow.core.dtypes import itemsize
-from refitflow.core.gil import breathe, building
-from refitflow.core.relay import HeldBox, RelayOffer, RelayParam, relay_layout
+from refitflow.core.fanout import HeldBox, RelayOffer, RelayParam, relay_layout
+from refitflow.core.threads import breathe, building
 from refitflow.layouts.boxes import contiguous_span, full, intersect, shape_of, shift, strided, volume
 from refitflow.planner.reads import runs_read
 from refitflow.planner.records import Piece, Plan, PlannedRead

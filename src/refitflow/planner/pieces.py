@@ -17,7 +17,7 @@ import torch
 
 from refitflow.core.dtypes import dtype_from_name, dtype_name
 from refitflow.core.errors import PlanError
-from refitflow.core.gil import breathe
+from refitflow.core.threads import breathe
 from refitflow.core.types import ShardSpec
 from refitflow.layouts.boxes import Box, contiguous_span, intersect, shift, strided, volume
 from refitflow.planner.copies import Copy

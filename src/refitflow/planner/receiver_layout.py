@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from refitflow.core.dtypes import known_name
-from refitflow.core.relay import RelayParam
+from refitflow.core.fanout import RelayParam
 from refitflow.layouts.canonical import LocalTensor, sliced
 from refitflow.layouts.quant import QuantParam
 from refitflow.planner.routes import aux_owner, default_route

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import xxhash
 
-from refitflow.core.gil import building, let_go
 from refitflow.core.hashing import hash_ranges, mix64_box, xxh3_gathered
+from refitflow.core.threads import building, let_go
 from refitflow.planner.checks import Checks
 from refitflow.refit.attempt import Attempt, Resources
 from refitflow.refit.landing import piece_copies

@@ -17,8 +17,8 @@ import numpy as np
 
 from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import RefitTimeoutError, TransportError
-from refitflow.core.gil import off_loop
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
+from refitflow.core.threads import off_loop
 from refitflow.planner.build import box_index
 from refitflow.planner.delta import COPY, PULL
 from refitflow.planner.fanout import RELAY

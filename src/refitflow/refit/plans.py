@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitflow.core.gil import built, off_loop
+from refitflow.core.threads import built, off_loop
 from refitflow.core.types import Publication
 from refitflow.planner.build import build_plan
 from refitflow.planner.limits import Limits

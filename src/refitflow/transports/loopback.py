@@ -23,7 +23,7 @@ import anyio.to_thread
 import torch
 
 from refitflow.core.errors import TransportError
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.core.types import SourceAddress
 from refitflow.transports.base import Read, Transport, as_bytes
 

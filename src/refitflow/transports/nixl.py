@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from refitflow.core.errors import ConfigError, TransportError
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.core.types import SourceAddress
 from refitflow.transports._nixl_agent import LockedAgent
 from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address

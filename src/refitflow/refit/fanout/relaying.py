@@ -2,7 +2,7 @@
 (``Upstream``, bound by ``Relaying.join``; read by ``fanout.reading``).
 
 As a relay (``serve=True``) a rank keeps one status array per storage a version can land in (int64,
-registered with its transport, ``core/relay.py``): at ``begin`` — before any byte of version v lands —
+registered with its transport, ``core/fanout.py``): at ``begin`` — before any byte of version v lands —
 the target storage's ``status[0]`` becomes v, and as buckets are verified (``verified``) each tensor
 whose every element is verified gets ``status[1 + p] = v``. Bytes a reader takes are therefore verified
 bytes of the version it reads, and a storage about to change says so first: in place the one storage
@@ -26,8 +26,8 @@ import torch
 
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import RefitError
-from refitflow.core.gil import off_loop
-from refitflow.core.relay import HeldBox, RelayOffer, RelayParam
+from refitflow.core.fanout import HeldBox, RelayOffer, RelayParam
+from refitflow.core.threads import off_loop
 from refitflow.core.types import Identity
 from refitflow.planner.checks import Credits
 from refitflow.planner.fanout import Geometry, Held, geometry, held_boxes

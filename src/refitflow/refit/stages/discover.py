@@ -10,7 +10,7 @@ from typing import Protocol
 import anyio
 
 from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, TransportError, VersionError
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.planner.compile_filter import check_compile
 from refitflow.refit.attempt import Found, Meter, Resources

@@ -13,7 +13,7 @@ import time
 import numpy as np
 from anyio.abc import ObjectSendStream
 
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.planner.delta import Skips, decide, delta_index
 from refitflow.planner.records import Bucket, Plan
 from refitflow.refit.attempt import Attempt, Found, Meter, Resources

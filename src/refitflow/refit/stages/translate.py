@@ -12,7 +12,7 @@ import time
 
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.refit.attempt import Attempt, Meter, Resources
 from refitflow.refit.landing import copies_of
 from refitflow.refit.plans import slot

@@ -35,7 +35,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from refitflow.core.errors import IntegrityError
-from refitflow.core.gil import off_loop
+from refitflow.core.threads import off_loop
 from refitflow.planner.delta import PULL
 from refitflow.refit.attempt import Attempt, Meter, Resources
 from refitflow.refit.hashes import Compare, HashState, check_bucket

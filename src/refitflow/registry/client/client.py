@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, ManifestError, RefitError, RefitTimeoutError, VersionError
-from refitflow.core.relay import RelayLayouts, RelayOffer
+from refitflow.core.fanout import RelayLayouts, RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import UNKNOWN_LAYOUT, digests_to_dict, manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.address import check_addresses

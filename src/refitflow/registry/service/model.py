@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from refitflow.core.types import Manifest
 from refitflow.registry.service.checks import VersionIndex
-from refitflow.registry.service.relays import Relays
+from refitflow.registry.service.fanout import Relays
 
 __all__ = ["Model", "mark", "unmark"]
 

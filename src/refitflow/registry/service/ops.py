@@ -12,7 +12,7 @@ import anyio.to_thread
 import orjson
 
 from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
-from refitflow.core.relay import RelayLayouts, RelayOffer
+from refitflow.core.fanout import RelayLayouts, RelayOffer
 from refitflow.core.types import Manifest
 from refitflow.core.wire import (
     encode,

@@ -27,15 +27,15 @@ from collections.abc import Callable, Collection, Mapping
 import anyio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import CLAIMED
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.service.checks import VersionIndex
+from refitflow.registry.service.fanout import Relays, check_offer
 from refitflow.registry.service.model import Model, mark
 from refitflow.registry.service.near_misses import near_misses
-from refitflow.registry.service.relays import Relays, check_offer
 
 __all__ = ["RegistryStore", "claimed"]
 

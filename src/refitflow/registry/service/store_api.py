@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Protocol
 
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy

@@ -38,7 +38,7 @@ import anyio
 import anyio.to_thread
 
 from refitflow.core.errors import ManifestError, RefitTimeoutError, TransportError, VersionError
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.core.wire import decode, encode, manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
 from refitflow.registry.limits import RegistryLimits

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import orjson
 import torch
 
-from refitflow.stream.format import CMD_BUCKET, Header, bucket_ranges, encode_metadata, pack_offsets
-from refitflow.stream.group import StreamGroup
+from refitflow.push.format import CMD_BUCKET, Header, bucket_ranges, encode_metadata, pack_offsets
+from refitflow.push.group import StreamGroup
 from refitflow.transports.base import as_bytes
 
 BUCKET_BYTES = 4096

@@ -17,9 +17,9 @@ import anyio.to_thread
 import torch
 
 from refitflow.core.errors import ConfigError, VersionError
-from refitflow.stream.config import StreamSenderConfig
-from refitflow.stream.format import CMD_BUCKET, Entry, Header, bucket_ranges, encode_metadata, pack_offsets
-from refitflow.stream.group import StreamGroup
+from refitflow.push.config import StreamSenderConfig
+from refitflow.push.format import CMD_BUCKET, Entry, Header, bucket_ranges, encode_metadata, pack_offsets
+from refitflow.push.group import StreamGroup
 from refitflow.transports.base import as_bytes
 
 __all__ = ["SendResult", "StreamSender"]

@@ -26,8 +26,8 @@ from refitflow.layouts.boxes import full, intersect, shape_of, shift
 from refitflow.layouts.canonical import LocalTensor, Segment, sliced
 from refitflow.planner.pieces import check_cast
 from refitflow.planner.records import Bucket, Piece, Scatter
+from refitflow.push.format import Entry
 from refitflow.refit.destination import Destination
-from refitflow.stream.format import Entry
 
 __all__ = ["EntryMap"]
 

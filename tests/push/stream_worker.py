@@ -25,8 +25,8 @@ import torch
 
 import refitflow as rf
 from refitflow.metrics.prometheus import PrometheusMetrics
-from refitflow.stream.format import CMD_BUCKET, Header
-from tests.stream import _frames
+from refitflow.push.format import CMD_BUCKET, Header
+from tests.push import _frames
 
 GROUP_TIMEOUT_S = 20.0
 

@@ -32,6 +32,10 @@ from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.planner.limits import Limits
 from refitflow.planner.routes import Job, Route
+from refitflow.push._map import EntryMap
+from refitflow.push.config import StreamReceiverConfig
+from refitflow.push.format import CMD_BUCKET, CMD_END, HEADER_DTYPE, METADATA_CEILING, Header, decode_metadata
+from refitflow.push.group import StreamGroup
 from refitflow.refit.arena import Lease, StagingArenas
 from refitflow.refit.attempt import STAGES, Meter, Resources
 from refitflow.refit.landing import copies_of, write
@@ -41,10 +45,6 @@ from refitflow.refit.results import ReceiverStatus, RefitResult, StageStats
 from refitflow.refit.stages.commit import credit
 from refitflow.refit.transaction import Transaction
 from refitflow.refit.work import Work
-from refitflow.stream._map import EntryMap
-from refitflow.stream.config import StreamReceiverConfig
-from refitflow.stream.format import CMD_BUCKET, CMD_END, HEADER_DTYPE, METADATA_CEILING, Header, decode_metadata
-from refitflow.stream.group import StreamGroup
 
 __all__ = ["StreamReceiver"]
 

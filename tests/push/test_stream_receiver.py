@@ -13,8 +13,8 @@ from refitflow.layouts import Parallel, canonical_shapes, fused, hf
 from refitflow.layouts.canonical import from_canonical, to_canonical
 from refitflow.metrics.prometheus import PrometheusMetrics
 from tests.layouts._fp8 import dequantize
-from tests.stream._frames import server, weights
-from tests.stream._inproc import groups, together
+from tests.push._frames import server, weights
+from tests.push._inproc import groups, together
 
 
 def _same(model: torch.nn.Module | dict, expected: dict[str, torch.Tensor]) -> bool:
@@ -133,7 +133,7 @@ async def test_one_bucket_is_resident_at_a_time_within_the_budget() -> None:
 
 
 def _ranges(tensors: dict[str, torch.Tensor], limit: int) -> list[range]:
-    from refitflow.stream.format import bucket_ranges
+    from refitflow.push.format import bucket_ranges
 
     return bucket_ranges([t.nbytes for t in tensors.values()], limit)
 

@@ -14,7 +14,7 @@ its lease expires.
 from __future__ import annotations
 
 from refitflow.core.errors import ManifestError
-from refitflow.core.relay import RelayOffer, check_offer_shape
+from refitflow.core.fanout import RelayOffer, check_offer_shape
 from refitflow.core.types import Publication
 
 __all__ = ["Relays", "check_offer"]

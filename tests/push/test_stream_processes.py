@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import free_ports
-from tests.stream import stream_worker
-from tests.stream._frames import CASES
+from tests.push import stream_worker
+from tests.push._frames import CASES
 
 Script = list[tuple[str, int]]
 

@@ -10,7 +10,7 @@ import threading
 import anyio
 import pytest
 
-from refitflow.core.gil import building, built, off_loop
+from refitflow.core.threads import building, built, off_loop
 
 
 def test_the_collector_and_the_switch_interval_come_back_after_nested_builders_of_two_threads() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from refitflow.stream.group import StreamGroup, stream_group
+from refitflow.push.group import StreamGroup, stream_group
 
 
 def free_port() -> int:

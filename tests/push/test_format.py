@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.stream import format as fmt
-from tests.stream._inproc import groups, together
+from refitflow.push import format as fmt
+from tests.push._inproc import groups, together
 
 KNOWN = {"a": torch.tensor([0, 1, 2], dtype=torch.int32), "b": torch.tensor([[1.0, -2.0]], dtype=torch.float16)}
 KNOWN_METADATA = (
