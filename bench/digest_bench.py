@@ -3,7 +3,7 @@
     python bench/digest_bench.py [--size-mb 512] [--rounds 5] [--ranks 2] [--loop SECONDS]
 
 Prints, best of ``--rounds``: xxh3 of the model's bytes as one contiguous buffer (the hash alone);
-the publisher's pass (``api._digests._digest_all``: row-block and tile digests of every tensor) in one
+the publisher's pass (``api.digesting._digest_all``: row-block and tile digests of every tensor) in one
 thread, as ``Publisher`` runs it; the same pass split in two threads of about equal bytes (what the
 publisher did before: python-xxhash keeps the GIL for inputs under ~100 KiB, so two threads take turns);
 and the pass of ``Publisher(column_digests=False)`` (row blocks only: one contiguous pass).
@@ -22,7 +22,7 @@ import time
 import torch
 import xxhash
 
-from refitflow.api._digests import _digest_all
+from refitflow.api.digesting import _digest_all
 from refitflow.cli.synthetic import synthetic_model
 
 

@@ -35,7 +35,7 @@ def measure(shards: int, rounds: int) -> dict[str, float]:
     import torch
 
     import refitflow as rf
-    from refitflow.api._digests import digest
+    from refitflow.api.digesting import digest
     from refitflow.core import wire
 
     rng = random.Random(0)

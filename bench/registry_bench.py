@@ -23,7 +23,7 @@ import torch
 import zmq.asyncio
 
 import refitflow as rf
-from refitflow.api._digests import digest
+from refitflow.api.digesting import digest
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.core.wire import PROTOCOL_VERSION, manifest_to_dict
 from refitflow.registry.client.client import RegistryClient

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import refitflow as rf
-from refitflow.api._dtensor import chunk_range, shard_box
+from refitflow.api.dtensor import chunk_range, shard_box
 from tests.api._fsdp_rank import IDENTITY, VERSIONS, run_rank, shapes
 from tests.conftest import free_ports
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refitflow.api._digests import _digest_all, _fields, _tiling
+from refitflow.api.digesting import _digest_all, _fields, _tiling
 from refitflow.core.hashing import shard_digests
 
 CASES = [

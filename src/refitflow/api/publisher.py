@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import anyio.to_thread
 import torch
 
-from refitflow.api._digests import (
+from refitflow.api._sharded import Sharded
+from refitflow.api.digesting import (
     DIGEST_CHOICES,
     Digests,
     _digest_one_at_a_time,
@@ -26,9 +27,8 @@ from refitflow.api._digests import (
     digest_columns,
     pending_columns,
 )
-from refitflow.api._dtensor import is_dtensor, local_part
-from refitflow.api._sharded import Sharded
-from refitflow.api._transport import choose_transport
+from refitflow.api.dtensor import is_dtensor, local_part
+from refitflow.api.transport import choose_transport
 from refitflow.core.columns import specs_of_columns
 from refitflow.core.dtypes import dtype_name
 from refitflow.core.errors import ConfigError, VersionError
@@ -210,7 +210,7 @@ class Publisher:
         """Register, digest and announce this rank's tensors as ``version`` (greater than the last one).
 
         ``tensors``: name -> tensor (the whole tensor), ``rf.Sharded`` (this rank's part of it), or a
-        ``DTensor`` (an FSDP2 parameter: its local part, placed by its placements — ``api/_dtensor.py``;
+        ``DTensor`` (an FSDP2 parameter: its local part, placed by its placements — ``api/dtensor.py``;
         a rank whose chunk is empty publishes nothing for it). The tensors must stay unchanged until
         ``await released(version)`` returns. ``metadata``: this version's own entries, announced over the
         publisher's (e.g. the base version a LoRA adapter was trained on).

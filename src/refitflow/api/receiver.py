@@ -14,7 +14,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from refitflow.api._transport import choose_transport
+from refitflow.api.transport import choose_transport
 from refitflow.core.errors import (
     RELEASED_HINT,
     ConfigError,

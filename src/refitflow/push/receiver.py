@@ -1,6 +1,6 @@
 """StreamReceiver: an inference rank taking each version the trainer pushes, transactionally.
 
-One ``prepare`` takes one stream, header to end marker, and runs it through the pipeline's own
+One ``prepare`` takes one stream, header to end marker, and runs it through the refit's own
 parts: the first header **begins** a transaction on the rank's ``Ledger`` (version rules of the
 pull path); each bucket's payload is leased from the byte budget's arena (one bucket resident at a
 time, freed before the next is leased), its entries are checked and mapped (``_map.EntryMap``)

@@ -26,8 +26,8 @@ import anyio
 import anyio.to_thread
 import torch
 
-from refitflow.api._transport import choose_transport
 from refitflow.api.receiver import Receiver
+from refitflow.api.transport import choose_transport
 from refitflow.core.dtypes import dtype_from_name
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.core.types import Publication, SourceAddress

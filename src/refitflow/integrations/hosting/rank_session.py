@@ -60,7 +60,7 @@ class SessionConfig:
     mode: str = "in_place"
     shadow_commit: str = "copy"  # shadow: copy into the live storage (CUDA-graph safe) or swap storages (eager)
     budget_bytes: int = 256 << 20
-    transport: str = "auto"  # nixl beside a registry address (api._transport.choose_transport)
+    transport: str = "auto"  # nixl beside a registry address (api.transport.choose_transport)
     vote: str = "none"  # none (one rank), zmq, gloo
     vote_rank: int = 0
     vote_addresses: tuple[str, ...] = ()

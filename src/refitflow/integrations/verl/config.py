@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from refitflow.api._digests import DIGEST_CHOICES
+from refitflow.api.digesting import DIGEST_CHOICES
 from refitflow.core.errors import ConfigError
 from refitflow.core.types import Identity
 from refitflow.integrations.hosting.info import RefitflowInitInfo

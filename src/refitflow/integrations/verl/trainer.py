@@ -3,7 +3,7 @@
 verl hands ``send_weights`` the trainer's weights as ``(name, tensor)`` pairs, HF-named:
 
 - a ``DTensor`` (FSDP2's parameters, e.g. from ``module.state_dict()``) is published where it lies,
-  its local shard only (``api/_dtensor.py``): nothing is gathered or copied;
+  its local shard only (``api/dtensor.py``): nothing is gathered or copied;
 - a plain tensor (verl's ``get_per_tensor_param`` gathers each FSDP / Megatron tensor whole on every
   rank and frees it after the next one) is cut by rows across the actor ranks: each rank keeps only
   its ``torch.chunk`` of the rows, copied into a buffer of its own that stays registered with the
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from refitflow.api._dtensor import chunk_range, is_dtensor
+from refitflow.api.dtensor import chunk_range, is_dtensor
 from refitflow.api.publisher import Publisher, Sharded
 from refitflow.core.errors import ConfigError
 from refitflow.integrations.hosting.keys import deployment_keys
