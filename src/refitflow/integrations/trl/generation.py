@@ -31,15 +31,17 @@ from typing import Any
 from accelerate.utils import broadcast_object_list, gather_object
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
-from vllm.distributed.weight_transfer.base import ModuleSource
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError
 from refitflow.integrations.trl.options import RefitflowTrl
 from refitflow.integrations.vllm.min_version import HEADER
 from refitflow.integrations.vllm.trainer import RefitflowTrainerEngine, RefitflowTrainerInitInfo
 from refitflow.integrations.vllm.versions import token_versions
+from refitflow.integrations.vllm.weight_transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
 
 __all__ = ["RefitflowVLLMGeneration"]
 

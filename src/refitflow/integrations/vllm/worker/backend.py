@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refitflow.api.receiver import Receiver
 from refitflow.core.errors import ConfigError, RefitError
@@ -42,6 +41,7 @@ from refitflow.integrations.vllm.worker.lora import Landing
 from refitflow.integrations.vllm.worker.place import Place, receiver_layout
 from refitflow.integrations.vllm.worker.reload import LayerwiseLoad
 from refitflow.integrations.vllm.worker.reprocessing import Reprocessing, reprocessing
+from refitflow.integrations.vllm.weight_transfer import WeightTransferEngine
 
 __all__ = ["RefitflowEngine"]
 
