@@ -64,3 +64,34 @@ def trainer_greedy(model: tf.PreTrainedModel, tokens: int = PROBE_TOKENS) -> Gre
 
 def weight_label(url: str) -> str:
     return str(httpx.get(f"{url}/weight_info", timeout=60).json()["weight_version"])
+
+
+class Stream:
+    """One greedy streaming generation of ``tokens`` tokens on ``/inference/v1/generate``; ``started`` is set at its
+    first tokens; afterwards ``status``, ``count`` and vLLM's weight-version ``spans``."""
+
+    def __init__(self, url: str, tokens: int) -> None:
+        import anyio
+
+        self.url, self.tokens = url, tokens
+        self.started = anyio.Event()
+        self.status: int | None = None
+        self.count = 0
+        self.spans: list[tuple[str, int, int]] = []
+
+    async def run(self) -> None:
+        import json
+
+        sampling = {"temperature": 0.0, "max_tokens": self.tokens, "min_tokens": self.tokens}
+        body = {"token_ids": PROBE, "stream": True, "sampling_params": sampling}
+        async with httpx.AsyncClient(base_url=self.url, timeout=300) as http:
+            async with http.stream("POST", "/inference/v1/generate", json=body) as answer:
+                self.status = answer.status_code
+                async for line in answer.aiter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[len("data: ") :])["choices"][0]
+                        self.count += len(choice.get("token_ids") or [])
+                        spans = choice.get("weight_versions")
+                        if spans:
+                            self.spans = [(s["version"], s["start"], s["end"]) for s in spans]
+                        self.started.set()
