@@ -1,5 +1,6 @@
-"""The minimum-version contract's middleware (``integrations/vllm/min_version.py``) over a plain ASGI app standing in
-for vLLM's (the real server is in ``test_trl_grpo.py``): what it refuses, what it passes through untouched."""
+"""The minimum-version contract's middleware (``integrations/vllm/server/min_version.py``) over a plain ASGI app
+standing in for vLLM's (the real server is in ``test_trl_grpo.py``): what it refuses, what it passes through
+untouched."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import anyio
 import httpx
 import pytest
 
-from refitflow.integrations.vllm.min_version import FIELD, HEADER, MinVersionMiddleware, requested, served_number
+from refitflow.integrations.vllm.server.min_version import FIELD, HEADER, MinVersionMiddleware, requested, served_number
 
 
 class Echo:

@@ -11,7 +11,6 @@ import pytest
 from refitflow.integrations._moved import MOVED
 
 
-
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_old_path_warns_and_gives_the_module_at_its_new_path(old: str) -> None:
     new = importlib.import_module(MOVED[old])

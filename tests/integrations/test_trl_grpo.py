@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from refitflow.integrations.trl import GRPOConfig, GRPOTrainer, RefitflowVLLMGeneration, RefitflowWeightTransfer
 from refitflow.integrations.vllm import VllmFleet
-from refitflow.integrations.vllm.min_version import FIELD, HEADER
+from refitflow.integrations.vllm.server.min_version import FIELD, HEADER
 from tests.integrations import _trl_loop as loop
 from tests.integrations._vllm_cpu import START_S, VllmServer
 

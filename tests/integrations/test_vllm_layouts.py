@@ -37,10 +37,10 @@ except ModuleNotFoundError:
     pass
 from refitflow.integrations.vllm import weight_transfer
 assert weight_transfer.ROOT == weight_transfer.NEW_ROOT, weight_transfer.ROOT
-from refitflow.integrations.vllm.plugin import register
+from refitflow.integrations.vllm.server.plugin import register
 register()
 register()  # vLLM runs its plugins more than once: still one registration
-from refitflow.integrations.vllm.engine import RefitflowEngine
+from refitflow.integrations.vllm.worker.backend import RefitflowEngine
 from refitflow.integrations.vllm.trainer import RefitflowTrainerEngine, RefitflowTrainerInitInfo
 factory = sys.modules["vllm.backends.distributed.weight_transfer.factory"]
 base = sys.modules["vllm.backends.distributed.weight_transfer.base"]

@@ -5,7 +5,7 @@ What changes against TRL's own server mode (``trl.generation.vllm_generation.VLL
 
 - **no NCCL group.** TRL's client joins the server's workers in an NCCL group at start-up; here every trainer rank
   opens a ``rf.Publisher`` instead (the main process serves the registry), through vLLM's trainer-side API with
-  ``RefitflowTrainerInitInfo`` (``integrations/vllm/trainer.py``), which initialises the server's ``refitflow``
+  ``RefitflowTrainerInitInfo`` (``integrations/vllm/trainer/``), which initialises the server's ``refitflow``
   backend in shadow mode;
 - **``sync_weights``**: every rank publishes its own parameters in place — DTensor (FSDP2) shards as they lie,
   replicated tensors spread over the ranks — where TRL gathers every tensor whole on every rank and broadcasts it
@@ -34,9 +34,9 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from refitflow.core.errors import ConfigError, RefitError, RefitTimeoutError
 from refitflow.integrations.trl.options import RefitflowTrl
-from refitflow.integrations.vllm.min_version import HEADER
+from refitflow.integrations.vllm.driver.versions import token_versions
+from refitflow.integrations.vllm.server.min_version import HEADER
 from refitflow.integrations.vllm.trainer import RefitflowTrainerEngine, RefitflowTrainerInitInfo
-from refitflow.integrations.vllm.versions import token_versions
 from refitflow.integrations.vllm.weight_transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,

@@ -36,12 +36,12 @@ from refitflow.integrations.hosting.fused_model import parameters
 from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.hosting.keys import deployment_keys
 from refitflow.integrations.hosting.rank_session import RankSession, SessionConfig, process_id
+from refitflow.integrations.vllm.weight_transfer import WeightTransferEngine
 from refitflow.integrations.vllm.worker import kernels, mla
 from refitflow.integrations.vllm.worker.lora import Landing
 from refitflow.integrations.vllm.worker.place import Place, receiver_layout
 from refitflow.integrations.vllm.worker.reload import LayerwiseLoad
 from refitflow.integrations.vllm.worker.reprocessing import Reprocessing, reprocessing
-from refitflow.integrations.vllm.weight_transfer import WeightTransferEngine
 
 __all__ = ["RefitflowEngine"]
 
