@@ -142,6 +142,12 @@ async def test_a_grpo_run_learns_through_refitflow_and_every_completion_says_its
         assert await fleet.answering(STEPS) == ["a"]
         assert await fleet.answering(STEPS + 1) == []
 
+        # train() again (a resumed run): the server's backend is opened again against a new publisher, versions go on
+        trainer.args.max_steps = 1
+        await anyio.to_thread.run_sync(trainer.train)
+        assert [(v, label) for v, _, label in checks[STEPS:]] == [(STEPS + 1, str(STEPS + 1))]
+        assert generation.history[-1][0] == STEPS + 1
+
 
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.timeout(300)

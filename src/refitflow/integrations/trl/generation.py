@@ -21,6 +21,7 @@ What changes against TRL's own server mode (``trl.generation.vllm_generation.VLL
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -89,7 +90,10 @@ class RefitflowVLLMGeneration(VLLMGeneration):
     def sync_weights(self) -> None:
         start = time.perf_counter()
         if self.engine is None:
+            if self.synced and self.accelerator.is_main_process:  # a second train(): the server read from the last
+                _shutdown_server(self.vllm_client.session, self.base_url)
             self.engine = self._open()
+            self.engine.versions = itertools.count(self.synced + 1)  # versions go on across train() calls
         self.engine.send_weights()  # every rank: its share published, the server's update driven by the main process
         self.synced += 1
         self.sync_seconds.append(time.perf_counter() - start)
@@ -100,6 +104,8 @@ class RefitflowVLLMGeneration(VLLMGeneration):
             hook(self.synced)
 
     def close(self) -> None:
+        """The publisher closed on every rank (the server keeps serving the last version; a later sync — another
+        ``train()`` — shuts its backend down and initialises it again, against a new publisher)."""
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -163,6 +169,16 @@ class RefitflowVLLMGeneration(VLLMGeneration):
                                         f"{self.options.timeout_s} s: {answer.text[:500]}")  # fmt: skip
             time.sleep(delay)
             delay = min(1.0, delay * 2)
+
+
+def _shutdown_server(session: Any, base_url: str) -> None:
+    try:
+        answer = session.post(f"{base_url}/shutdown_weight_transfer_engine", timeout=60)
+        if answer.status_code != 200:
+            log.warning("refitflow: the server's backend did not shut down: HTTP %s %s", answer.status_code,
+                        answer.text[:500])  # fmt: skip
+    except Exception as exc:  # the server may be gone already: nothing left to release there
+        log.warning("refitflow: the server's backend did not shut down: %s", exc)
 
 
 def _logprobs(choices: list[dict[str, Any]]) -> tuple[Any, Any]:
