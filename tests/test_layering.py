@@ -90,6 +90,7 @@ PLUGINS: dict[str, set[str]] = {
     "lora": set(),
     "sglang": {"hosting"},
     "verl": {"hosting"},
+    "trl": {"hosting", "vllm"},  # TRL's loop drives a vLLM server: the vLLM trainer side, the driver's versions
     "vllm": {"hosting", "lora"},
 }
 # vllm/ by process role: the worker backend, the server plug-ins, the trainer side, the RL loop's driver

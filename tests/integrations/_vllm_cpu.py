@@ -68,7 +68,7 @@ class VllmServer:
         """Start the server's process (``__aenter__`` then waits for ``/health``)."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    UCX_NET_DEVICES="lo", VLLM_LOGGING_LEVEL="INFO", **self.env)  # fmt: skip
-        env.pop("PYTHONPATH", None)  # the venv's own packages, refitflow installed there
+        env["PYTHONPATH"] = str(ROOT / "src")  # the venv's own packages, and this checkout's refitflow
         argv = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--skip-tokenizer-init",
                 "--enforce-eager", "--max-model-len", str(self.max_model_len), "--max-num-seqs", "4", "--seed", "0",

@@ -125,6 +125,14 @@ class VllmFleet(Membership):
         super().remove(name)
         self.adapters.pop(name, None)
 
+    async def answering(self, min_version: int, *, timeout_s: float = 5.0) -> list[str]:
+        """The servers that can answer a request asking for ``min_version`` now (``min_version.py``: the others
+        answer it 409): those that serve a committed version ``>= min_version`` — current, or behind the fleet
+        but serving (shadow) — by their readiness routes; fenced, catching-up and gone servers never."""
+        states = await self.states(timeout_s=timeout_s)
+        return sorted(n for n, s in states.items() if s.state in ("current", "behind") and s.version is not None
+                      and s.version >= min_version)  # fmt: skip
+
     async def refit_adapter(self, adapter: str, version: int, *, max_staleness: int = 1, timeout_s: float = 120.0,
                             lora_root: str = LORA_ROOT) -> dict[str, EngineResult]:  # fmt: skip
         """Serve LoRA ``adapter`` ``version`` on every server under its own name ``adapter@v<version>`` (vLLM started

@@ -6,7 +6,8 @@ every worker, is not catching up, not fenced, and its last update did not fail â
 which (``rf.EngineState`` as JSON, and each worker's fence, version and what its last refit read:
 ``pulled_bytes``, of which ``relay_bytes`` from peers). The metric ``refitflow_server_ready`` (1 or 0, in the
 server's ``/metrics``) follows every answer and every weight-transfer call. vLLM loads an endpoint plugin
-only when ``VLLM_PLUGINS`` names it: ``VLLM_PLUGINS=refitflow``.
+only when ``VLLM_PLUGINS`` names it: ``VLLM_PLUGINS=refitflow``. It also installs the minimum-version contract
+(``min_version``: a request below the version it asks for is refused with a retryable 409).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from refitflow.integrations.hosting.http import READY_ROUTE
 from refitflow.integrations.vllm.server import join, plugin
+from refitflow.integrations.vllm.server.min_version import MinVersionMiddleware
 
 __all__ = ["Endpoints"]
 
@@ -41,6 +43,12 @@ class Endpoints:
             return JSONResponse(body, status_code=200 if state.ready else 503)
 
         app.add_api_route(f"/{READY_ROUTE}", ready, methods=["GET"], include_in_schema=False)
+
+        async def version() -> str | None:
+            llm = getattr(app.state, "refitflow_engine", None)
+            return None if llm is None else str(await llm.get_weight_version())
+
+        app.add_middleware(MinVersionMiddleware, version=version)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         plugin.share_vllm_log()  # vLLM's handlers exist by now: the catch-up's lines go to the server's log

@@ -109,7 +109,7 @@ def start(llm: Any, spec: JoinSpec) -> None:
 
 async def catch_up(llm: Any, spec: JoinSpec) -> int:
     """vLLM's update sequence on this server until a version commits; that version."""
-    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    from refitflow.integrations.vllm.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
 
     wait, attempt, opened = RETRY_S[0], 0, False
     while True:

@@ -24,7 +24,7 @@ BACKEND_MODULE = "refitflow.integrations.vllm.worker.backend"  # imported by vLL
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from refitflow.integrations.vllm.weight_transfer import WeightTransferEngineFactory
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, BACKEND_MODULE, "RefitflowEngine")

@@ -36,21 +36,21 @@ from typing import Any, ClassVar, Self
 
 import torch
 from torch.distributed.tensor import Shard as TorchShard
-from vllm.distributed.weight_transfer.base import (
-    ModuleSource,
-    Shard,
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 import refitflow as rf
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.integrations.hosting.info import RefitflowInitInfo
 from refitflow.integrations.hosting.keys import deployment_keys
 from refitflow.integrations.hosting.loop_thread import LoopThread
+from refitflow.integrations.vllm.weight_transfer import (
+    ModuleSource,
+    Shard,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferTrainerFactory,
+)
 from refitflow.layouts import Parallel, hf
 from refitflow.layouts.wire import layout_metadata
 from refitflow.registry.keys import client_of, server_of

@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refitflow.api.receiver import Receiver
 from refitflow.core.errors import ConfigError, RefitError
@@ -37,6 +36,7 @@ from refitflow.integrations.hosting.fused_model import parameters
 from refitflow.integrations.hosting.info import RefitflowInitInfo, RefitflowUpdateInfo
 from refitflow.integrations.hosting.keys import deployment_keys
 from refitflow.integrations.hosting.rank_session import RankSession, SessionConfig, process_id
+from refitflow.integrations.vllm.weight_transfer import WeightTransferEngine
 from refitflow.integrations.vllm.worker import kernels, mla
 from refitflow.integrations.vllm.worker.lora import Landing
 from refitflow.integrations.vllm.worker.place import Place, receiver_layout
