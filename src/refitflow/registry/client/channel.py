@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -99,14 +100,16 @@ class Channel:
         self._tasks: list[asyncio.Task[None]] = []
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ops: dict[int, str] = {}  # request id -> its op (what ``lost`` counts)
         self._no_detail = 0
         self.seen = seen or Seen()  # the registry's incarnation, from the latest answer of any replica
         self._clock_of: str | None = None  # the incarnation ``_offset`` was learnt in
         self._offset: float | None = None  # this replica's clock minus ours (a lower bound), this incarnation
         self.answering = True  # False from a request that went unanswered until the next answer
         self.up: bool | None = None  # the connection as the monitor saw it last (None: not yet seen)
-        self.sent = 0  # requests handed to a live connection (tests wait on it)
-        self.lost = 0  # requests failed because their connection broke
+        self.sent: Counter[str] = Counter()  # requests handed to a live connection, per op
+        self.in_flight: Counter[str] = Counter()  # of those, the ones not answered (nor given up) yet
+        self.lost: Counter[str] = Counter()  # requests failed because their connection broke, per op
         self.closed = False
 
     def socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -234,12 +237,14 @@ class Channel:
     def _broken(self) -> None:
         """The connection broke: what waits on this channel will never be answered (see the module docstring)."""
         self.up = False
-        waiting = [f for f in self._pending.values() if not f.done()]
+        waiting = sum(not f.done() for f in self._pending.values())
         if waiting:
             log.info("registry client: the connection to %s broke; %d request(s) go elsewhere", self.address,
-                     len(waiting))  # fmt: skip
-        for future in waiting:
-            self.lost += 1
+                     waiting)  # fmt: skip
+        for request_id, future in list(self._pending.items()):
+            if future.done():
+                continue
+            self.lost[self._ops.get(request_id, "")] += 1
             future.set_exception(Lost(f"the connection to the registry at {self.address} broke before it answered"))
 
     def _refuse(self, why: str) -> None:
@@ -264,6 +269,8 @@ class Channel:
             raise ManifestError(f"the {op!r} request is {len(frame)} bytes, over the registry's limit of {max_bytes}")
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._pending[request_id] = future
+        self._ops[request_id] = op
+        sent = False
         try:
             async with asyncio.timeout(deadline):  # the send too: it waits while no connection is up
                 sending: asyncio.Future[Any] = asyncio.ensure_future(self._dealer_socket().send(frame))
@@ -271,7 +278,9 @@ class Channel:
                     await asyncio.wait([sending, future], return_when=asyncio.FIRST_COMPLETED)
                     if sending.done() and not sending.cancelled():
                         sending.result()  # a send that failed raises here
-                        self.sent += 1
+                        self.sent[op] += 1
+                        self.in_flight[op] += 1
+                        sent = True
                 finally:
                     sending.cancel()  # not sent yet (a refused handshake, or the deadline): never sent
                 reply = await future
@@ -286,6 +295,9 @@ class Channel:
             raise TransportError(f"registry at {self.address}: sending {op!r} failed: {exc}") from exc
         finally:
             self._pending.pop(request_id, None)
+            self._ops.pop(request_id, None)
+            if sent:
+                self.in_flight[op] -= 1
             if future.done() and not future.cancelled():
                 future.exception()  # retrieved, even when the deadline came first
         if not reply.get("ok"):
