@@ -87,10 +87,12 @@ class Deployment:
         return self.replicas[0], self.replicas[1]
 
     def owner_lease(self, owner: str) -> int | None:
-        """The etcd lease that holds what ``owner`` (a client id) registered and published, or None."""
-        key = f"/refitflow/{self.namespace}/o/{owner}"
+        """The etcd lease that holds what ``owner`` (a client id) registered and published, or None (the registry
+        names an owner by its id and its key: ``id@fingerprint``)."""
+        key = f"/refitflow/{self.namespace}/o/{owner}@"
         out = subprocess.run(["etcdctl", "--endpoints", ",".join(m.endpoint for m in self.etcd.members),
-                              "get", key, "-w", "json"], capture_output=True, text=True, timeout=20, check=True)
+                              "get", "--prefix", key, "-w", "json"], capture_output=True, text=True, timeout=20,
+                             check=True)  # fmt: skip
         kvs = json.loads(out.stdout).get("kvs") or []
         return int(kvs[0]["lease"]) if kvs else None
 
