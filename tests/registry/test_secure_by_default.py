@@ -112,6 +112,8 @@ def test_an_integration_reads_its_keys_from_its_environment(tmp_path: Path, monk
     keys = rf.DeploymentKeys.create(tmp_path / "deployment")
     monkeypatch.setenv("REFITFLOW_KEYS", str(keys.folder))
     assert deployment_keys() == keys
+    found = deployment_keys("rollout")  # an inference server presents its role's pair
+    assert found is not None and found.client.secret_key_file == keys.folder / "rollout.key_secret"
     monkeypatch.setenv("REFITFLOW_KEYS", str(tmp_path / "missing"))
     with pytest.raises(rf.ConfigError, match="refitflow keys DIR"):
         deployment_keys()

@@ -192,6 +192,6 @@ def server_of(keys: DeploymentKeys | None) -> ServerSecurity | None:
     return None if keys is None else keys.server
 
 
-def client_of(keys: DeploymentKeys | None) -> ClientSecurity | None:
-    """A client socket's CURVE from ``keys`` (None: open)."""
-    return None if keys is None else keys.client
+def client_of(keys: DeploymentKeys | None, role: str | None = None) -> ClientSecurity | None:
+    """A client socket's CURVE from ``keys`` (None: open): the pair of the role ``keys`` names, else of ``role``."""
+    return None if keys is None else keys.pair(keys.role or role)
