@@ -66,8 +66,8 @@ class Deployment:
         self.etcd: Cluster = loopback(root / "etcd", members)
         self.replicas: list[Replica] = []
 
-    def spawn(self) -> Replica:
-        argv = [sys.executable, "-c", _CODE, "--bind", "tcp://127.0.0.1:*", "--store", self.etcd.url,
+    def spawn(self, bind: str = "tcp://127.0.0.1:*") -> Replica:
+        argv = [sys.executable, "-c", _CODE, "--bind", bind, "--store", self.etcd.url,
                 "--namespace", self.namespace, "--lease-s", str(self.lease_s), "--keys", str(self.keys.folder)]
         env = {**os.environ, "PYTHONPATH": SRC}
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, start_new_session=True)

@@ -27,6 +27,7 @@ import refitflow as rf
 from refitflow.core.relay import RelayOffer
 from refitflow.registry.client.client import RegistryClient
 from tests.faults._util import until
+from tests.registry._etcd import free_port
 from tests.registry._replicas import Deployment, Replica
 from tests.registry.test_registry_client import manifest
 
@@ -246,6 +247,26 @@ async def test_a_wait_complete_at_a_replica_that_dies_finds_the_version_publishe
             with anyio.fail_after(LEASE_S):
                 found = await waiting
             assert found.version == 1 and channel.lost["latest"] >= 1
+
+
+@pytest.mark.asyncio
+async def test_an_address_where_nobody_listens_costs_a_request_nothing(
+    deployment: Deployment, pair: tuple[Replica, Replica], request: pytest.FixtureRequest
+) -> None:
+    """A replica address where nothing listens (a replica not started, or dead before the client first tried it)
+    is left as soon as the connection is refused, not at the end of its share of a long deadline: the request
+    was never sent (``Unsent``); the long poll after it goes to the replica that answers first."""
+    _, survivor = pair
+    ident = identity(request)
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    with anyio.fail_after(60):
+        async with RegistryClient([nobody, survivor.address], security=deployment.keys.client_named("trainer"),
+                                  request_timeout_s=60) as trainer:  # fmt: skip
+            with anyio.fail_after(TIMEOUT_S):  # not the 30 s share of the first replica
+                await trainer.publish(manifest(1, 0, world=1, identity=ident))
+            assert trainer._channel.channels[0].up is False
+            with anyio.fail_after(TIMEOUT_S):
+                await trainer.wait_released(ident, 1, None)  # no receiver: released at once, by the survivor
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:

@@ -18,7 +18,10 @@ A broken connection (the registry's process died, its host reset the connection:
 ``DISCONNECTED``) fails every request waiting on this channel at once with ``Lost``: ZMQ dropped what was
 queued to that connection and the registry can no longer answer it, so the caller (``replicas``) sends it
 to another replica, or to this one once it is back, within what is left of its deadline, instead of waiting
-that deadline out. ``up`` says what the monitor saw last (None: nothing yet).
+that deadline out. A request not sent yet (no connection: the DEALER waits for one) fails with ``Unsent`` as
+soon as the monitor sees a connection attempt refused or a connection break (nobody listens there): the caller
+sends it elsewhere, or here again once a connection comes up. ``up`` says what the monitor saw last (None:
+nothing yet).
 
 Every answer names the registry's incarnation: when it changes, ``on_restart`` is called (the client
 re-announces what it holds). The incarnation is the client's (``Seen``), shared by the channels to every
@@ -47,7 +50,7 @@ from refitflow.registry.address import attach, no_answer_hint
 from refitflow.registry.messages import decode_message, error_from_reply
 from refitflow.registry.security import ClientSecurity
 
-__all__ = ["Channel", "Lost", "NoAnswer", "Seen"]
+__all__ = ["Channel", "Lost", "NoAnswer", "Seen", "Unsent"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,10 @@ class NoAnswer(RefitTimeoutError):
 
 class Lost(NoAnswer):
     """The connection the request went out on broke before its answer came: it will never come."""
+
+
+class Unsent(NoAnswer):
+    """No connection to the registry came up for the request (nobody listens there): it was never sent."""
 
 
 class Seen:
@@ -101,6 +108,7 @@ class Channel:
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ops: dict[int, str] = {}  # request id -> its op (what ``lost`` counts)
+        self._down = asyncio.Event()  # set at each sign that nobody listens (then a fresh one)
         self._no_detail = 0
         self.seen = seen or Seen()  # the registry's incarnation, from the latest answer of any replica
         self._clock_of: str | None = None  # the incarnation ``_offset`` was learnt in
@@ -203,7 +211,7 @@ class Channel:
                 self._no_detail, self.up = 0, True
                 continue
             if kind == zmq.EVENT_CONNECT_RETRIED:  # nobody listens there (yet)
-                self.up = False
+                self._went_down()
                 continue
             if kind == zmq.EVENT_DISCONNECTED:
                 self._broken()
@@ -234,9 +242,15 @@ class Channel:
         return (f"the CURVE handshake with {where} failed: most likely {sec.server_public_file} is not the "
                 "registry's server.key (or the registry's secret key changed)")  # fmt: skip
 
+    def _went_down(self) -> None:
+        """Nobody listens there now: requests waiting to be sent give up (``Unsent``)."""
+        self.up = False
+        self._down.set()
+        self._down = asyncio.Event()
+
     def _broken(self) -> None:
         """The connection broke: what waits on this channel will never be answered (see the module docstring)."""
-        self.up = False
+        self._went_down()
         waiting = sum(not f.done() for f in self._pending.values())
         if waiting:
             log.info("registry client: the connection to %s broke; %d request(s) go elsewhere", self.address,
@@ -274,17 +288,21 @@ class Channel:
         try:
             async with asyncio.timeout(deadline):  # the send too: it waits while no connection is up
                 sending: asyncio.Future[Any] = asyncio.ensure_future(self._dealer_socket().send(frame))
+                down = asyncio.ensure_future(self._down.wait())
                 try:
-                    await asyncio.wait([sending, future], return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait([sending, future, down], return_when=asyncio.FIRST_COMPLETED)
+                    if not sending.done() and not future.done():  # nobody listens: never sent, go elsewhere
+                        raise Unsent(f"no connection to the registry at {self.address} (nobody listens there)")
                     if sending.done() and not sending.cancelled():
                         sending.result()  # a send that failed raises here
                         self.sent[op] += 1
                         self.in_flight[op] += 1
                         sent = True
                 finally:
-                    sending.cancel()  # not sent yet (a refused handshake, or the deadline): never sent
+                    sending.cancel()  # not sent yet (a refused handshake, nobody there, the deadline): never sent
+                    down.cancel()
                 reply = await future
-        except Lost:
+        except (Lost, Unsent):
             self.answering = False
             raise
         except TimeoutError:

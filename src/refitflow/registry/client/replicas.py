@@ -1,14 +1,15 @@
 """A client's way to the replicas of one registry: a ``Channel`` each, and fail-over between them.
 
 A request goes to the replica that answered last (the *current* one), unless its connection is known to
-be broken (then the replicas whose connections are up or not yet tried come first). One that does not
-answer within its share of the deadline (``NoAnswer``: down, cut off, or stalled) is left for the next, and
-the request is sent there, within what is left of the same deadline: every replica but the last gets an
-equal share of the answer time (a long poll's server-side ``wait_s`` shrinks to fit its share). A replica
-whose connection breaks while it holds the request (``Lost``: its process died) is left at once, not at
-the end of its share; once every replica has had its turn and time is left (every one of them failed
-fast), the round starts again. Each request fixes its own order when it starts, and a failure moves the
-current replica on only if it is still the one that failed: requests failing at once never send each
+be broken: replicas with a live connection come first, then those not tried yet, then those where nobody
+listened last. One that does not answer within its share of the deadline (``NoAnswer``: down, cut off, or
+stalled) is left for the next, and the request is sent there, within what is left of the same deadline:
+every replica but the last gets an equal share of the answer time (a long poll's server-side ``wait_s``
+shrinks to fit its share). A replica whose connection breaks while it holds the request (``Lost``: its
+process died), or where nobody listens (``Unsent``: the request could not even be sent), is left at once,
+not at the end of its share; once every replica has had its turn and time is left (every one of them
+failed fast), the round starts again. Each request fixes its own order when it starts, and a failure moves
+the current replica on only if it is still the one that failed: requests failing at once never send each
 other back to a dead replica.
 
 Requests are idempotent on the registry, so one that reached a replica that died before answering may be
@@ -27,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, RefitTimeoutError
-from refitflow.registry.client.channel import Channel, Lost, NoAnswer, Seen
+from refitflow.registry.client.channel import Channel, Lost, NoAnswer, Seen, Unsent
 from refitflow.registry.security import ClientSecurity
 
 __all__ = ["Replicas"]
@@ -68,11 +69,12 @@ class Replicas:
         return self.channels[0].closed
 
     def order(self) -> list[int]:
-        """The replicas in the order a request tries them: from the current one round, those whose connection
-        is known to be broken last."""
+        """The replicas in the order a request tries them: from the current one round, those with a live connection
+        first, then those not tried yet, then those where nobody listened last."""
         n = len(self.channels)
         ring = [(self._at + k) % n for k in range(n)]
-        return [i for i in ring if self.channels[i].up is not False] + [i for i in ring if self.channels[i].up is False]
+        rank = {True: 0, None: 1, False: 2}
+        return sorted(ring, key=lambda i: rank[self.channels[i].up])  # stable: the ring's order within each
 
     def _leave(self, at: int) -> None:
         """Replica ``at`` did not answer: if it is still the current one, the next in line is (not otherwise:
@@ -107,6 +109,7 @@ class Replicas:
                 self._leave(at)
                 if n > 1:
                     why = "lost its connection with" if isinstance(exc, Lost) else "did not answer"
+                    why = "has nobody listening for" if isinstance(exc, Unsent) else why
                     log.info("registry client: %s %s %r; trying %s", self.channels[at].address, why, op,
                              self.channels[order[(k + 1) % n]].address)  # fmt: skip
                 continue
