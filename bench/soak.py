@@ -20,7 +20,8 @@ one fault (or none):
 Counted, all of which must be 0 (or flat): ``hangs`` (a step past its deadline), ``mixed`` (two
 ranks serving — fence ready — different versions), ``corrupt`` (a rank committed bytes that differ
 from the version it names), ``release_stalls`` (a version every rank committed that the trainer's
-``released(v)`` did not see released within ``RELEASE_S``), ``leaked_processes`` (children alive after the
+``released(v)`` did not see released within ``RELEASE_S``; not asked after a ``receiver_kill``: the rank started
+again is a new receiver, which holds the version until it read one), ``leaked_processes`` (children alive after the
 end), and the growth of the fds and RSS of the processes that lived through the whole run. ``committed``
 counts versions every rank committed, ``outcomes`` each version's fault and whether it committed. Prints one
 JSON object.
@@ -219,7 +220,10 @@ async def _run(rng: random.Random, plan: list[str], regs: Registries) -> dict[st
                 status = (await controller.status(timeout=5.0))["engine"]
                 ready = {s["committed_version"] for s in status if s is not None and s["fence"] == "ready"}
                 counts["mixed"] += len(ready) > 1
-                if ok:  # the trainer never waits on a release that already happened
+                # the trainer never waits on a release that already happened; but a rank killed and started again
+                # is a new receiver that has read nothing yet: it holds ``version`` (it must read it, or a newer
+                # one) until the next refit, as it should
+                if ok and fault != "receiver_kill":
                     await _released(trainer, version, counts)
                 await regs.refill(tg)
                 if version == 2 and regs.first is not None:  # after warm-up: the long-lived registry's fds, RSS
@@ -250,12 +254,14 @@ async def _released(trainer: Child, version: int, counts: dict[str, Any]) -> Non
     await trainer.send({"released": version})
     if not await trainer.wait_line("released", version, RELEASE_S + 10):
         counts["release_stalls"] += 1
+        counts.setdefault("stalled", []).append(f"{version}: no answer")
         return
     answer = next(m for m in reversed(trainer.lines) if m.get("released") == version)
     if answer["ok"]:
         counts["release_s"].append(answer["s"])  # from the engine's commit to released(v) returning
     else:
         counts["release_stalls"] += 1
+        counts.setdefault("stalled", []).append(f"{version}: {answer['why']}")
 
 
 async def _one(tg: anyio.abc.TaskGroup, version: int, fault: str, rng: random.Random, regs: Registries,
