@@ -15,15 +15,15 @@ from bench.soak import FAULTS, soak
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("store", ["memory", "etcd"])
-async def test_a_short_soak_with_every_fault_loses_nothing_and_splits_nothing(store: str) -> None:
+@pytest.mark.parametrize("kept_in", ["memory", "etcd"])  # the soak starts its own etcd (3 members, 2 replicas)
+async def test_a_short_soak_with_every_fault_loses_nothing_and_splits_nothing(kept_in: str) -> None:
     plan = ["none", "byte_flip", "publisher_kill", "none", "publisher_stall", "receiver_kill", "none",
             "concurrent_refits", "registry_restart", "none"]  # fmt: skip
     assert set(plan) - {"none"} == set(FAULTS)
-    if store == "etcd":  # the replica every client uses, killed for good at a random moment
+    if kept_in == "etcd":  # the replica every client uses, killed for good at a random moment
         plan[3] = plan[6] = "replica_kill"
     with anyio.fail_after(300):
-        counts = await soak(15, len(plan), plan, store=store)
+        counts = await soak(15, len(plan), plan, store=kept_in)
     bad = ("hangs", "mixed", "corrupt", "leaked_processes", "release_stalls")
     assert all(counts[k] == 0 for k in bad), counts
     outcomes = dict(o.split(":", 1) for o in counts["outcomes"])
