@@ -233,8 +233,8 @@ class Channel:
         if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if sec is None:
                 return (f"{where} requires CURVE and this client has no keys: give it the deployment's, "
-                        "security=rf.DeploymentKeys(<folder>).client (the folder `refitflow registry` made; the "
-                        "integrations: REFITFLOW_KEYS=<folder>)")  # fmt: skip
+                        "security=rf.DeploymentKeys(<folder>, role=...).client (the folder `refitflow registry` "
+                        "made; the integrations: REFITFLOW_KEYS=<folder>)")  # fmt: skip
             return f"{where} does not use CURVE but this client does: drop its security, or give the registry keys"
         if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             return f"the handshake with {where} failed (ZMTP protocol error {value:#x}): are both sides refitflow?"
