@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import refitflow as rf
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
 from refitflow.registry.client.client import RegistryClient
 from tests.faults._util import until
 from tests.registry._etcd import free_port

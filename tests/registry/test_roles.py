@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import refitflow as rf
-from refitflow.core.relay import RelayOffer
+from refitflow.core.fanout import RelayOffer
 from refitflow.registry.client.client import RegistryClient
 from refitflow.registry.service.etcd.store import EtcdStore
 from tests.faults._util import free_address, until
