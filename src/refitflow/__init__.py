@@ -19,6 +19,7 @@ from refitflow.core.errors import (
     PlanError,
     RefitError,
     RefitTimeoutError,
+    RoleError,
     TransportError,
     VersionError,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "RegistryClient",
     "RegistryLimits",
     "ReleasePolicy",
+    "RoleError",
     "ServerSecurity",
     "ShardSpec",
     "Sharded",

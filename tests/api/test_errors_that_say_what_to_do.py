@@ -188,4 +188,4 @@ async def test_a_registry_that_does_not_answer_hints_at_the_address_and_curve_ke
                 await client.versions(ident)
     text = str(err.value)
     assert f"refitflow registry --bind {address}" in text
-    assert ("authorized folder" if curve else "security=rf.DeploymentKeys(<folder>).client") in text
+    assert ("authorized folder" if curve else "security=rf.DeploymentKeys(<folder>, role=...).client") in text

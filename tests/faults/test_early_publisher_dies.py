@@ -14,6 +14,7 @@ from tests.faults._util import free_address, spawn_registry
 from tests.registry._procs import stop
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_a_publisher_that_dies_between_its_two_announcements_costs_one_refit_and_nothing_else() -> None:
     address = free_address()

@@ -27,7 +27,7 @@ from tests.conftest import free_addresses, mlp
 
 def _keys(tmp_path: Path) -> tuple[rf.ServerSecurity, rf.ClientSecurity, Path]:
     """The deployment's key set, as ``refitflow keys`` writes it; and an intruder's key pair outside it."""
-    keys_main([str(tmp_path / "keys"), "--clients", "rank"])
+    keys_main([str(tmp_path / "keys"), "--clients", "rank:rollout"])  # an engine rank: the rollout role
     _, intruder = create_certificates(str(tmp_path), "intruder")
     server = rf.ServerSecurity(secret_key_file=tmp_path / "keys/server.key_secret",
                                authorized_dir=tmp_path / "keys/authorized")  # fmt: skip

@@ -28,8 +28,9 @@ def test_keys_are_written_private_and_public_keys_readable(tmp_path: Path) -> No
         assert mode(keys / f"{name}.key_secret") == 0o600
         assert mode(keys / f"{name}.key") == 0o644
     assert mode(keys / "authorized") == 0o755
-    assert {p.name for p in (keys / "authorized").iterdir()} == {"trainer.key", "rollout.key"}
-    assert all(mode(p) == 0o644 for p in (keys / "authorized").iterdir())
+    held = {p.relative_to(keys / "authorized").as_posix() for p in (keys / "authorized").rglob("*.key")}
+    assert held == {"trainer/trainer.key", "rollout/rollout.key"}  # the allow-list by role
+    assert all(mode(p) == 0o644 for p in (keys / "authorized").rglob("*.key"))
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """Hypothesis against a registry process: every op it accepts, with random and hostile arguments, and
 frames of the wrong count or size. The service answers each with a result or a typed error of the
-refitflow tree (never an internal failure), never crashes, and keeps serving."""
+refitflow tree (never an internal failure), never crashes, and keeps serving — in memory and on etcd."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from refitflow.core import errors
 from refitflow.core.wire import PROTOCOL_VERSION
 from refitflow.registry.service.ops import Handler
+from tests.faults.conftest import STORES
 from tests.registry._procs import spawn_registry, stop, sync_dealer
 from tests.registry.test_registry_hostile import ask, hostile, junk
 
@@ -27,11 +29,14 @@ TYPED = set(errors.__all__) - {"RefitError"}  # a bare RefitError reply is an in
 REAL_INC = "<the registry's incarnation>"  # replaced at send time, so deadlines get checked too
 
 
-@pytest.fixture(scope="module")
-def registry_address() -> Iterator[str]:
+@pytest.fixture(scope="module", params=STORES)
+def registry_address(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A registry process for the module, on each store (etcd: the session's cluster, a namespace of its own)."""
+    store = [] if request.param == "memory" else ["--store", request.getfixturevalue("etcd_cluster").url,
+                                                  "--namespace", uuid.uuid4().hex[:12]]  # fmt: skip
     loop = asyncio.new_event_loop()
     proc, address = loop.run_until_complete(
-        asyncio.wait_for(spawn_registry("--lease-s", "30", "--max-message-bytes", str(LIMIT)), 30)
+        asyncio.wait_for(spawn_registry("--lease-s", "30", "--max-message-bytes", str(LIMIT), *store), 30)
     )
     yield address
     loop.run_until_complete(stop(proc))

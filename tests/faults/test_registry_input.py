@@ -62,6 +62,7 @@ def refused(reply: dict[str, Any], error: str, words: str = "") -> bool:
     return reply["ok"] is False and reply["error"] == error and words in reply["message"]
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_an_empty_manifest_at_a_huge_version_is_refused_and_receivers_keep_refitting() -> None:
     identity = rf.Identity(model="hostile")
@@ -95,6 +96,7 @@ async def test_an_empty_manifest_at_a_huge_version_is_refused_and_receivers_keep
         ({"shards": [["w", "float32", [8, 3], 0, 0, 4, "0" * 16, 2**63, 0, *NO_TILES]]}, "region"),
     ],
 )
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_absurd_sizes_are_refused(over: dict[str, Any], words: str) -> None:
     with anyio.fail_after(30):
@@ -118,6 +120,7 @@ def test_tensor_names_of_real_models_are_accepted(name: str) -> None:
     assert spec.name == name
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.parametrize("v", [True, 1.0, "1", None])
 @pytest.mark.asyncio
 async def test_a_protocol_version_must_be_the_integer(v: Any) -> None:
@@ -155,6 +158,7 @@ async def test_unowned_incomplete_versions_expire_and_owned_or_complete_ones_sta
     assert await store.versions(ID) == [1, 3]
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_too_many_shards_are_refused_before_any_is_built() -> None:
     shards = [[f"w{i}", "float32", [2], None, 0, 2, "0" * 16, i, 0, *NO_TILES] for i in range(1001)]
@@ -166,6 +170,7 @@ async def test_too_many_shards_are_refused_before_any_is_built() -> None:
             assert await client.request("publish", manifest=manifest_dict(0, shards[:1000], world_size=1), owner="c")
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_a_large_manifest_is_checked_without_stalling_other_clients() -> None:
     """60,000 shard specs: the registry process checks them off its event loop; another client's round
@@ -192,6 +197,7 @@ async def test_a_large_manifest_is_checked_without_stalling_other_clients() -> N
         await stop(registry)
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_one_client_cannot_hold_every_in_flight_slot() -> None:
     ident = {"model": "flood"}
@@ -214,6 +220,7 @@ async def test_one_client_cannot_hold_every_in_flight_slot() -> None:
             assert [r["result"] for r in held] == [False] * 4
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_an_oversize_frame_and_a_wrong_frame_count_get_typed_answers() -> None:
     limits = rf.RegistryLimits(max_message_bytes=4096)

@@ -38,6 +38,7 @@ from tests.registry.test_registry_hostile import manifest as manifest_dict
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_a_remote_publish_must_name_its_owner() -> None:
     with anyio.fail_after(30):
@@ -47,6 +48,7 @@ async def test_a_remote_publish_must_name_its_owner() -> None:
             assert await server.registry.versions(rf.Identity(model="hostile")) == []
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_a_rank_another_live_client_publishes_cannot_be_forged() -> None:
     with anyio.fail_after(30):
@@ -65,6 +67,7 @@ async def test_a_rank_another_live_client_publishes_cannot_be_forged() -> None:
                 assert (await server.registry.latest(ID)).version == 2  # type: ignore[union-attr]
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_a_successor_publishes_once_a_crashed_predecessors_lease_ran_out() -> None:
     """The predecessor published rank 0 and died (no goodbye, no heartbeat): the successor's publish is asked
@@ -78,6 +81,7 @@ async def test_a_successor_publishes_once_a_crashed_predecessors_lease_ran_out()
                 assert (await server.registry.latest(ID)).version == 2  # type: ignore[union-attr]
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_a_forged_version_goes_with_its_forgers_lease() -> None:
     """A forger first on a fresh identity: its version (2**62) and its claim end with its lease; then the
@@ -100,6 +104,7 @@ async def test_a_forged_version_goes_with_its_forgers_lease() -> None:
                 assert await server.registry.versions(identity) == [1]
 
 
+@pytest.mark.usefixtures("store")
 @pytest.mark.asyncio
 async def test_after_a_restart_a_version_far_above_what_the_receivers_committed_is_refused() -> None:
     """The registry restarts: the identity has no complete version, so the newest-complete bound cannot hold.
@@ -160,10 +165,13 @@ def shards(n: int) -> list[list[object]]:
 
 
 @pytest.mark.asyncio
-async def test_a_frame_of_too_many_rows_is_refused_before_decoding_and_nobody_waits() -> None:
+async def test_a_frame_of_too_many_rows_is_refused_before_decoding_and_nobody_waits(store: str) -> None:
     """700,000 rows (≈ 57 MiB, under the 64 MiB frame limit, over the 131,072-spec limit): refused after
     counting; then a legitimate 100,000-spec manifest (≈ 7.5 MB) decoded as a stream. Meanwhile another
-    client's round trips go on and a publisher's one-second lease holds."""
+    client's round trips go on and a publisher's one-second lease holds. On etcd the legitimate manifest has
+    20,000 specs: the replica answers a write once its own watch decoded it, within a call's 4 s, which
+    100,000 specs (8 chunks) overran on this shared 2-core machine (docs/reliability.md, known limits)."""
+    legit = 100_000 if store == "memory" else 20_000
     with anyio.fail_after(120):
         async with (
             rf.Registry.serve("tcp://127.0.0.1:*", lease_s=1.0) as server,
@@ -177,30 +185,35 @@ async def test_a_frame_of_too_many_rows_is_refused_before_decoding_and_nobody_wa
             reply = await hostile.ask(huge)
             assert refused(reply, "ManifestError", "refused before decoding"), reply
             big = orjson.dumps({"v": PROTOCOL_VERSION, "id": 2, "op": "publish", "owner": "b",
-                                "manifest": manifest_dict(0, shards(100_000), version=1,
+                                "manifest": manifest_dict(0, shards(legit), version=1,
                                                           world_size=1) | {"identity": {"model": "big"}}})  # fmt: skip
             sending = asyncio.create_task(hostile.ask(big))
             answered = 0
             while not sending.done():
                 await other.versions(ID)
                 answered += 1
-            assert (await sending)["ok"], "the large manifest is accepted"
+            answer = await sending
+            assert answer["ok"], answer["message"]
             assert answered >= 5, answered  # served while it was decoded and checked
             assert (await server.registry.latest(ID)) is not None  # the holder's lease never ran out
 
 
 @pytest.mark.asyncio
-async def test_a_registry_stopped_for_longer_than_a_lease_expires_nobody() -> None:
+async def test_a_registry_stopped_for_longer_than_a_lease_expires_nobody(store: str) -> None:
     """SIGSTOP for 5 s with a 3 s lease: the heartbeats sent meanwhile wait unread past their deadlines (the
     client gives each up after 1 s), so on waking the registry refuses them all; it extends every lease by its
-    stall before it judges them, so the publisher's version stays offered until its next heartbeat."""
-    address = free_address()
+    stall before it judges them, so the publisher's version stays offered until its next heartbeat. On etcd the
+    leases are etcd's, which a stopped replica cannot keep: the one stopped is one of two replicas, and the
+    clients' heartbeats go to the other (a lone replica stopped past a lease loses them, as a partition would)."""
+    address, other = free_address(), free_address()
     registry = await spawn_registry(address, "--lease-s", "3")
+    replicas = [registry] + ([await spawn_registry(other, "--lease-s", "3")] if store == "etcd" else [])
+    addresses = address if store == "memory" else f"{address},{other}"
     try:
         with anyio.fail_after(60):
             async with (
-                RegistryClient(address, heartbeat_s=0.3, request_timeout_s=1.0) as pub,
-                RegistryClient(address) as reader,
+                RegistryClient(addresses, heartbeat_s=0.3, request_timeout_s=1.0) as pub,
+                RegistryClient(addresses) as reader,
             ):
                 await pub.publish(manifest(1, 0, world=1))
                 os.kill(registry.pid, signal.SIGSTOP)
@@ -211,7 +224,7 @@ async def test_a_registry_stopped_for_longer_than_a_lease_expires_nobody() -> No
                     await anyio.sleep(0.1)
     finally:
         os.kill(registry.pid, signal.SIGCONT)
-        await stop(registry)
+        await stop(*replicas)
 
 
 def test_docs_name_the_protocol_version_the_code_speaks() -> None:

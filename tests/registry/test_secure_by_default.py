@@ -60,8 +60,9 @@ async def test_the_registry_makes_its_keys_on_first_run_and_admits_only_clients_
     with registry_cli(env) as (address, banner, _):
         assert f"CURVE keys made in {folder}" in banner and f"REFITFLOW_KEYS={folder}" in banner
         assert mode(folder) == 0o700 and mode(folder / "server.key_secret") == 0o600
-        assert mode(folder / "client.key_secret") == 0o600 and mode(folder / "server.key") == 0o644
-        keys = rf.find_keys({}, tmp_path)  # a client on this host finds them with nothing set
+        assert all(mode(folder / f"{role}.key_secret") == 0o600 for role in ("trainer", "rollout", "operator"))
+        assert mode(folder / "server.key") == 0o644 and not (folder / "client.key_secret").exists()  # one per role
+        keys = rf.find_keys({}, tmp_path, "trainer")  # a client on this host finds them with nothing set
         assert keys is not None and keys.folder == folder
         with anyio.fail_after(60):
             async with RegistryClient(address, request_timeout_s=30) as stranger:
@@ -111,6 +112,8 @@ def test_an_integration_reads_its_keys_from_its_environment(tmp_path: Path, monk
     keys = rf.DeploymentKeys.create(tmp_path / "deployment")
     monkeypatch.setenv("REFITFLOW_KEYS", str(keys.folder))
     assert deployment_keys() == keys
+    found = deployment_keys("rollout")  # an inference server presents its role's pair
+    assert found is not None and found.client.secret_key_file == keys.folder / "rollout.key_secret"
     monkeypatch.setenv("REFITFLOW_KEYS", str(tmp_path / "missing"))
     with pytest.raises(rf.ConfigError, match="refitflow keys DIR"):
         deployment_keys()
@@ -127,25 +130,26 @@ async def test_an_address_with_keys_connects_publishers_and_receivers(tmp_path: 
     with anyio.fail_after(60):
         async with rf.Registry.serve("tcp://127.0.0.1:*", security=keys.server) as server:
             async with (
-                rf.Publisher(server.address, identity=ID, transport="nixl", security=keys.client) as pub,
+                rf.Publisher(server.address, identity=ID, transport="nixl", security=keys) as pub,  # trainer pair
                 rf.Receiver(
-                    recv_model, server.address, identity=ID, transport="nixl", security=keys.client
+                    recv_model, server.address, identity=ID, transport="nixl", security=keys  # rollout pair
                 ) as recv,  # fmt: skip
             ):
                 await pub.publish(1, model)
                 await recv.refit(1, timeout=30)
                 assert torch.equal(recv_model["w"], model["w"]) and recv.status.committed_version == 1
     with pytest.raises(rf.ConfigError, match="security= is for a registry address"):
-        rf.Publisher(rf.Registry(), identity=ID, security=keys.client)
+        rf.Publisher(rf.Registry(), identity=ID, security=keys)
 
 
 def test_making_keys_again_keeps_the_deployments_keys_unless_forced(tmp_path: Path) -> None:
     folder = tmp_path / "keys"
     assert keys_main([str(folder)]) == 0
-    server, client = (folder / "server.key").read_bytes(), (folder / "client.key_secret").read_bytes()
-    assert keys_main([str(folder), "--clients", "client", "rollout"]) == 0  # a new client joins the set
-    assert (folder / "server.key").read_bytes() == server and (folder / "client.key_secret").read_bytes() == client
-    assert (folder / "authorized" / "rollout.key").is_file() and mode(folder / "rollout.key_secret") == 0o600
+    server, trainer = (folder / "server.key").read_bytes(), (folder / "trainer.key_secret").read_bytes()
+    assert keys_main([str(folder), "--clients", "trainer", "rollout-b:rollout"]) == 0  # another rollout pair joins
+    assert (folder / "server.key").read_bytes() == server and (folder / "trainer.key_secret").read_bytes() == trainer
+    assert (folder / "authorized" / "rollout" / "rollout-b.key").is_file()
+    assert mode(folder / "rollout-b.key_secret") == 0o600 and mode(folder / "authorized" / "rollout") == 0o755
     assert keys_main([str(folder), "--force"]) == 0
     assert (folder / "server.key").read_bytes() != server
 

@@ -100,8 +100,8 @@ class Publisher:
       most one version's delta is lost when training starts freezing. True / False: always / never.
 
     - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``, e.g.
-      ``rf.find_keys(os.environ, Path.home())``: the folder ``refitflow registry`` made) or an
-      ``rf.ClientSecurity``; None: no CURVE.
+      ``rf.find_keys(os.environ, Path.home())``: the folder ``refitflow registry`` made; the publisher presents
+      its ``trainer`` pair) or an ``rf.ClientSecurity``; None: no CURVE.
 
     Errors: ``ConfigError`` for arguments that make no sense (raised here, before anything starts);
     ``VersionError`` for a version that does not increase or a republish with other content.
@@ -139,7 +139,7 @@ class Publisher:
         self.column_digests = column_digests
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
-        self.registry: PublishRegistry = connect_registry(registry, security)
+        self.registry: PublishRegistry = connect_registry(registry, security, "trainer")
         self.release_policy = release_policy
         self.identity = identity
         self.rank = rank

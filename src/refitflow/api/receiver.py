@@ -88,8 +88,8 @@ class Receiver:
       bytes are verified, before this rank commits (pipelined fan-out; docs/fanout.md). Every receiver
       with a registry that has relays reads from the upstream relay the registry names, if any — but one
       given a ``read_start``, which reads the trainer from there (relays read in one order).
-    - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``) or an
-      ``rf.ClientSecurity`` (as for ``rf.Publisher``).
+    - ``security``: CURVE for a registry given by address: the deployment's keys (``rf.DeploymentKeys``: the
+      receiver presents its ``rollout`` pair) or an ``rf.ClientSecurity`` (as for ``rf.Publisher``).
     - ``quant``: parameter name -> quantised format (``layouts/quant.py``) where its dtypes cannot tell: a
       float8 parameter with its scales beside it is found by itself (docs/quant.md).
     - ``**options``: the other ``rf.ReceiverConfig`` fields (``lossy_casts``, ``verify``,
@@ -130,7 +130,7 @@ class Receiver:
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)  # an address: a client opened and closed with us
-        self.registry: ReceiveRegistry = connect_registry(registry, security)
+        self.registry: ReceiveRegistry = connect_registry(registry, security, "rollout")
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer

@@ -169,7 +169,8 @@ async def engine_role(name: str, tp: int, mode: str, registry: Any, cfg: RoleCon
                     security=cfg.security(registry),
                 ))  # fmt: skip
                 vote = await stack.enter_async_context(ZmqVote(
-                    r, votes, group=name, server_security=server_of(cfg.keys), client_security=client_of(cfg.keys)
+                    r, votes, group=name, server_security=server_of(cfg.keys),
+                    client_security=client_of(cfg.keys, "rollout"),
                 ))  # fmt: skip
                 members.append(EngineMember(recv, vote, vote_timeout=cfg.timeout_s))
                 report({"kind": "receiver_ready", "name": names[r], "metrics_port": metrics[r].serve(),

@@ -28,8 +28,7 @@ from refitflow.cli.synthetic import synthetic_model, synthetic_shapes
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.engine.member import Preparer
 from refitflow.metrics.prometheus import PrometheusMetrics
-from refitflow.registry.keys import DeploymentKeys, client_of
-from refitflow.registry.security import ClientSecurity
+from refitflow.registry.keys import DeploymentKeys
 
 __all__ = [
     "IDENTITY",
@@ -62,9 +61,10 @@ class RoleConfig:
     announce_early: bool | None = None  # two-phase publication (None: auto, rf.Publisher): ranks publish at once
     keys: DeploymentKeys | None = None  # CURVE for every registry client and vote (None: open)
 
-    def security(self, registry: Any) -> ClientSecurity | None:
-        """CURVE for a client of ``registry`` (an address; an embedded registry takes none)."""
-        return client_of(self.keys) if isinstance(registry, str) else None
+    def security(self, registry: Any) -> DeploymentKeys | None:
+        """CURVE for a client of ``registry`` (an address; an embedded registry takes none): the key set, of which a
+        publisher presents the trainer pair and a receiver the rollout pair."""
+        return self.keys if isinstance(registry, str) else None
 
 
 def _shards(model: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor | Sharded]:

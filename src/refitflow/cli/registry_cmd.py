@@ -20,7 +20,7 @@ from pathlib import Path
 from refitflow.cli.args import OneLineParser, positive
 from refitflow.core.errors import ConfigError, RefitError
 from refitflow.registry.address import check_address
-from refitflow.registry.keys import ENV, DeploymentKeys, keys_folder, serving_keys
+from refitflow.registry.keys import ENV, ROLES, DeploymentKeys, keys_folder, serving_keys
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.security import ServerSecurity
 from refitflow.registry.service.embedded import Registry
@@ -171,24 +171,35 @@ def _security(args: argparse.Namespace) -> tuple[ServerSecurity | None, str]:
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:
-    """``refitflow keys DIR [--clients NAME ...] [--force]``: CURVE key pairs for the registry and its clients
-    (a pair already there is kept unless ``--force``: making keys again never locks a deployment out).
+    """``refitflow keys DIR [--clients NAME[:ROLE] ...] [--force]``: CURVE key pairs for the registry and one per
+    role — trainer, rollout, operator by default (a pair already there is kept unless ``--force``: making keys
+    again never locks a deployment out).
 
     Secret keys are written 0600 in a folder this command creates 0700 (nobody else can list it); the
-    public keys (``.key``, ``authorized/``) are 0644, they are meant to be handed out.
+    public keys (``.key``, ``authorized/<role>/``) are 0644, they are meant to be handed out.
     """
-    parser = OneLineParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth).")
+    parser = OneLineParser(prog="refitflow keys", description="Generate CURVE key pairs (zmq.auth), one per role.")
     parser.add_argument("dir", type=Path, help="where to write the keys (created if missing)")
-    parser.add_argument("--clients", nargs="+", default=["client"], help="one key pair per client name")
+    parser.add_argument("--clients", nargs="+", default=list(ROLES), metavar="NAME[:ROLE]",
+                        help=f"one key pair per name: {', '.join(ROLES)} (the default: each its own role), NAME:ROLE "
+                        "for another pair of a role (e.g. rollout-host2:rollout), or client: one pair for every "
+                        "role, as folders made before roles")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace the pairs already there (default: kept)")
     args = parser.parse_args(argv)
-    kept = [n for n in ("server", *args.clients) if not args.force and (args.dir / f"{n}.key_secret").exists()]
-    DeploymentKeys.create(args.dir, args.clients, replace=args.force)
+    names = [c.partition(":")[0] for c in args.clients]
+    kept = [n for n in ("server", *names) if not args.force and (args.dir / f"{n}.key_secret").exists()]
+    try:
+        DeploymentKeys.create(args.dir, args.clients, replace=args.force)
+    except ConfigError as exc:
+        parser.error(str(exc))
     authorized = args.dir / "authorized"
     if kept:
         print(f"kept the pairs already in {args.dir}: {', '.join(kept)} (--force makes new ones)")
     print(f"server: {args.dir / 'server.key_secret'} (keep) and {args.dir / 'server.key'} (give to clients)")
-    print(f"clients: {', '.join(f'{n}.key_secret' for n in args.clients)}; allow-list: {authorized}")
+    print(f"clients: {', '.join(f'{n}.key_secret' for n in names)}; allow-list by role: {authorized}/<role>/")
+    if (authorized / "client.key").exists():
+        print(f"{authorized / 'client.key'} holds every role (a folder made before roles): once every process "
+              "presents its role's pair, move it out of the allow-list")  # fmt: skip
     return 0
 
 

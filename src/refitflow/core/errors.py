@@ -21,6 +21,7 @@ Errors carry ``version`` and ``tensor`` where they apply::
     ├── ManifestError           a malformed manifest or message (ValueError too)
     │   └── FrameError          a push-stream frame refused (.kind: header, metadata, entry, ...)
     ├── AuthenticationError     a peer refused our CURVE keys (or we its): the key files do not match
+    │   └── RoleError           the key was admitted, but its role may not do this (a rollout key publishing)
     └── RefitTimeoutError       a deadline passed (TimeoutError too)
 """
 
@@ -40,6 +41,7 @@ __all__ = [
     "PlanError",
     "RefitError",
     "RefitTimeoutError",
+    "RoleError",
     "TransportError",
     "VersionError",
 ]
@@ -134,6 +136,10 @@ class FrameError(ManifestError):
 
 class AuthenticationError(RefitError):
     """A CURVE handshake failed: a missing, unknown or mismatched key (the message names the key files)."""
+
+
+class RoleError(AuthenticationError):
+    """The peer knows our key, and its role (trainer, rollout, operator) may not ask for this."""
 
 
 class RefitTimeoutError(RefitError, TimeoutError):

@@ -57,7 +57,8 @@ def no_answer_hint(address: str, *, curve: bool) -> str:
         "this client uses CURVE: its public key must be in the registry's authorized folder and "
         "server_public_file must be the registry's server.key"
         if curve
-        else "if the registry uses CURVE (its default), this client needs security=rf.DeploymentKeys(<folder>).client"
+        else "if the registry uses CURVE (its default), this client needs "
+        "security=rf.DeploymentKeys(<folder>, role=...).client"
     )
     return f"is a registry serving there (refitflow registry --bind {address}) and reachable from here? {keys}"
 

@@ -2,7 +2,8 @@
 
 One key set serves a whole deployment (``refitflow keys``): the registry, every engine rank's vote
 and agent sockets are CURVE servers with the server key pair and the allow-list; every client
-(publishers, receivers, vote peers, the controller) holds its own pair and the server's public key.
+(publishers, receivers, vote peers, the controller) holds its own pair — its role's — and the server's
+public key. The allow-list is the folder's public keys and those of its role folders (``roles``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import zmq
 
 from refitflow.core.errors import ConfigError
+from refitflow.registry.roles import KeyRoles, role_keys
 
 __all__ = ["ClientSecurity", "ServerSecurity", "check_exposed"]
 
@@ -94,6 +96,16 @@ class ServerSecurity:
             raise ConfigError(f"{self.secret_key_file} holds no secret key")
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
 
+    def roles(self) -> KeyRoles:
+        """The allow-list's keys and their roles (``roles.role_keys``)."""
+        return KeyRoles(role_keys(Path(self.authorized_dir)))
+
+    def allow(self, auth: Any) -> KeyRoles:
+        """Make a started ``zmq.auth`` authenticator admit exactly the allow-list's keys (every role's); the roles."""
+        roles = self.roles()
+        auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(roles))
+        return roles
+
     def authenticator(self, context: zmq.Context) -> Any:
         """Start (in a thread) the handler that admits only the allow-list's clients on ``context``.
 
@@ -104,5 +116,15 @@ class ServerSecurity:
 
         auth = ThreadAuthenticator(context)
         auth.start()
-        auth.configure_curve(domain="*", location=str(self.authorized_dir))
+        self.allow(auth)
         return auth
+
+
+class _Allowed:
+    """``zmq.auth``'s credentials provider: a client key is admitted when the allow-list holds it."""
+
+    def __init__(self, roles: KeyRoles) -> None:
+        self._roles = roles
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return self._roles.knows(key.decode())

@@ -3,8 +3,9 @@ server joins a running fleet (``REFITFLOW_JOIN``, ``join_setting``; docs/fleet.m
 
 Every integration (vLLM's worker and trainer sides, SGLang, verl) turns CURVE on for its registry
 client, its vote and its embedded registry with the keys found here (``REFITFLOW_KEYS``, else
-``~/.refitflow/keys``); ``REFITFLOW_KEYS=open`` runs open, logged as a warning; no keys at all is a
-``ConfigError`` saying how to make them.
+``~/.refitflow/keys``), presenting its role's pair: ``trainer`` on the trainer side, ``rollout`` in an
+inference server (a folder made before roles: its single ``client`` pair); ``REFITFLOW_KEYS=open`` runs
+open, logged as a warning; no keys at all is a ``ConfigError`` saying how to make them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ __all__ = ["JOIN_ENV", "deployment_keys", "join_setting"]
 JOIN_ENV = "REFITFLOW_JOIN"
 
 
-def deployment_keys() -> DeploymentKeys | None:
-    """This process's deployment keys; None when it was told to run open (``REFITFLOW_KEYS=open``)."""
-    return find_keys(os.environ, Path.home())
+def deployment_keys(role: str | None = None) -> DeploymentKeys | None:
+    """This process's deployment keys, presenting ``role``'s pair; None when it was told to run open
+    (``REFITFLOW_KEYS=open``)."""
+    return find_keys(os.environ, Path.home(), role)
 
 
 def join_setting() -> str | None:

@@ -72,7 +72,7 @@ class SessionConfig:
     @property
     def security(self) -> ClientSecurity | None:
         """The registry client's CURVE keys."""
-        return client_of(self.keys)
+        return client_of(self.keys, "rollout")  # an inference rank
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -48,7 +48,7 @@ class AdapterReceiver:
                  budget_bytes: int = 64 << 20, security: ClientSecurity | DeploymentKeys | None = None,
                  **receiver_options: Any) -> None:  # fmt: skip
         self._owns_registry = isinstance(registry, str)
-        self.registry = connect_registry(registry, security)
+        self.registry = connect_registry(registry, security, "rollout")
         self.receiver_id = receiver_id
         self._options = {"transport": transport, "budget_bytes": budget_bytes, **receiver_options}
         self._receivers: dict[str, tuple[Any, dict[str, torch.Tensor], Receiver]] = {}  # adapter -> geometry, ...

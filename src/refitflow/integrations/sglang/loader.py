@@ -118,7 +118,7 @@ class Worker:
             receiver_id=process_id("sglang", init.model, place.name), mode=init.mode, budget_bytes=init.budget_bytes,
             transport=init.transport, vote=vote, vote_rank=place.rank, vote_addresses=addresses,
             vote_timeout_s=init.vote_timeout_s, init_timeout_s=init.init_timeout_s,
-            receiver_options=dict(init.receiver_options), keys=deployment_keys(),
+            receiver_options=dict(init.receiver_options), keys=deployment_keys("rollout"),
         )  # fmt: skip
         session = RankSession.open(config, build, gloo_group=gloo)
         log.info("refitflow: %s loader on %s, vote %s", loader, place.name, vote)

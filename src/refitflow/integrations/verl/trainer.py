@@ -92,7 +92,7 @@ class TrainerSide:
         self.loop = LoopThread("refitflow-verl-trainer")
         self._stack = contextlib.AsyncExitStack()
         self.registry_address: str | None = config.registry
-        self.keys = deployment_keys()  # CURVE on the registry served here and on the publisher's client
+        self.keys = deployment_keys("trainer")  # CURVE on the registry served here and on the publisher's client
         self.publisher: Publisher | None = None
         self.rows: _Rows | None = None
 

