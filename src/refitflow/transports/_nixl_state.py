@@ -35,7 +35,8 @@ class _Peer:
 class _Prepared:
     larr: np.ndarray
     rarr: np.ndarray
-    epochs: tuple[int, int]  # (peer epoch, local epoch) it was prepared under
+    epoch: int  # the peer's address epoch it was prepared under
+    regions: frozenset[int]  # the local regions it lands in
     nx: LockedAgent
     handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
 

@@ -21,7 +21,7 @@ from refitflow.refit.landing import read, read_pieces, reads_for
 from refitflow.refit.work import Work
 from refitflow.transports.base import Read, as_bytes
 
-__all__ = ["owed_by_upstream", "take"]
+__all__ = ["owed_by_upstream", "take_relayed"]
 
 
 def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int, RelayPiece]:
@@ -43,7 +43,7 @@ async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) ->
     return int(up.probe[0]) == attempt.version
 
 
-async def take(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> None:
+async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> None:
     """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver.
 
     One status read after each batch of pieces both checks that the relay's storage did not begin to change
