@@ -24,7 +24,7 @@ from refitflow.planner.fanout import RelayPiece
 from refitflow.planner.reads import coalesce
 from refitflow.refit.attempt import Attempt, Resources
 from refitflow.refit.fanout.relaying import Upstream
-from refitflow.refit.landing import read, read_pieces, reads_for
+from refitflow.refit.landing import landed, read, read_pieces, reads_for
 from refitflow.refit.work import Work
 from refitflow.transports.base import Read, as_bytes
 
@@ -69,7 +69,13 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                 ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
             if ready:
                 planned = coalesce([r for rp in ready for r in rp.reads])
-                await read(res, attempt, work, reads_for(res, attempt, work, planned), None, count=False)
+                assert res.transport is not None  # a pulling rank has one
+                posted = await res.transport.submit(reads_for(res, attempt, work, planned), count=False)
+                try:
+                    await landed(res, attempt, work, posted, anyio.current_time() + res.limits.read_timeout_s)
+                finally:  # a read that failed or ran late ends before the trainer's bytes land in the same place
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s):
+                        await posted.settle()
                 if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
                     up.fail(f"it left version {v} while being read")
                     break
