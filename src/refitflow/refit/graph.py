@@ -105,8 +105,7 @@ async def run_pipeline(
                 tg.start_soon(task("translate", translate.run, res, attempt, r_pull, s_tr))
                 tg.start_soon(task("apply", apply.run, res, attempt, r_tr, s_app))
                 tg.start_soon(task("verify", verify.run, res, attempt, r_app, s_ver))
-                tg.start_soon(lambda: _guarded("commit", version, commit.run(res, attempt, r_ver, meters["commit"],
-                                                                            tally)))  # fmt: skip
+                tg.start_soon(task("commit", commit.run, res, attempt, r_ver, tally))
         except BaseExceptionGroup as group:
             err = first_error(group)
             raise err from err.__cause__

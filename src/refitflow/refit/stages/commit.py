@@ -74,7 +74,7 @@ async def credit(
             txn.coverage.record(n, "derived", dest.params[n].numel())
 
 
-async def run(res: Resources, attempt: Attempt, receive: Receive, meter: Meter, tally: Tally) -> None:
+async def run(res: Resources, attempt: Attempt, receive: Receive, tally: Tally, meter: Meter) -> None:
     """Credit the buckets as they come, add up their counts into ``tally``; at the end, drain and prepare."""
     assembled: dict[str, int] = {}
     owed: list[tuple[int, Credits]] = []  # (bucket index, credits) a relay has not served yet
