@@ -26,7 +26,7 @@ from refitflow.transports._nixl_descs import Described
 from refitflow.transports._nixl_state import CacheKey, _Prepared
 from refitflow.transports.base import Read
 
-__all__ = ["PreparedReads", "group_of"]
+__all__ = ["PreparedReads", "ended", "group_of", "release", "submitted"]
 
 VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
 
@@ -154,10 +154,27 @@ class PreparedReads:
 
 
 def release(prepared: _Prepared) -> None:
-    """Release a preparation's NIXL handles (idempotent in effect: a handle already gone is passed over)."""
-    for h in reversed(prepared.handles):
+    """Release a preparation's NIXL handles — once none of its READs is in flight (a poster thread still checks a
+    submitted one: released under it, NIXL would touch freed memory); idempotent."""
+    if prepared.busy:
+        prepared.doomed = True  # ``ended`` releases it
+        return
+    handles, prepared.handles = prepared.handles, ()
+    for h in reversed(handles):
         try:
             with prepared.nx.lock, prepared.nx.translated("handle release"):
                 h.release()
         except TransportError:
             pass  # e.g. a transfer to a dead peer that cannot be cancelled: nothing more to do
+
+
+def submitted(prepared: _Prepared) -> None:
+    """A READ of ``prepared`` was handed to a poster thread."""
+    prepared.busy += 1
+
+
+def ended(prepared: _Prepared) -> None:
+    """A READ of ``prepared`` ended; released meanwhile, its handles go now."""
+    prepared.busy -= 1
+    if prepared.doomed and not prepared.busy:
+        release(prepared)

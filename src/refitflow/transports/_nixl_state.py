@@ -39,6 +39,8 @@ class _Prepared:
     regions: frozenset[int]  # the local regions it lands in
     nx: LockedAgent
     handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
+    busy: int = 0  # READs of it submitted and not yet ended (a poster thread may still check its handle)
+    doomed: bool = False  # released while busy: its handles go once the last READ ended
 
     @property
     def notif(self) -> bytes:

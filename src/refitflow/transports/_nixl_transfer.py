@@ -18,6 +18,7 @@ import anyio.to_thread
 from refitflow.core.errors import TransportError
 from refitflow.core.threads import waker
 from refitflow.transports._nixl_poster import Poster, State
+from refitflow.transports._nixl_prepared import ended, submitted
 from refitflow.transports._nixl_state import _Prepared
 from refitflow.transports.base import Read, Submitted, Transport
 
@@ -95,6 +96,8 @@ class Posted(Submitted):
         per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
         for p, peer in batch:
             per_agent.setdefault(id(p.nx), []).append((p, peer))
+            submitted(p)
+        self._pending: set[str] = {peer for _, peer in batch}  # peers with a READ not yet ended
         self._left = len(per_agent)
         if not per_agent:
             self._event.set()
@@ -111,6 +114,8 @@ class Posted(Submitted):
 
     def _part_ended(self, group: list[tuple[_Prepared, str]], states: list[State]) -> None:
         for (p, peer), state in zip(group, states, strict=True):
+            ended(p)
+            self._pending.discard(peer)
             if isinstance(state, TransportError):
                 if isinstance(state.__cause__, p.nx.disconnected):
                     self._drop_peer(peer)
@@ -138,3 +143,10 @@ class Posted(Submitted):
 
     async def settle(self) -> None:
         await self._event.wait()
+
+    def abandon(self) -> None:
+        """Nobody waits any longer (a deadline passed while READs were in progress): the peers they read from are
+        dropped — their READs then end with an error, and the next read connects afresh (after a partition
+        heals, UCX's endpoint to a live peer may be dead), as ``transfer`` does for a read cancelled mid-way."""
+        for peer in sorted(self._pending):
+            self._drop_peer(peer)

@@ -9,7 +9,7 @@ a read names a peer's region and offset and lands in a contiguous local uint8 vi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +76,10 @@ class Submitted:
     async def settle(self) -> None:
         """Nothing was posted before ``wait``: nothing can still be landing."""
 
+    def abandon(self) -> None:
+        """The caller stopped waiting for reads still in progress (``settle`` ran out of time): a transport may
+        cut them short. Nothing to do for reads that start only when waited for."""
+
 
 class Transport(ABC):
     """One agent of one transport in this process."""
@@ -121,6 +125,13 @@ class Transport(ABC):
         transport that posts from a thread of its own completes them in batches. By default the reads start
         when waited for."""
         return Submitted(self, reads, key, count)
+
+    def reconnect(self, peers: Iterable[str]) -> None:
+        """Forget the connections to ``peers`` (their addresses stay): the next read of each connects afresh. A
+        refit whose reads timed out asks it of every source it read: after a network partition heals, an
+        endpoint that carried no read meanwhile may be dead without a sign. By default there is nothing to
+        forget."""
+        return None
 
     def forget(self, group: Hashable) -> None:
         """Drop what was prepared for reads whose ``key`` has ``group`` as its first element (a plan the caller

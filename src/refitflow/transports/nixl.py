@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -188,6 +188,11 @@ class NixlTransport(Transport):
             if name != agent:
                 raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
         peer.loaded = True
+
+    def reconnect(self, peers: Iterable[str]) -> None:
+        for agent in peers:
+            if agent in self._peers:
+                self._drop_peer(agent)
 
     def _drop_peer(self, agent: str) -> None:
         """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh."""

@@ -74,8 +74,10 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                 try:
                     await landed(res, attempt, work, posted, anyio.current_time() + res.limits.read_timeout_s)
                 finally:  # a read that failed or ran late ends before the trainer's bytes land in the same place
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s):
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s) as scope:
                         await posted.settle()
+                    if scope.cancelled_caught:
+                        posted.abandon()
                 if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
                     up.fail(f"it left version {v} while being read")
                     break

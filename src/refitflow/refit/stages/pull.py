@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 
+from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.planner.delta import PULL
 from refitflow.planner.fanout import RelayPiece
 from refitflow.refit.attempt import Attempt, Meter, Resources
@@ -111,8 +112,18 @@ async def run(
             err = first_error(group)
             raise err from err.__cause__
         await send.aclose()  # the end of input, only once every bucket went on: a failure must not look like one
+    except (RefitTimeoutError, TransportError):
+        # the network failed the reads: the next attempt connects afresh to every source this one read (an
+        # endpoint that carried no read when a partition cut it may be dead without a sign once it heals)
+        peers = [m.source.agent for m in attempt.publication.manifests]
+        res.transport.reconnect(peers + ([attempt.upstream.offer.source.agent] if attempt.upstream else []))
+        raise
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s):
             for f in flying:  # a failure or a cancellation: what is still landing ends before staging is freed
                 if f.submitted is not None:
                     await f.submitted.settle()
+                    f.submitted = None
+        for f in flying:  # still in progress past the deadline (a peer that stopped answering): cut them short
+            if f.submitted is not None:
+                f.submitted.abandon()
