@@ -43,13 +43,28 @@ def _kill_inside(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def sweep() -> None:
-    """Remove namespaces (and their processes) an earlier, killed run left behind (this prefix only)."""
+    """Remove namespaces (and their processes) an earlier, killed run left behind: this prefix, and a run whose
+    process is gone — another run going on beside this one (another test worker, another checkout) keeps its own."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if name.startswith(PREFIX):
-            _kill_inside(name)
-            _ip("netns", "del", name, check=False)
+        if not name.startswith(PREFIX):
+            continue
+        digits = name[len(PREFIX) :].split("-", 1)[0]
+        if digits.isdigit() and int(digits) != os.getpid() and _alive(int(digits)):
+            continue  # a run still going (its pid is in the tag: PREFIX, pid, "-")
+        _kill_inside(name)
+        _ip("netns", "del", name, check=False)
 
 
 @dataclass
@@ -87,7 +102,7 @@ class Network:
         if why is not None:
             raise RuntimeError(f"simulated hosts cannot be made: {why}")
         sweep()
-        self.tag = f"{PREFIX}{os.getpid() % 100000}"
+        self.tag = f"{PREFIX}{os.getpid()}-"  # sweep() reads the pid back
         self.switch = f"{self.tag}sw"
         self.hosts: list[Host] = []
         _ip("netns", "add", self.switch)

@@ -23,7 +23,7 @@ import torch
 from _nixl_peer import PREFIX, LineChild, model
 
 import refitflow as rf
-from refitflow.transports.base import Read
+from refitflow.transports.base import Read, Submitted
 from refitflow.transports.nixl import NixlTransport
 
 
@@ -37,6 +37,10 @@ class SlowNixl(NixlTransport):
     async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
         await anyio.sleep(self.delay)
         await super().read(reads, key=key, count=count)
+
+    async def submit(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> Submitted:
+        await anyio.sleep(self.delay)  # the pull stage posts its reads without waiting: each post as late
+        return await super().submit(reads, key=key, count=count)
 
 
 async def main() -> None:

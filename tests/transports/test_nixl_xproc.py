@@ -13,7 +13,7 @@ import torch
 from _nixl_peer import Peer, model
 
 import refitflow as rf
-from refitflow.transports.base import Read
+from refitflow.transports.base import Read, Submitted
 from refitflow.transports.nixl import NixlTransport
 
 SPEC = {"tensors": 300, "numel": 1000, "model": "xproc"}
@@ -66,11 +66,18 @@ class KillBefore(NixlTransport):
         self.nth, self.calls = nth, 0
         self.action: object = None
 
-    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
+    async def _count(self) -> None:
         self.calls += 1
         if self.calls == self.nth and self.action is not None:
             await self.action()  # type: ignore[operator]
+
+    async def read(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> None:
+        await self._count()
         await super().read(reads, key=key, count=count)
+
+    async def submit(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> Submitted:
+        await self._count()  # the pull stage posts its reads without waiting for them: a post is a read
+        return await super().submit(reads, key=key, count=count)
 
 
 @pytest.mark.asyncio

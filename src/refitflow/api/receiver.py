@@ -27,6 +27,7 @@ from refitflow.core.threads import off_loop
 from refitflow.core.types import Identity, Publication
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
+from refitflow.planner.records import Plan
 from refitflow.refit.arena import StagingArenas
 from refitflow.refit.attempt import Resources
 from refitflow.refit.config import ReceiverConfig
@@ -140,7 +141,7 @@ class Receiver:
         self.destination, self.fence, self.budget, self.ledger = rank.destination, rank.fence, rank.budget, rank.ledger
         self.devices: DeviceLane = rank.devices  # refit streams and events (refit/device.py)
         observer.budget(0, 0, self.config.budget_bytes)  # the capacity is known before anything is staged
-        self._plans = PlanCache()
+        self._plans = PlanCache(on_drop=self._forget_plan)
         self._unreadable: set[int] = set()  # versions whose sources this rank could not reach: passed over
         self._transport_spec = transport
         self._transport: Transport | None = None
@@ -210,10 +211,15 @@ class Receiver:
             await self._relaying.close()  # its offer names the old storages
         old = self._landing
         self.destination = self.ledger.destination = new
-        self._plans = PlanCache()
+        self._plans.clear()  # every plan names the old storages: the transport lets go of their reads
         await self._land()
         for region in old - self._landing:
             self._transport.deregister(region)
+
+    def _forget_plan(self, plan: Plan) -> None:
+        """A plan the cache dropped: the transport lets go of what it prepared for its reads."""
+        if self._transport is not None:
+            self._transport.forget(plan.serial)
 
     def _prepare_landing(self) -> None:
         """The first refit's share of setup, done once as the receiver starts (a worker thread): what plans
@@ -288,7 +294,7 @@ class Receiver:
         res = Resources(
             destination=self.destination, staging=self._arena, devices=self.devices, ledger=self.ledger,
             limits=self.limits, plans=self._plans, transport=self._transport, fanout=self._relaying,
-            observer=self.observer, unreadable=self._unreadable,
+            observer=self.observer, unreadable=self._unreadable, window=self.config.window_buckets or 4,
         )  # fmt: skip
         misses = self._plans.misses
         self.budget.reset_peak()

@@ -2,8 +2,9 @@
 
 ``building``/``built``: builders of per-plan structures (tens of thousands of acyclic objects) run with the
 collector paused and a 1 ms switch interval; ``off_loop``: a builder in a worker thread, one at a time per
-event loop; ``breathe``/``let_go``: long loops give the GIL away about every millisecond. Process-wide, used
-by stages and transports alike.
+event loop; ``breathe``/``let_go``: long loops give the GIL away about every millisecond; ``waker``: a thread
+that is not the loop's hands it a callback without waiting for it. Process-wide, used by stages and transports
+alike.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio.to_thread
+import sniffio
 from anyio import CapacityLimiter
 from anyio.lowlevel import RunVar
 
-__all__ = ["breathe", "building", "built", "let_go", "off_loop"]
+__all__ = ["breathe", "building", "built", "let_go", "off_loop", "waker"]
 
 T = TypeVar("T")
 
@@ -125,3 +127,22 @@ def let_go() -> None:
     if now - _last[0] > _BREATH_S and threading.current_thread() is not threading.main_thread():
         time.sleep(0)
         _last[0] = time.perf_counter()
+
+
+def waker() -> Callable[[Callable[[], object]], None]:
+    """For the running event loop (asyncio or trio): a function any thread may call to have a callback run soon on
+    the loop's thread. It returns at once (unlike ``anyio.from_thread.run_sync``, which waits for the loop): a
+    thread posting transfers tells the loop each one's end and goes on."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return lambda fn: token.run_sync_soon(fn)
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def call(fn: Callable[[], object]) -> None:
+        loop.call_soon_threadsafe(fn)
+
+    return call

@@ -50,6 +50,7 @@ class Resources:
     fanout: Relaying | None = None  # pipelined fan-out (None: this rank neither relays nor reads relays)
     observer: Observer = NULL_OBSERVER
     unreadable: set[int] = field(default_factory=set)  # versions whose sources this rank cannot reach (discover)
+    window: int = 4  # buckets in flight in the pull stage (ReceiverConfig.window_buckets)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -37,6 +37,9 @@ class ReceiverConfig:
     - ``lossy_casts`` (False): allow casts that lose precision (e.g. fp32 published, bf16 served);
       otherwise such a cast is a ``PlanError`` before any byte is read.
     - ``stream_depth`` (2): items buffered between two stages.
+    - ``window_buckets`` (the staging budget over a bucket, at least 4, at most 64): buckets whose reads are in
+      flight at once in the pull stage — submitted to the transport, not yet landed. Staged buckets are
+      bounded by the budget as well; direct ones (no staging) by this alone.
     - ``read_timeout_s`` (60): deadline of one bucket's reads; past it the refit aborts.
     - ``refit_timeout_s`` (600): deadline of a whole refit, discovery included.
     - ``verify`` (``"strict"``): ``"strict"`` widens reads to whole digest blocks so that every pulled
@@ -75,6 +78,7 @@ class ReceiverConfig:
     shadow_commit: ShadowCommit = ShadowCommit.SWAP  # "copy": CUDA-graph safe shadow (see docs/device.md)
     lossy_casts: bool = False
     stream_depth: int = 2
+    window_buckets: int | None = None  # default: budget // bucket, within [4, 64]
     read_timeout_s: float = 60.0
     refit_timeout_s: float = 600.0
     verify: str = "strict"
@@ -105,6 +109,11 @@ class ReceiverConfig:
             raise ConfigError("direct_bucket_bytes must be at least 64 bytes")
         if self.max_reads_per_bucket < 1 or self.stream_depth < 1 or self.max_direct_buckets < 1:
             raise ConfigError("max_reads_per_bucket, max_direct_buckets and stream_depth must be at least 1")
+        if self.window_buckets is None:
+            object.__setattr__(self, "window_buckets", min(64, max(4, self.budget_bytes // self.bucket_bytes)))
+        window = self.window_buckets
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"window_buckets must be a whole number of at least 1, got {self.window_buckets!r}")
         if self.verify not in ("strict", "pulled"):
             raise ConfigError(f"verify must be 'strict' or 'pulled', got {self.verify!r}")
         if self.max_strided_runs < 1 or self.min_run_bytes < 0:

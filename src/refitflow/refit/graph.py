@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from refitflow.core.errors import RefitError
 from refitflow.core.types import Identity, Publication
 from refitflow.refit.attempt import STAGES, Attempt, Found, Meter, Resources, Tally
+from refitflow.refit.handoff import first_error
 from refitflow.refit.stages import allocate, apply, commit, discover, plan, pull, translate, verify
 from refitflow.refit.stages.discover import Discovery
 from refitflow.refit.transaction import Transaction
@@ -48,24 +49,14 @@ class Outcome:
 
 
 async def _guarded(stage: str, version: int | None, work: Awaitable[T]) -> T:
-    """Await a stage; translate any foreign exception into a ``RefitError`` naming the stage."""
+    """Await a stage; translate any foreign exception into a ``RefitError`` naming the stage (but the echo of
+    another stage's failure: its stream closed under it, ``first_error`` passes over that)."""
     try:
         return await work
-    except (RefitError, anyio.get_cancelled_exc_class()):
+    except (RefitError, anyio.BrokenResourceError, anyio.get_cancelled_exc_class()):
         raise
     except Exception as exc:
         raise RefitError(f"{stage} stage failed: {type(exc).__name__}: {exc}", version=version) from exc
-
-
-def _unwrap(group: BaseExceptionGroup) -> BaseException:
-    """The first real error in a task group's exceptions (cancellations are echoes of it)."""
-    cancelled = anyio.get_cancelled_exc_class()
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            exc = _unwrap(exc)
-        if not isinstance(exc, cancelled):
-            return exc
-    return group.exceptions[0]
 
 
 async def run_pipeline(
@@ -114,10 +105,9 @@ async def run_pipeline(
                 tg.start_soon(task("translate", translate.run, res, attempt, r_pull, s_tr))
                 tg.start_soon(task("apply", apply.run, res, attempt, r_tr, s_app))
                 tg.start_soon(task("verify", verify.run, res, attempt, r_app, s_ver))
-                tg.start_soon(lambda: _guarded("commit", version, commit.run(res, attempt, r_ver, meters["commit"],
-                                                                            tally)))  # fmt: skip
+                tg.start_soon(task("commit", commit.run, res, attempt, r_ver, tally))
         except BaseExceptionGroup as group:
-            err = _unwrap(group)
+            err = first_error(group)
             raise err from err.__cause__
     except BaseException as exc:
         _abort(res, opened, exc)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
-from refitflow.core.hashing import hash_ranges, mix64_box, xxh3_gathered
+from refitflow.core.hashing import hash_ranges, mix64_box_on_device, to_host, xxh3_gathered
 from refitflow.core.threads import building, let_go
 from refitflow.planner.checks import Checks
 from refitflow.refit.attempt import Attempt, Resources
@@ -187,22 +187,36 @@ def _streams(ch: Checks, bufs: list[torch.Tensor], st: HashState, out: Compare, 
 
 
 def _mixes(ch: Checks, bufs: list[torch.Tensor], st: HashState, out: Compare, keep: np.ndarray | None) -> None:
-    """Pieces computed from their whole box: mix64 sums (parts of split tiles add up), gathered xxh3 tiles."""
-    for m in ch.mixes:
-        if keep is not None and not keep[m.land]:
-            continue
+    """Pieces computed from their whole box: mix64 sums (parts of split tiles add up), gathered xxh3 tiles.
+
+    mix64 runs on the bytes' device, every piece of the bucket before any sum comes back: one copy of the sums
+    to the host per device (the weights never leave the device), not a synchronisation per piece."""
+    todo = [m for m in ch.mixes if keep is None or keep[m.land]]
+    on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    got: list[np.ndarray | None] = [None] * len(todo)
+    for i, m in enumerate(todo):
         land = ch.lands[m.land]
         data = bufs[m.land][land.offset : land.offset + land.nbytes]
-        mix = m.tiling.algo == "mix64"
-        got = mix64_box(data, m.tiling, m.box) if mix else xxh3_gathered(data, m.tiling, m.box)
+        if m.tiling.algo == "mix64":
+            on_device.setdefault(data.device, []).append((i, mix64_box_on_device(data, m.tiling, m.box)))
+        else:
+            got[i] = xxh3_gathered(data, m.tiling, m.box)
+    for sums in on_device.values():
+        host = to_host(torch.cat([s for _, s in sums]))
+        at = 0
+        for i, s in sums:
+            got[i] = host[at : at + len(s)]
+            at += len(s)
+    for m, g in zip(todo, got, strict=True):
+        assert g is not None  # every piece was hashed above
         whole = m.check & (m.covered == m.total)
-        out(m.want[whole], got[whole], np.full(int(whole.sum()), m.name))
-        if not mix:
+        out(m.want[whole], g[whole], np.full(int(whole.sum()), m.name))
+        if m.tiling.algo != "mix64":
             continue
         for u in np.flatnonzero(m.check & (m.covered < m.total)).tolist():  # part of a tile: add it up
             want = int(m.want[u])
             state = st.open.setdefault(want, [0, 0])
-            state[0] = (state[0] + int(got[u])) & _MASK
+            state[0] = (state[0] + int(g[u])) & _MASK
             state[1] += int(m.covered[u])
             if state[1] == int(m.total[u]):
                 del st.open[want]

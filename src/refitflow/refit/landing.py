@@ -30,9 +30,13 @@ from refitflow.refit.device import Marks
 from refitflow.refit.plans import Pair, Replay, slot
 from refitflow.refit.transaction import Transaction
 from refitflow.refit.work import Work
-from refitflow.transports.base import Read
+from refitflow.transports.base import Read, Submitted
 
-__all__ = ["copies_of", "piece_copies", "read", "read_pieces", "reads_for", "write"]
+# a bucket staging at most this many bytes is copied on the event loop's thread (tens of µs): a worker thread's hop
+# costs more (two threads' wake-ups)
+INLINE_COPY_BYTES = 1 << 20
+
+__all__ = ["copies_of", "landed", "piece_copies", "read", "read_pieces", "reads_for", "submit_pieces", "write"]
 
 
 # --- read -------------------------------------------------------------------------------------------------
@@ -87,7 +91,7 @@ async def read(
         except TransportError as exc:
             if exc.version is not None:
                 raise
-            raise TransportError(exc.reason, version=attempt.version, tensor=exc.tensor) from exc
+            raise _tagged(exc, attempt) from exc
     if scope.cancelled_caught:
         raise RefitTimeoutError(
             f"reads of bucket {work.bucket.index} took longer than {res.limits.read_timeout_s} s",
@@ -95,20 +99,58 @@ async def read(
         )
 
 
-async def read_pieces(res: Resources, attempt: Attempt, work: Work, pieces: Sequence[int]) -> None:
-    """Read some of a bucket's pieces from their trainer ranks (all of them, a reroute, a repair, a part)."""
+async def _pieces_reads(
+    res: Resources, attempt: Attempt, work: Work, pieces: Sequence[int]
+) -> tuple[list[Read], Hashable]:
+    """The transport reads of some of a bucket's pieces, and their key (the same objects refit after refit)."""
     b = work.bucket
-    lease = -1 if work.lease is None else work.lease.offset
     if len(pieces) == len(b.pieces):
-        await read(res, attempt, work, await _all_reads(res, attempt, work), (attempt.plan.serial, b.index, lease))
-        return
+        lease = -1 if work.lease is None else work.lease.offset
+        return await _all_reads(res, attempt, work), (attempt.plan.serial, b.index, lease)
     key = slot(b.index, work.lease, res.destination)
     picked = np.asarray(pieces, dtype=np.int64).tobytes()
     cached = attempt.replay.some.get(key)  # the last part of this bucket: a frozen part repeats refit after refit
     if cached is None or cached[0] != picked:
         planned = coalesce([piece_read(b.pieces[k]) for k in pieces])
         cached = attempt.replay.some[key] = (picked, reads_for(res, attempt, work, planned))
-    await read(res, attempt, work, cached[1], (attempt.plan.serial, "some", *key, hash(picked)))
+    return cached[1], (attempt.plan.serial, "some", *key, hash(picked))
+
+
+async def read_pieces(res: Resources, attempt: Attempt, work: Work, pieces: Sequence[int]) -> None:
+    """Read some of a bucket's pieces from their trainer ranks (all of them, a reroute, a repair, a part)."""
+    reads, key = await _pieces_reads(res, attempt, work, pieces)
+    await read(res, attempt, work, reads, key)
+
+
+async def submit_pieces(res: Resources, attempt: Attempt, work: Work, pieces: Sequence[int]) -> Submitted:
+    """Start reading some of a bucket's pieces from their trainer ranks and return without waiting for the bytes
+    (``landed`` waits)."""
+    assert res.transport is not None  # a pulling rank has one
+    reads, key = await _pieces_reads(res, attempt, work, pieces)
+    try:
+        return await res.transport.submit(reads, key=key)
+    except TransportError as exc:
+        raise _tagged(exc, attempt) from exc
+
+
+async def landed(res: Resources, attempt: Attempt, work: Work, submitted: Submitted, deadline: float) -> None:
+    """Wait for submitted reads to land, until ``deadline`` (``anyio.current_time``: ``read_timeout_s`` after they
+    were submitted)."""
+    with anyio.move_on_after(deadline - anyio.current_time()) as scope:
+        try:
+            await submitted.wait()
+        except TransportError as exc:
+            raise _tagged(exc, attempt) from exc
+    if scope.cancelled_caught:
+        raise RefitTimeoutError(
+            f"reads of bucket {work.bucket.index} took longer than {res.limits.read_timeout_s} s",
+            version=attempt.version,
+        )
+
+
+def _tagged(exc: TransportError, attempt: Attempt) -> TransportError:
+    """``exc`` with the attempt's version (a transport's error carries none)."""
+    return exc if exc.version is not None else TransportError(exc.reason, version=attempt.version, tensor=exc.tensor)
 
 
 # --- translate ------------------------------------------------------------------------------------------------
@@ -200,4 +242,7 @@ async def write(res: Resources, txn: Transaction, work: Work) -> None:
     """Write one bucket's copies into their destinations (marking the transaction written first)."""
     if work.copies:
         txn.wrote = True
-        work.marks = await anyio.to_thread.run_sync(_copy_all, res, work)
+        if work.bucket.staging_bytes <= INLINE_COPY_BYTES:  # a hop would cost more than the copies
+            work.marks = _copy_all(res, work)
+        else:
+            work.marks = await anyio.to_thread.run_sync(_copy_all, res, work)

@@ -1,7 +1,9 @@
 """A rank's plans, cached with what its refits make of them (``Replay``), so a replayed refit builds nothing.
 
-Plans are kept by (publication layout, receiver layout, limits), a few at a time, least recently used dropped;
-the receiver layout is built once per destination (``receiver``: a receiver builds it as it starts). With each
+Plans are kept by (publication layout, receiver layout, limits), a few at a time, least recently used dropped
+(and told to ``on_drop``: a receiver's transport lets go of what it prepared for the plan's reads, whose keys
+start with the plan's serial); the receiver layout is built once per destination (``receiver``: a receiver
+builds it as it starts). With each
 plan lives its ``Replay``: the transport reads of each bucket, the copies translate hands apply, verify's
 views of where units landed. Staging placement is deterministic (``arena``) and shadow targets alternate
 between two storages, so a ``slot`` — (bucket, lease offset, destination generation parity) — names the very
@@ -11,7 +13,7 @@ same objects refit after refit, and a transport recognises a read list it has pr
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +54,10 @@ class Replay:
 class PlanCache:
     """Plans by (publication layout, receiver layout, limits), each with its ``Replay``; ``size`` kept."""
 
-    def __init__(self, size: int = 4) -> None:
+    def __init__(self, size: int = 4, on_drop: Callable[[Plan], None] | None = None) -> None:
         self._plans: OrderedDict[Hashable, tuple[Plan, Replay]] = OrderedDict()
         self._size = size
+        self.on_drop = on_drop
         self.hits = 0
         self.misses = 0
         self._receiver: ReceiverLayout | None = None
@@ -83,8 +86,18 @@ class PlanCache:
         self.misses += 1
         entry = self._plans[plan.key] = (plan, Replay())
         if len(self._plans) > self._size:
-            self._plans.popitem(last=False)
+            self._dropped(self._plans.popitem(last=False)[1][0])
         return entry
+
+    def clear(self) -> None:
+        """Drop every plan (the destination changed: ``Receiver.rebind``)."""
+        while self._plans:
+            self._dropped(self._plans.popitem(last=False)[1][0])
+        self._receiver = None
+
+    def _dropped(self, plan: Plan) -> None:
+        if self.on_drop is not None:
+            self.on_drop(plan)
 
     async def get(self, pub: Publication, dest: Destination, limits: Limits) -> tuple[Plan, Replay]:
         """The cached plan, or a new one built in a worker thread (a big model's plan takes tens of ms)."""

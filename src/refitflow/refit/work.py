@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from refitflow.planner.records import Bucket
 from refitflow.refit.arena import Lease
 from refitflow.refit.device import Marks
 from refitflow.refit.plans import Pair
 
-__all__ = ["Work"]
+__all__ = ["Receive", "Send", "Work"]
 
 
 @dataclass(eq=False, slots=True)
@@ -34,3 +35,7 @@ class Work:
     marks: Marks = ()  # apply: the bucket's device work so far (DeviceLane.record); empty on CPU
     unverified: int = 0  # verify: pulled bytes of this bucket no whole digest unit covered, so far
     verified_through: int = -1  # verify: every unit of the buckets up to this index is verified (relay progress)
+
+
+Receive = MemoryObjectReceiveStream[Work]  # a stage's input
+Send = MemoryObjectSendStream[Work]  # a stage's output

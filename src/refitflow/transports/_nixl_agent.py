@@ -32,6 +32,7 @@ SERVED_PREFIX = b"rf-served:"
 READING = b"rf-reading"  # a reader about to read: its owner keeps progressing often (TCP GETs need the owner)
 BUSY_INTERVAL_S = 5e-4  # the progress thread's period while peers read from the agent
 BUSY_HOLD_S = 0.25  # ... and for this long after the last notification, before it backs off
+ANNOUNCE_EVERY_S = 0.05  # a peer is told reads are coming at most this often (well inside BUSY_HOLD_S)
 SETTLE_S = 2e-3  # a READ still in progress once posted is checked this long in the posting thread
 
 
@@ -69,6 +70,7 @@ class LockedAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.served = 0  # bytes peers reported reading from this agent
+        self._announced: dict[str, float] = {}  # peer -> when it was last told a read is coming
         self.cuda: int | None = None  # the device of its first VRAM registration (see bind_cuda)
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         with self.translated("agent creation"):
@@ -153,8 +155,14 @@ class LockedAgent:
             wait = BUSY_INTERVAL_S if time.monotonic() < busy_until else min(wait * 2, self.interval)
 
     def announce(self, peers: set[str]) -> None:
-        """Tell each peer a read from it is coming (``READING``): its progress thread speeds up."""
+        """Tell each peer a read from it is coming (``READING``): its progress thread speeds up. Once per
+        ``ANNOUNCE_EVERY_S`` a peer at most: the owner stays fast for ``BUSY_HOLD_S`` after a notification, and a
+        notification a bucket cost a reader of small buckets 15 µs each."""
+        now = time.monotonic()
         for peer in peers:
+            if now - self._announced.get(peer, -1e9) < ANNOUNCE_EVERY_S:
+                continue
+            self._announced[peer] = now
             try:
                 self.call("send_notif", self.agent.send_notif, peer, READING)
             except TransportError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import orjson
@@ -18,7 +19,10 @@ import orjson
 from refitflow.core.errors import TransportError
 from refitflow.transports.base import Read
 
-__all__ = ["LocalIndex", "RegionInfo", "coalesce", "describe", "descs", "pack_address", "stripe", "unpack_address"]
+__all__ = [
+    "DescGroup", "Described", "LocalIndex", "RegionInfo", "coalesce", "describe", "descs", "pack_address", "stripe",
+    "unpack_address",
+]  # fmt: skip
 
 MAGIC = b"RFNIXL1\n"
 MEM_TYPES = ("DRAM", "VRAM")
@@ -30,6 +34,18 @@ class RegionInfo:
     nbytes: int
     devid: int
     mem: str  # "DRAM" | "VRAM"
+
+
+class DescGroup(NamedTuple):
+    """One (peer, local memory, remote memory) group of described reads: coalesced Nx3 descriptor arrays, and
+    the local regions they land in."""
+
+    larr: np.ndarray
+    rarr: np.ndarray
+    regions: frozenset[int]
+
+
+Described = dict[tuple[str, str, str], DescGroup]  # (peer, local mem, remote mem) -> its reads
 
 
 def pack_address(regions: Mapping[int, RegionInfo], agent_md: bytes) -> bytes:
@@ -117,8 +133,9 @@ def descs(addrs: np.ndarray, nbytes: np.ndarray, devids: np.ndarray | Sequence[i
 
 def describe(
     reads: Sequence[Read], regions_of: Mapping[str, Mapping[int, RegionInfo]], index: LocalIndex
-) -> dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]]:
-    """Per (peer, local mem, remote mem): coalesced local and remote Nx3 descriptor arrays of ``reads``.
+) -> Described:
+    """Per (peer, local mem, remote mem): coalesced local and remote Nx3 descriptor arrays of ``reads``, and the
+    local regions they land in.
 
     One Python pass over the reads (validation and addresses), the rest in numpy; a strided read
     expands to one descriptor per run here.
@@ -152,7 +169,8 @@ def describe(
                 la, ra, nb, lk, rk, ld, rd = _expand(laddr[sel], raddr[sel], nbytes[sel], stride[sel], count[sel],
                                                      lpos[sel], rkey[sel], ldev[sel], rdev[sel])  # fmt: skip
                 la, ra, nb, first = coalesce(la, ra, nb, lk, rk)
-                out[(agent, lmem, rmem)] = (descs(la, nb, ld[first]), descs(ra, nb, rd[first]))
+                lands = frozenset(index.ids[np.unique(lpos[sel])].tolist())
+                out[(agent, lmem, rmem)] = DescGroup(descs(la, nb, ld[first]), descs(ra, nb, rd[first]), lands)
     return out
 
 

@@ -35,9 +35,12 @@ class _Peer:
 class _Prepared:
     larr: np.ndarray
     rarr: np.ndarray
-    epochs: tuple[int, int]  # (peer epoch, local epoch) it was prepared under
+    epoch: int  # the peer's address epoch it was prepared under
+    regions: frozenset[int]  # the local regions it lands in
     nx: LockedAgent
     handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
+    busy: int = 0  # READs of it submitted and not yet ended (a poster thread may still check its handle)
+    doomed: bool = False  # released while busy: its handles go once the last READ ended
 
     @property
     def notif(self) -> bytes:

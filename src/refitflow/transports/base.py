@@ -9,14 +9,14 @@ a read names a peer's region and offset and lands in a contiguous local uint8 vi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from refitflow.core.types import SourceAddress
 
-__all__ = ["Read", "Transport", "as_bytes"]
+__all__ = ["Read", "Submitted", "Transport", "as_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,28 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+class Submitted:
+    """Reads handed to a transport (``Transport.submit``) and not yet waited for.
+
+    This base form reads when waited for (a transport that cannot post ahead); a transport that posts at once
+    subclasses it. ``wait`` returns when every byte has landed (``TransportError`` on any failure);
+    ``settle`` waits for the reads to end, whatever their outcome, before their memory may be reused.
+    """
+
+    def __init__(self, transport: Transport, reads: Sequence[Read], key: Hashable | None, count: bool) -> None:
+        self.transport, self.reads, self.key, self.count = transport, reads, key, count
+
+    async def wait(self) -> None:
+        await self.transport.read(self.reads, key=self.key, count=self.count)
+
+    async def settle(self) -> None:
+        """Nothing was posted before ``wait``: nothing can still be landing."""
+
+    def abandon(self) -> None:
+        """The caller stopped waiting for reads still in progress (``settle`` ran out of time): a transport may
+        cut them short. Nothing to do for reads that start only when waited for."""
+
+
 class Transport(ABC):
     """One agent of one transport in this process."""
 
@@ -90,11 +112,31 @@ class Transport(ABC):
         """Perform the reads; return when every byte has landed.
 
         ``key`` names a list of reads that will be issued again with identical ranges (a cached
-        plan's bucket); a transport may prepare it once and replay it. ``count``: the peers count these
+        plan's bucket); a transport may prepare it once and replay it, until ``forget`` lets go of the key's
+        group (its first element, when a tuple: the plan). ``count``: the peers count these
         bytes in their ``served_bytes`` (NIXL: a READ posted with a notification, which completes only
         once the peer progresses; reads from a relay, itself busy refitting, are posted without).
         Raises ``TransportError`` on any failure.
         """
+
+    async def submit(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> Submitted:
+        """Hand the reads over and return as soon as they are posted (a transport that can post ahead), without
+        waiting for the bytes: ``await submitted.wait()`` does. Many buckets stay in flight this way, and a
+        transport that posts from a thread of its own completes them in batches. By default the reads start
+        when waited for."""
+        return Submitted(self, reads, key, count)
+
+    def reconnect(self, peers: Iterable[str]) -> None:
+        """Forget the connections to ``peers`` (their addresses stay): the next read of each connects afresh. A
+        refit whose reads timed out asks it of every source it read: after a network partition heals, an
+        endpoint that carried no read meanwhile may be dead without a sign. By default there is nothing to
+        forget."""
+        return None
+
+    def forget(self, group: Hashable) -> None:
+        """Drop what was prepared for reads whose ``key`` has ``group`` as its first element (a plan the caller
+        let go). By default nothing is kept."""
+        return None
 
     @property
     def served_bytes(self) -> int | None:

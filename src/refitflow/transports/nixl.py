@@ -4,9 +4,10 @@
 driven under its own lock (see ``_nixl_agent``); every NIXL failure becomes a
 ``TransportError``. Reads are described as vectorised Nx3 descriptor arrays, coalesced, and run
 off the event loop. A read ``key`` (a cached plan's bucket) keeps its prepared descriptor lists
-and transfer handle: a replay compares the new descriptor arrays with the cached ones (cheap
-numpy equality) and only reposts the handle. A peer whose metadata changed, or a local
-deregistration, invalidates what was prepared against it.
+and transfer handle until its group (the plan) is forgotten (``_nixl_prepared``): a replay compares
+the new descriptor arrays with the cached ones (cheap numpy equality) and only reposts the handle. A
+peer whose metadata changed invalidates what was prepared against it; a local deregistration what lands
+in that region. ``submit`` hands a read to each agent's poster thread (``_nixl_poster``) and returns.
 
 ``num_agents > 1`` stripes each read across that many agents of this process, one thread each
 (NIXL-NOTES: ≈1.7× one agent over cma; bench/nixl_bench.py here: 1.4×, 256 MiB, 2 shared cores);
@@ -24,30 +25,37 @@ import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import anyio
 import anyio.to_thread
-import numpy as np
 import torch
 
 from refitflow.core.errors import ConfigError, TransportError
 from refitflow.core.threads import off_loop
 from refitflow.core.types import SourceAddress
 from refitflow.transports._nixl_agent import LockedAgent
-from refitflow.transports._nixl_descs import LocalIndex, RegionInfo, describe, pack_address, stripe, unpack_address
+from refitflow.transports._nixl_descs import (
+    Described,
+    LocalIndex,
+    RegionInfo,
+    describe,
+    pack_address,
+    stripe,
+    unpack_address,
+)
+from refitflow.transports._nixl_poster import Poster
+from refitflow.transports._nixl_prepared import PreparedReads, release
 from refitflow.transports._nixl_state import CacheKey, _Local, _Peer, _Prepared
-from refitflow.transports._nixl_transfer import transfer
-from refitflow.transports.base import Read, Transport
+from refitflow.transports._nixl_transfer import Posted, transfer
+from refitflow.transports.base import Read, Submitted, Transport
 
 __all__ = ["NixlTransport"]
 
 log = logging.getLogger(__name__)
 
 _EPOCHS = itertools.count(1)
-_VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
 _MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
 CONNECT_TRIES = 4  # add_remote_agent attempts when UCX cannot connect (0.1 + 0.2 + 0.4 s between them)
 
@@ -57,7 +65,7 @@ class NixlTransport(Transport):
 
     def __init__(
         self, *, agent_name: str | None = None, num_agents: int = 1, progress_interval_s: float = 0.005,
-        cache_size: int = 1024,
+        cache_groups: int = 16,
     ) -> None:  # fmt: skip
         if num_agents < 1:
             raise ConfigError(f"num_agents must be at least 1, got {num_agents}")
@@ -72,15 +80,10 @@ class NixlTransport(Transport):
         self._ids = itertools.count()
         self._index: LocalIndex | None = None
         self._address: SourceAddress | None = None
-        self._local_epoch = 0
         self._peers: dict[str, _Peer] = {}
-        self._cache: OrderedDict[CacheKey, list[_Prepared]] = OrderedDict()
-        # key -> (the very reads list described, address state, its description): a caller that replays
-        # the same list object under the same key skips describing it again
-        self._described: OrderedDict[Hashable, tuple[Sequence[Read], tuple[Any, ...], Any]] = OrderedDict()
-        self._cache_size = cache_size
+        self._reads = PreparedReads(cache_groups)  # described and prepared reads by key, kept per group
+        self._posters: dict[int, Poster] = {}  # id(agent) -> its poster thread (``submit``), made on first use
         self._closed = False
-        self.prepared = 0  # descriptor preparations made (a replay makes none)
         self.prep_seconds = 0.0  # time spent describing reads and preparing descriptors
 
     @property
@@ -126,7 +129,7 @@ class NixlTransport(Transport):
         if local is None:
             return
         self._by_ptr.pop((local.info.addr, local.info.nbytes), None)
-        self._local_epoch += 1  # prepared local descriptors may name this registration
+        self._reads.forget_local(region)  # what lands in it, and nothing else
         self._changed()
         self._deregister(local)
 
@@ -186,6 +189,11 @@ class NixlTransport(Transport):
                 raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
         peer.loaded = True
 
+    def reconnect(self, peers: Iterable[str]) -> None:
+        for agent in peers:
+            if agent in self._peers:
+                self._drop_peer(agent)
+
     def _drop_peer(self, agent: str) -> None:
         """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh."""
         self._forget(lambda k: k[1] == agent)
@@ -218,6 +226,42 @@ class NixlTransport(Transport):
                                      f"{again.reason}") from again  # fmt: skip
 
     async def _read(self, reads: Sequence[Read], *, key: Hashable | None, count: bool) -> None:
+        batch, ckeys = await self._batch(reads, key)
+        try:
+            await transfer(batch, count, self._drop_peer)
+        except BaseException:
+            self._ended(batch, ckeys, failed=True)
+            raise
+        self._ended(batch, ckeys, failed=False, key=key)
+
+    async def submit(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> Submitted:
+        """Prepare (or find prepared) and hand the reads to each agent's poster thread; return at once. The bytes
+        land while the caller goes on; ``await submitted.wait()`` returns once they have (see ``Posted``)."""
+        batch, ckeys = await self._batch(reads, key)
+        for p, _ in batch:
+            if id(p.nx) not in self._posters:
+                self._posters[id(p.nx)] = Poster(p.nx)
+        ended = lambda failed: self._ended(batch, ckeys, failed=failed, key=key)  # noqa: E731
+        return Posted(self, reads, key, count, batch, self._posters, self._drop_peer, ended)
+
+    def _ended(
+        self, batch: list[tuple[_Prepared, str]], ckeys: list[CacheKey | None], *, failed: bool, key: Hashable = None
+    ) -> None:
+        """A read's transfers ended: a failed read's cached preparations are forgotten (they may name a dead
+        connection), an uncached read's released."""
+        if failed:
+            self._forget(lambda k: k in ckeys)
+            for p, _ in batch:
+                release(p)  # idempotent; also covers uncached ones
+        elif key is None:
+            for p, _ in batch:
+                release(p)
+
+    async def _batch(
+        self, reads: Sequence[Read], key: Hashable | None
+    ) -> tuple[list[tuple[_Prepared, str]], list[CacheKey | None]]:
+        """Every peer's transfer (and stripe) of ``reads``: found prepared under ``key``, or prepared now; each
+        agent's peers told a read is coming."""
         self._check_open()
         t0 = time.perf_counter()
         while self._index is None:  # thousands of registrations take milliseconds to sort: off the loop
@@ -228,7 +272,8 @@ class NixlTransport(Transport):
         batch: list[tuple[_Prepared, str]] = []  # every peer's transfer (and stripe), posted together
         ckeys: list[CacheKey | None] = []
         try:
-            for (peer, lmem, rmem), (larr, rarr) in (await self._describe(reads, key)).items():
+            for (peer, lmem, rmem), group in (await self._describe(reads, key)).items():
+                larr, rarr = group.larr, group.rarr
                 if not self._peers[peer].loaded:
                     self.prep_seconds += time.perf_counter() - t0
                     await self._load(peer)  # connection set-up, not counted as descriptor preparation
@@ -236,11 +281,12 @@ class NixlTransport(Transport):
                 for i, (la, ra) in enumerate(stripe(larr, rarr, len(self._agents), _MIN_STRIPE)):
                     ck = None if key is None else (key, peer, lmem, rmem, i)
                     ckeys.append(ck)
-                    args = (ck, self._agents[i], peer, lmem, rmem, la, ra)
-                    hit = self._lookup(ck, peer, la, ra)
+                    epoch = self._peers[peer].epoch
+                    args = (ck, self._agents[i], peer, lmem, rmem, la, ra, epoch, group.regions)
+                    hit = self._reads.lookup(ck, epoch, la, ra)
                     if hit is None and len(la) > 256:  # thousands of descriptors take milliseconds: off the loop
-                        hit = await off_loop(self._prepare, *args)
-                    batch.append((hit or self._prepare(*args), peer))
+                        hit = await off_loop(self._reads.prepare, *args)
+                    batch.append((hit or self._reads.prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
             announced: dict[int, set[str]] = {}
             for p, peer in batch:
@@ -248,84 +294,39 @@ class NixlTransport(Transport):
             for nx in self._agents:
                 if announced.get(id(nx)):
                     nx.announce(announced[id(nx)])
-            await transfer(batch, count, self._drop_peer)
         except BaseException:
-            self._forget(lambda k: k in ckeys)
-            for p, _ in batch:
-                self._release(p)  # idempotent; also covers uncached ones
+            self._ended(batch, ckeys, failed=True)
             raise
-        if key is None:
-            for p, _ in batch:
-                self._release(p)
+        return batch, ckeys
 
-    async def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Any:
+    async def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Described:
         """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object.
 
         Describing is one Python pass over the reads: many of them are described off the event loop."""
-        state = (self._local_epoch, tuple((a, p.epoch) for a, p in self._peers.items()))
-        cached = self._described.get(key) if key is not None else None
-        if cached is not None and cached[0] is reads and cached[1] == state:
-            self._described.move_to_end(key)
-            return cached[2]
+        state = tuple((a, p.epoch) for a, p in self._peers.items())
+        if key is not None:
+            found = self._reads.described(key, reads, state)
+            if found is not None:
+                return found
         regions = {agent: peer.regions for agent, peer in self._peers.items()}
-        assert self._index is not None
+        assert self._index is not None  # built by _batch first
         todo = [r for r in reads if r.nbytes]
         if len(todo) > 256:
-            groups = await off_loop(describe, todo, regions, self._index)  # 1 ms switches
+            described = await off_loop(describe, todo, regions, self._index)  # 1 ms switches
         else:
-            groups = describe(todo, regions, self._index)
+            described = describe(todo, regions, self._index)
         if key is not None:
-            self._described[key] = (reads, state, groups)
-            while len(self._described) > self._cache_size:
-                self._described.popitem(last=False)
-        return groups
+            self._reads.remember(key, reads, state, described)
+        return described
 
-    def _prepare(
-        self, ckey: CacheKey | None, nx: LockedAgent, peer: str, lmem: str, rmem: str,
-        larr: np.ndarray, rarr: np.ndarray,
-    ) -> _Prepared:  # fmt: skip
-        """The cached transfer for these exact arrays, or a freshly prepared one (cached under ``ckey``)."""
-        hit = self._lookup(ckey, peer, larr, rarr)
-        if hit is not None:
-            return hit
-        epochs = (self._peers[peer].epoch, self._local_epoch)
-        variants = self._cache.get(ckey, []) if ckey is not None else []
-        handles: list[Any] = []
-        try:
-            with nx.lock, nx.translated("descriptor preparation"):
-                handles.append(nx.agent.prep_xfer_dlist("NIXL_INIT_AGENT", larr, lmem))
-                handles.append(nx.agent.prep_xfer_dlist(peer, rarr, rmem))
-                idx = np.arange(len(larr), dtype=np.int64)
-                handles.append(nx.agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx))
-        except BaseException:
-            self._release(_Prepared(larr, rarr, epochs, nx, tuple(handles)))
-            raise
-        self.prepared += 1
-        prepared = _Prepared(larr, rarr, epochs, nx, tuple(handles))
-        if ckey is not None:
-            variants = [*variants, prepared]
-            for old in variants[:-_VARIANTS]:
-                self._release(old)
-            self._cache[ckey] = variants[-_VARIANTS:]
-            self._cache.move_to_end(ckey)
-            while len(self._cache) > self._cache_size:
-                for old in self._cache.popitem(last=False)[1]:
-                    self._release(old)
-        return prepared
+    def forget(self, group: Hashable) -> None:
+        """Drop what was prepared for reads whose key's group is ``group`` (a plan the caller let go)."""
+        self._reads.forget_group(group)
 
-    def _lookup(self, ckey: CacheKey | None, peer: str, larr: np.ndarray, rarr: np.ndarray) -> _Prepared | None:
-        """The transfer prepared under ``ckey`` for these exact arrays and the current epochs, if any."""
-        if ckey is None:
-            return None
-        epochs = (self._peers[peer].epoch, self._local_epoch)
-        for p in self._cache.get(ckey, []):
-            same = (p.larr is larr and p.rarr is rarr) or (
-                np.array_equal(p.larr, larr) and np.array_equal(p.rarr, rarr)
-            )
-            if p.epochs == epochs and same:
-                self._cache.move_to_end(ckey)
-                return p
-        return None
+    @property
+    def prepared(self) -> int:
+        """Descriptor preparations made (a replay makes none)."""
+        return self._reads.prepared
 
     @property
     def served_bytes(self) -> int:
@@ -334,18 +335,8 @@ class NixlTransport(Transport):
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 
-    def _release(self, prepared: _Prepared) -> None:
-        for h in reversed(prepared.handles):
-            try:
-                with prepared.nx.lock, prepared.nx.translated("handle release"):
-                    h.release()
-            except TransportError:
-                pass  # e.g. a transfer to a dead peer that cannot be cancelled: nothing more to do
-
     def _forget(self, match: Any) -> None:
-        for ckey in [k for k in self._cache if match(k)]:
-            for p in self._cache.pop(ckey):
-                self._release(p)
+        self._reads.forget(match)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -355,7 +346,10 @@ class NixlTransport(Transport):
         if self._closed:
             return
         self._nx.stop_progress()
-        self._forget(lambda k: True)
+        for poster in self._posters.values():
+            poster.close()  # what was submitted ends first
+        self._posters.clear()
+        self._reads.clear()
         for agent in list(self._peers):
             self._drop_peer(agent)
         for region in list(self._local):

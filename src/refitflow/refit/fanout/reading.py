@@ -1,11 +1,18 @@
 """Reading from an upstream relay: the pieces it holds, once its status says they are verified.
 
 A relay's piece is read only once the relay's status says every tensor it lies in is verified for this
-version, and its status is read again after the bytes: if the relay moved on (its storage may be changing),
-failed, or made no progress for ``relay_wait_s``, the pieces still owed are read from the trainer
-(*rerouted*) and the relay is not read again in this attempt. Verify checks relayed bytes against the
-trainer's digests like any read; a relay whose bytes differ fails too (``Upstream.fail``), and its pieces are
-read again from the trainer within their bucket.
+version. The status is read into the probe only when the last one read does not show that yet: a tensor's
+flag, once it names this version, stays so until the relay begins another version — so a reader behind its
+relay reads bucket after bucket with no status read between them, not one (or two) per bucket. If the relay
+failed, made no progress for ``relay_wait_s``, or moved on (its status no longer names this version), the
+pieces still owed are read from the trainer (*rerouted*) and the relay is not read again in this attempt.
+
+A relay that began another version while a reader took its bytes (in place, its storage changes) sends bytes
+that are not this version's: under ``verify="strict"`` (a relay serves only such readers' bytes verified, and
+every reader's relayed bytes are verified like any read) the digests catch them, the relay fails
+(``Upstream.fail``) and its pieces are read again from the trainer within their bucket. A reader that verifies
+only what it pulled whole (``verify="pulled"``) reads the status again after each read instead, and reroutes
+if the relay left the version meanwhile.
 """
 
 from __future__ import annotations
@@ -17,11 +24,11 @@ from refitflow.planner.fanout import RelayPiece
 from refitflow.planner.reads import coalesce
 from refitflow.refit.attempt import Attempt, Resources
 from refitflow.refit.fanout.relaying import Upstream
-from refitflow.refit.landing import read, read_pieces, reads_for
+from refitflow.refit.landing import landed, read, read_pieces, reads_for
 from refitflow.refit.work import Work
 from refitflow.transports.base import Read, as_bytes
 
-__all__ = ["owed_by_upstream", "take"]
+__all__ = ["owed_by_upstream", "take_relayed"]
 
 
 def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int, RelayPiece]:
@@ -39,25 +46,22 @@ async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) ->
         up.status_reads = [Read(up.offer.source.agent, up.offer.status, 0, up.probe.numel() * 8, as_bytes(up.probe))]
     key = ("relay-status", up.offer.source.agent, up.offer.status)
     await read(res, attempt, work, up.status_reads, key, count=False)
-    up.fresh = True
     return int(up.probe[0]) == attempt.version
 
 
-async def take(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> None:
-    """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver.
-
-    One status read after each batch of pieces both checks that the relay's storage did not begin to change
-    while they were read and tells which pieces the next batch (of this bucket or the next) may take."""
+async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> None:
+    """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver."""
     up = attempt.upstream
     assert up is not None  # owed pieces come from it
     v = attempt.version
     flags = up.probe.numpy()[1:]
     piece_bytes = work.bucket.checks.piece_bytes
+    strict = res.limits.verify == "strict"
     deadline = anyio.current_time() + res.limits.relay_wait_s
     delay = 2e-4
     while owed and up.failed is None:
         try:
-            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()] if up.fresh else []
+            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]  # the last status read
             if not ready:
                 if not await _status(res, attempt, work, up):
                     up.fail(f"it no longer holds version {v}")
@@ -65,8 +69,16 @@ async def take(res: Resources, attempt: Attempt, work: Work, owed: dict[int, Rel
                 ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
             if ready:
                 planned = coalesce([r for rp in ready for r in rp.reads])
-                await read(res, attempt, work, reads_for(res, attempt, work, planned), None, count=False)
-                if not await _status(res, attempt, work, up):  # it moved on while we read: not served bytes
+                assert res.transport is not None  # a pulling rank has one
+                posted = await res.transport.submit(reads_for(res, attempt, work, planned), count=False)
+                try:
+                    await landed(res, attempt, work, posted, anyio.current_time() + res.limits.read_timeout_s)
+                finally:  # a read that failed or ran late ends before the trainer's bytes land in the same place
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s) as scope:
+                        await posted.settle()
+                    if scope.cancelled_caught:
+                        posted.abandon()
+                if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
                     up.fail(f"it left version {v} while being read")
                     break
                 for rp in ready:
@@ -81,7 +93,6 @@ async def take(res: Resources, attempt: Attempt, work: Work, owed: dict[int, Rel
         if anyio.current_time() >= deadline:
             up.fail(f"no progress within relay_wait_s={res.limits.relay_wait_s} s")
             break
-        up.fresh = False
         await anyio.sleep(delay)
         delay = min(delay * 2, 5e-3)
     if owed:

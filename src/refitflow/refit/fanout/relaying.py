@@ -182,8 +182,8 @@ class Upstream:
         self.geometry = geometry
         self.probe = probe
         self.failed: str | None = None  # why it is not read from any more in this attempt
-        self.fresh = False  # the probe holds a status read since the last bytes read from it (fanout.reading)
         self.status_reads: list[Read] = []  # the one read of its status
+        probe.fill_(-1)  # nothing of this relay read yet (the buffer held another relay's status before)
 
     def fail(self, why: str) -> None:
         if self.failed is None:

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import time
 
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
-
 from refitflow.refit.attempt import Meter, Resources
-from refitflow.refit.work import Work
+from refitflow.refit.handoff import give, take
+from refitflow.refit.work import Receive, Send
 
 __all__ = ["run"]
 
 
-async def run(res: Resources, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work], meter: Meter) -> None:
+async def run(res: Resources, receive: Receive, send: Send, meter: Meter) -> None:
     async with receive, send:
-        async for work in receive:
+        while (work := await take(receive)) is not None:
             meter.enter()
             t0 = time.perf_counter()
             bucket = work.bucket
             if bucket.staging_bytes:
                 work.lease = await res.staging.allocate(bucket.staging_bytes, bucket.device)
             meter.note(1, bucket.staging_bytes, time.perf_counter() - t0)
-            await send.send(work)
+            await give(send, work)

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import time
 
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
-
 from refitflow.refit.attempt import Attempt, Meter, Resources
+from refitflow.refit.handoff import give, take
 from refitflow.refit.landing import write
-from refitflow.refit.work import Work
+from refitflow.refit.work import Receive, Send
 
 __all__ = ["run"]
 
 
 async def run(
-    res: Resources, attempt: Attempt, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work], meter: Meter
+    res: Resources, attempt: Attempt, receive: Receive, send: Send, meter: Meter
 ) -> None:
     async with receive, send:
-        async for work in receive:
+        while (work := await take(receive)) is not None:
             meter.enter()
             t0 = time.perf_counter()
             await write(res, attempt.txn, work)
             meter.note(1, work.bucket.staging_bytes, time.perf_counter() - t0)
-            await send.send(work)
+            await give(send, work)

@@ -21,15 +21,15 @@ from __future__ import annotations
 import time
 
 import anyio.to_thread
-from anyio.abc import ObjectReceiveStream
 
 from refitflow.layouts.boxes import volume
 from refitflow.planner.checks import Credits
 from refitflow.planner.routes import Job, Route
 from refitflow.refit.attempt import Attempt, Meter, Resources, Tally
 from refitflow.refit.convert import run_job
+from refitflow.refit.handoff import take
 from refitflow.refit.transaction import Transaction
-from refitflow.refit.work import Work
+from refitflow.refit.work import Receive, Work
 
 __all__ = ["credit", "run"]
 
@@ -74,13 +74,13 @@ async def credit(
             txn.coverage.record(n, "derived", dest.params[n].numel())
 
 
-async def run(res: Resources, attempt: Attempt, receive: ObjectReceiveStream[Work], meter: Meter, tally: Tally) -> None:
+async def run(res: Resources, attempt: Attempt, receive: Receive, tally: Tally, meter: Meter) -> None:
     """Credit the buckets as they come, add up their counts into ``tally``; at the end, drain and prepare."""
     assembled: dict[str, int] = {}
     owed: list[tuple[int, Credits]] = []  # (bucket index, credits) a relay has not served yet
     fanout, route, txn = res.fanout, attempt.plan.route, attempt.txn
     async with receive:
-        async for work in receive:
+        while (work := await take(receive)) is not None:
             meter.enter()
             t0 = time.perf_counter()
             await credit(res, txn, route, work, assembled, attempt.plan.serial)

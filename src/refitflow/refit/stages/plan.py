@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from anyio.abc import ObjectSendStream
 
 from refitflow.core.threads import off_loop
 from refitflow.planner.delta import Skips, decide, delta_index
 from refitflow.planner.records import Bucket, Plan
 from refitflow.refit.attempt import Attempt, Found, Meter, Resources
-from refitflow.refit.work import Work
+from refitflow.refit.handoff import give
+from refitflow.refit.work import Send, Work
 
 __all__ = ["run", "start"]
 
@@ -41,7 +41,7 @@ async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
     return Attempt(found=found, plan=plan, replay=replay, digests=digests, skips=skips, upstream=upstream)
 
 
-async def run(res: Resources, attempt: Attempt, send: ObjectSendStream[Work], meter: Meter) -> None:
+async def run(res: Resources, attempt: Attempt, send: Send, meter: Meter) -> None:
     """Send the plan's buckets downstream in order, with this refit's delta decision for each."""
     skips = attempt.skips
     buckets = attempt.plan.buckets
@@ -50,7 +50,7 @@ async def run(res: Resources, attempt: Attempt, send: ObjectSendStream[Work], me
             if not bucket.is_built:  # a new plan: its checks are made as its buckets go, the first read
                 await off_loop(_build_ahead, buckets, bucket.index)
             actions, recheck = skips.of(bucket.index) if skips is not None else (None, None)
-            await send.send(Work(bucket, actions=actions, recheck=recheck))
+            await give(send, Work(bucket, actions=actions, recheck=recheck))
 
 
 def _build_ahead(buckets: tuple[Bucket, ...], first: int) -> None:

@@ -1,37 +1,49 @@
-"""Pull: issue a bucket's reads through the transport, straight into parameters or into staging.
+"""Pull: read each bucket's pieces, straight into parameters or into staging, many buckets in flight.
 
 Which pieces are read, and from where: every piece from its trainer rank, except pieces a delta refit
 leaves (``Work.actions``, ``planner/delta.py``) and pieces the attempt's upstream relay holds
 (``fanout.reading``: read once the relay has verified them; what it cannot deliver is read from the trainer).
-The reads themselves go the landing path (``refit/landing.py``), as verify's second reads do.
+
+Two tasks: one *submits* each bucket's trainer reads as it comes (``landing.submit_pieces``: the transport
+posts them and returns at once) and hands it on; the other waits for the buckets in order — each until
+``read_timeout_s`` after it was submitted —, takes the relayed pieces, and sends each bucket on. At most
+``Resources.window`` buckets are in flight between the two; staged buckets are bounded by the staging budget
+too (allocate), direct ones by the window alone. A transport that posts from a thread of its own (NIXL) thus
+keeps reading while the loop verifies and applies, and the loop is woken per bucket that ended, not per hop.
+On the way out (a failure, a cancellation) every read still in flight is waited for, under a shield and a
+deadline, before the stage ends: nothing lands in staging the abort frees; and the stages after it are not told
+the input ended (they are cancelled with the refit), so nothing downstream mistakes a failure for the end.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+import anyio
 import numpy as np
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.planner.delta import PULL
+from refitflow.planner.fanout import RelayPiece
 from refitflow.refit.attempt import Attempt, Meter, Resources
-from refitflow.refit.fanout.reading import owed_by_upstream, take
-from refitflow.refit.landing import read_pieces
-from refitflow.refit.work import Work
+from refitflow.refit.fanout.reading import owed_by_upstream, take_relayed
+from refitflow.refit.handoff import first_error, give, take
+from refitflow.refit.landing import landed, submit_pieces
+from refitflow.refit.work import Receive, Send, Work
+from refitflow.transports.base import Submitted
 
 __all__ = ["run"]
 
 
-async def _pull(res: Resources, attempt: Attempt, work: Work) -> None:
-    b = work.bucket
-    pull = list(range(len(b.pieces))) if work.actions is None else np.flatnonzero(work.actions == PULL).tolist()
-    owed = owed_by_upstream(attempt, work, pull)
-    mine = [k for k in pull if k not in owed]
-    if mine:
-        await read_pieces(res, attempt, work, mine)
-    if owed:
-        await take(res, attempt, work, owed)
-    work.pulled += int(b.checks.piece_bytes[pull].sum()) if len(pull) < len(b.pieces) else b.nbytes
+@dataclass(eq=False, slots=True)
+class _Flight:
+    work: Work
+    pull: list[int]  # the pieces pulled (the rest a delta refit leaves)
+    owed: dict[int, RelayPiece]  # of those, the upstream relay's
+    submitted: Submitted | None  # the trainer's part, in flight
+    at: float  # anyio.current_time() when submitted
+    t0: float  # perf_counter then
 
 
 def _writes_directly(work: Work) -> bool:
@@ -41,17 +53,77 @@ def _writes_directly(work: Work) -> bool:
     return any(p.direct and a == PULL for p, a in zip(work.bucket.pieces, work.actions.tolist(), strict=True))
 
 
+async def _submit(res: Resources, attempt: Attempt, work: Work) -> _Flight:
+    b = work.bucket
+    pull = list(range(len(b.pieces))) if work.actions is None else np.flatnonzero(work.actions == PULL).tolist()
+    owed = owed_by_upstream(attempt, work, pull)
+    mine = [k for k in pull if k not in owed]
+    if _writes_directly(work):
+        attempt.txn.wrote = True
+    at, t0 = anyio.current_time(), time.perf_counter()
+    submitted = await submit_pieces(res, attempt, work, mine) if mine else None
+    return _Flight(work, pull, owed, submitted, at, t0)
+
+
+async def _land(res: Resources, attempt: Attempt, f: _Flight) -> None:
+    """Wait for a bucket's trainer reads, then read its relayed pieces; count what was pulled."""
+    work, b = f.work, f.work.bucket
+    if f.submitted is not None:
+        await landed(res, attempt, work, f.submitted, f.at + res.limits.read_timeout_s)
+    if f.owed:
+        await take_relayed(res, attempt, work, f.owed)
+    work.pulled += int(b.checks.piece_bytes[f.pull].sum()) if len(f.pull) < len(b.pieces) else b.nbytes
+
+
 async def run(
-    res: Resources, attempt: Attempt, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work], meter: Meter
+    res: Resources, attempt: Attempt, receive: Receive, send: Send, meter: Meter
 ) -> None:
     assert res.transport is not None  # a pulling rank has one
-    async with receive, send:
-        async for work in receive:
-            meter.enter()
-            t0 = time.perf_counter()
-            if _writes_directly(work):
-                attempt.txn.wrote = True
-            await _pull(res, attempt, work)
-            res.observer.transport_read(res.transport.name, work.pulled, time.perf_counter() - t0)
-            meter.note(1, work.pulled, time.perf_counter() - t0)
-            await send.send(work)
+    name = res.transport.name
+    flying: list[_Flight] = []  # submitted, not yet landed (in order)
+    s_fly, r_fly = anyio.create_memory_object_stream[_Flight](max(0, res.window - 1))
+
+    async def submitter() -> None:
+        async with receive, s_fly:
+            while (work := await take(receive)) is not None:
+                meter.enter()
+                f = await _submit(res, attempt, work)
+                flying.append(f)
+                await give(s_fly, f)
+
+    async def lander() -> None:
+        done = 0.0  # perf_counter when the previous bucket landed: a bucket's busy time starts no earlier
+        async with r_fly:
+            while (f := await take(r_fly)) is not None:
+                await _land(res, attempt, f)
+                flying.remove(f)
+                t = time.perf_counter()
+                res.observer.transport_read(name, f.work.pulled, t - f.t0)
+                meter.note(1, f.work.pulled, t - max(f.t0, done))
+                done = t
+                await give(send, f.work)
+
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(submitter)
+                tg.start_soon(lander)
+        except BaseExceptionGroup as group:  # the one error, not a group of it and its echo
+            err = first_error(group)
+            raise err from err.__cause__
+        await send.aclose()  # the end of input, only once every bucket went on: a failure must not look like one
+    except (RefitTimeoutError, TransportError):
+        # the network failed the reads: the next attempt connects afresh to every source this one read (an
+        # endpoint that carried no read when a partition cut it may be dead without a sign once it heals)
+        peers = [m.source.agent for m in attempt.publication.manifests]
+        res.transport.reconnect(peers + ([attempt.upstream.offer.source.agent] if attempt.upstream else []))
+        raise
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s):
+            for f in flying:  # a failure or a cancellation: what is still landing ends before staging is freed
+                if f.submitted is not None:
+                    await f.submitted.settle()
+                    f.submitted = None
+        for f in flying:  # still in progress past the deadline (a peer that stopped answering): cut them short
+            if f.submitted is not None:
+                f.submitted.abandon()

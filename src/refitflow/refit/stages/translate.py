@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import time
 
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
-
 from refitflow.core.threads import off_loop
 from refitflow.refit.attempt import Attempt, Meter, Resources
+from refitflow.refit.handoff import give, take
 from refitflow.refit.landing import copies_of
 from refitflow.refit.plans import slot
-from refitflow.refit.work import Work
+from refitflow.refit.work import Receive, Send
 
 __all__ = ["run"]
 
 
 async def run(
-    res: Resources, attempt: Attempt, receive: ObjectReceiveStream[Work], send: ObjectSendStream[Work], meter: Meter
+    res: Resources, attempt: Attempt, receive: Receive, send: Send, meter: Meter
 ) -> None:
     route, replay = attempt.plan.route, attempt.replay
     async with receive, send:
-        async for work in receive:
+        while (work := await take(receive)) is not None:
             meter.enter()
             t0 = time.perf_counter()
             staged = work.bucket.staged
@@ -35,4 +34,4 @@ async def run(
             else:
                 work.copies = copies_of(res, work, route, replay) if staged or work.actions is not None else []
             meter.note(1, work.bucket.staging_bytes, time.perf_counter() - t0)
-            await send.send(work)
+            await give(send, work)

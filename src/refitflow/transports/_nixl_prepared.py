@@ -1,0 +1,180 @@
+"""The READs a ``NixlTransport`` has described and prepared, kept by read key for every replay of them.
+
+A read ``key`` is a caller's name for a list of reads it issues again with the same ranges: a refit's is
+``(plan serial, bucket, ...)``. Keys are kept by *group*, a key's first element (the plan): everything prepared
+for a group stays until the group is forgotten (``Transport.forget``: a receiver forgets a plan when its plan
+cache drops it), so a plan of thousands of buckets replays without preparing a READ again — an LRU of buckets
+smaller than a plan would prepare every bucket of every refit. At most ``groups`` groups are kept (the least
+recently used dropped) for callers that never forget.
+
+What invalidates a preparation is exactly what it touched: a local region deregistered (``forget_local``:
+storage moved, a receiver rebound) drops the READs that land in it and no other; a peer whose address changed
+or that was replaced drops that peer's READs (``forget``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from refitflow.core.errors import TransportError
+from refitflow.transports._nixl_agent import LockedAgent
+from refitflow.transports._nixl_descs import Described
+from refitflow.transports._nixl_state import CacheKey, _Prepared
+from refitflow.transports.base import Read
+
+__all__ = ["PreparedReads", "ended", "group_of", "release", "submitted"]
+
+VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
+
+
+def group_of(key: Hashable) -> Hashable:
+    """A read key's group: its first element when it is a tuple, else the key itself."""
+    return key[0] if isinstance(key, tuple) and key else key
+
+
+class PreparedReads:
+    def __init__(self, groups: int = 16) -> None:
+        self._groups: OrderedDict[Hashable, dict[CacheKey, list[_Prepared]]] = OrderedDict()
+        # key -> (the very reads list described, peers' epochs, its description), by group
+        self._described: OrderedDict[Hashable, dict[Hashable, tuple[Sequence[Read], Any, Described]]] = OrderedDict()
+        self._limit = groups
+        self.prepared = 0  # preparations made (a replay makes none)
+
+    # -- descriptions -------------------------------------------------------------------------------------
+
+    def described(self, key: Hashable, reads: Sequence[Read], state: Any) -> Described | None:
+        """The description of ``reads`` made under ``key`` for this very list object and peer state, if any."""
+        found = self._described.get(group_of(key), {}).get(key)
+        if found is not None and found[0] is reads and found[1] == state:
+            return found[2]
+        return None
+
+    def remember(self, key: Hashable, reads: Sequence[Read], state: Any, described: Described) -> None:
+        self._touch(self._described, group_of(key))[key] = (reads, state, described)
+
+    # -- preparations -------------------------------------------------------------------------------------
+
+    def lookup(self, ckey: CacheKey | None, epoch: int, larr: np.ndarray, rarr: np.ndarray) -> _Prepared | None:
+        """The transfer prepared under ``ckey`` for these exact arrays and the peer's current ``epoch``, if any."""
+        if ckey is None:
+            return None
+        for p in self._groups.get(group_of(ckey[0]), {}).get(ckey, ()):
+            same = (p.larr is larr and p.rarr is rarr) or (
+                np.array_equal(p.larr, larr) and np.array_equal(p.rarr, rarr)
+            )
+            if p.epoch == epoch and same:
+                return p
+        return None
+
+    def prepare(
+        self, ckey: CacheKey | None, nx: LockedAgent, peer: str, lmem: str, rmem: str, larr: np.ndarray,
+        rarr: np.ndarray, epoch: int, regions: frozenset[int],
+    ) -> _Prepared:  # fmt: skip
+        """The transfer prepared under ``ckey`` for these exact arrays, or a freshly prepared one (kept under
+        ``ckey``; ``regions``: the local regions it lands in)."""
+        hit = self.lookup(ckey, epoch, larr, rarr)
+        if hit is not None:
+            return hit
+        handles: list[Any] = []
+        try:
+            with nx.lock, nx.translated("descriptor preparation"):
+                handles.append(nx.agent.prep_xfer_dlist("NIXL_INIT_AGENT", larr, lmem))
+                handles.append(nx.agent.prep_xfer_dlist(peer, rarr, rmem))
+                idx = np.arange(len(larr), dtype=np.int64)
+                handles.append(nx.agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx))
+        except BaseException:
+            release(_Prepared(larr, rarr, epoch, regions, nx, tuple(handles)))
+            raise
+        self.prepared += 1
+        prepared = _Prepared(larr, rarr, epoch, regions, nx, tuple(handles))
+        if ckey is not None:
+            kept = self._touch(self._groups, group_of(ckey[0]))
+            variants = [*kept.get(ckey, []), prepared]
+            for old in variants[:-VARIANTS]:
+                release(old)
+            kept[ckey] = variants[-VARIANTS:]
+        return prepared
+
+    # -- forgetting -----------------------------------------------------------------------------------
+
+    def forget_group(self, group: Hashable) -> None:
+        """Everything prepared and described under ``group``'s keys."""
+        for variants in self._groups.pop(group, {}).values():
+            for p in variants:
+                release(p)
+        self._described.pop(group, None)
+
+    def forget(self, match: Callable[[CacheKey], bool]) -> None:
+        """The preparations whose cache key ``match``es (their descriptions stay: they name no NIXL handle)."""
+        for kept in self._groups.values():
+            for ckey in [k for k in kept if match(k)]:
+                for p in kept.pop(ckey):
+                    release(p)
+
+    def forget_local(self, region: int) -> None:
+        """What lands in local ``region`` (deregistered): its preparations and descriptions, and nothing else."""
+        for kept in self._groups.values():
+            for ckey, variants in list(kept.items()):
+                gone = [p for p in variants if region in p.regions]
+                for p in gone:
+                    release(p)
+                if gone:
+                    left = [p for p in variants if region not in p.regions]
+                    if left:
+                        kept[ckey] = left
+                    else:
+                        del kept[ckey]
+        for described in self._described.values():
+            for key in [k for k, (_, _, d) in described.items() if any(region in g.regions for g in d.values())]:
+                del described[key]
+
+    def clear(self) -> None:
+        for group in list(self._groups):
+            self.forget_group(group)
+        self._described.clear()
+
+    def _touch(self, table: OrderedDict[Hashable, Any], group: Hashable) -> Any:
+        """``table``'s entry for ``group``, made if new, the most recently used; the least recent past the limit
+        forgotten."""
+        entry = table.get(group)
+        if entry is None:
+            entry = table[group] = {}
+            while len(table) > self._limit:
+                oldest = next(iter(table))
+                if table is self._groups:
+                    self.forget_group(oldest)
+                else:
+                    del table[oldest]
+        table.move_to_end(group)
+        return entry
+
+
+def release(prepared: _Prepared) -> None:
+    """Release a preparation's NIXL handles — once none of its READs is in flight (a poster thread still checks a
+    submitted one: released under it, NIXL would touch freed memory); idempotent."""
+    if prepared.busy:
+        prepared.doomed = True  # ``ended`` releases it
+        return
+    handles, prepared.handles = prepared.handles, ()
+    for h in reversed(handles):
+        try:
+            with prepared.nx.lock, prepared.nx.translated("handle release"):
+                h.release()
+        except TransportError:
+            pass  # e.g. a transfer to a dead peer that cannot be cancelled: nothing more to do
+
+
+def submitted(prepared: _Prepared) -> None:
+    """A READ of ``prepared`` was handed to a poster thread."""
+    prepared.busy += 1
+
+
+def ended(prepared: _Prepared) -> None:
+    """A READ of ``prepared`` ended; released meanwhile, its handles go now."""
+    prepared.busy -= 1
+    if prepared.doomed and not prepared.busy:
+        release(prepared)
