@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
-from typing import Protocol
+from collections.abc import Callable
 
 import anyio
 
@@ -15,20 +14,14 @@ from refitflow.core.types import Identity, Publication
 from refitflow.planner.compile_filter import check_compile
 from refitflow.refit.attempt import Found, Meter, Resources
 from refitflow.refit.transaction import Transaction
+from refitflow.registry.protocol import Discovery
 
-__all__ = ["Discovery", "run"]
+__all__ = ["run"]
 
 NEAR_MISS_S = 2.0  # how long a timed-out discovery asks the registry what it holds instead
 MAX_UNREADABLE = 64  # versions a receiver remembers it cannot read (the registry's limit on ``skip``)
 
 log = logging.getLogger(__name__)
-
-
-class Discovery(Protocol):
-    async def wait_complete(
-        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None,
-        early: bool = False, skip: Collection[int] = (),
-    ) -> Publication: ...  # fmt: skip
 
 
 async def run(
@@ -121,13 +114,10 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
 async def _explain(registry: Discovery, identity: Identity, min_version: int, exc: RefitTimeoutError) -> str:
     """The timeout's message, with the full identity and what the registry holds of the model instead."""
     text = f"{exc.reason}; waited for {identity!r}"
-    ask = getattr(registry, "near_misses", None)
-    if ask is None:
-        return text
     held: list[str] = []
     with anyio.move_on_after(NEAR_MISS_S):
         try:
-            held = list(await ask(identity, min_version))
+            held = list(await registry.near_misses(identity, min_version))
         except RefitError:  # the registry did not answer this either: the first message says so
             return text
     return f"{text}; the registry holds: {'; '.join(held)}" if held else text

@@ -7,13 +7,11 @@ over to the next within its deadline (``replicas``).
 ``wait_complete`` wakes on the registry's PUB announcement (SUB socket, ``announcements``) and re-asks
 every ``requery_s`` in case one was missed. Manifests are fetched once per version and cached (``fetched``).
 
-While the client holds publications, receivers or undelivered reports, a background task heartbeats
-its lease. When the registry restarted (its incarnation changed in any answer) or did not know the
-client (the lease ran out), the task re-announces everything held: every version published here that
-is not known to be released (the newest of each rank always), then every receiver with its latest
-report. ``report`` never holds a refit up for long: it waits at most ``report_wait_s`` (not at all
-while the registry is not answering), and a report not delivered then is delivered by the task. The
-task stops on ``aclose()``.
+What the client holds (publications, receivers, reports) is kept told to the registry by a background task
+(``upkeep``: heartbeats, re-announcement after a restart). ``report`` never holds a refit up for long: it waits
+at most ``report_wait_s`` (not at all while the registry is not answering), and a report not delivered then
+is delivered by the task. The task stops on ``aclose()``. The calls that are one request and nothing more take
+their signatures from the protocol (``registry.implement.Remote``).
 """
 
 from __future__ import annotations
@@ -37,7 +35,10 @@ from refitflow.registry.address import check_addresses
 from refitflow.registry.client.announcements import Announcements
 from refitflow.registry.client.fetched import Fetched
 from refitflow.registry.client.replicas import Replicas
+from refitflow.registry.client.upkeep import Upkeep
+from refitflow.registry.implement import Remote
 from refitflow.registry.messages import CLAIMED, identity_to_dict
+from refitflow.registry.protocol import RegistryProtocol
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
 
@@ -46,7 +47,7 @@ __all__ = ["RegistryClient"]
 log = logging.getLogger(__name__)
 
 
-class RegistryClient:
+class RegistryClient(RegistryProtocol):
     def __init__(
         self,
         address: str | list[str],
@@ -78,17 +79,14 @@ class RegistryClient:
                                  on_restart=self._restarted)  # fmt: skip
         self._channel.on_failover = self._failed_over
         self._request = self._channel.request
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()  # the heartbeat task has work now (a restart, a report to deliver)
-        self._stale = False  # the registry may have forgotten what this client holds
+        self._upkeep = Upkeep(lambda *a, **k: self._request(*a, **k), self.client_id,
+                              closed=lambda: self._channel.closed, heartbeat_s=heartbeat_s,
+                              request_timeout_s=request_timeout_s, max_held_versions=max_held_versions)  # fmt: skip
         self._announcements = Announcements(self._channel.channels[0])
         self._hello: dict[str, Any] | None = None
         self._hello_via = addresses[0]  # the replica that answered ``hello``
         self._fetched = Fetched(self._request, cache_size)
-        self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
-        self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self._layouts = RelayLayouts()  # relay geometries known here (and to the registry): offers travel compact
-        self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
 
     @property
     def announcements(self) -> int:
@@ -122,90 +120,21 @@ class RegistryClient:
 
     def _restarted(self) -> None:
         """The registry restarted: re-announce what we hold, re-learn where it announces."""
-        self._stale = True
         self._hello = None
-        self._wake.set()
+        self._upkeep.restarted()
 
     async def aclose(self) -> None:
         """Stop heartbeating, close the sockets; what this client held expires with its lease. A client that
         published says goodbye (within a second, if the registry answers): its ranks may be published by
         another client at once."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
-            self._heartbeat = None
-        if self._held and self._channel.answering and not self._channel.closed:
+        await self._upkeep.stop()
+        if self._upkeep.held and self._channel.answering and not self._channel.closed:
             try:
                 await self._request("goodbye", timeout=min(1.0, self.request_timeout_s), owner=self.client_id)
             except RefitError as exc:
                 log.info("registry client: goodbye not delivered (%s): the lease runs out instead", exc)
         self._fetched.cancel()
         await self._channel.aclose()
-
-    # -- leases, re-announcement, reports ----------------------------------------------------------
-
-    def _hold_lease(self) -> None:
-        if self._heartbeat is None and not self._channel.closed:
-            self._heartbeat = asyncio.create_task(self._upkeep())
-
-    async def _upkeep(self) -> None:
-        """Heartbeat; re-announce after a restart or a lost lease; deliver reports not yet delivered."""
-        interval = self.heartbeat_s or self.request_timeout_s
-        while True:
-            self._wake.clear()
-            try:
-                if self._stale:
-                    await self._reannounce()
-                for (identity, receiver_id), version in list(self._unsent.items()):
-                    await self._send_report(identity, receiver_id, version, self.request_timeout_s)
-                answer = await self._request("heartbeat", owner=self.client_id)
-                if self.heartbeat_s is None:
-                    interval = float(answer["lease_s"]) / 4
-                if not answer["known"]:
-                    self._stale = True
-                    continue
-            except Exception as exc:  # a registry away for a while: keep trying, re-announce on return
-                log.info("registry client: heartbeat failed: %s", exc)
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
-
-    async def _reannounce(self) -> None:
-        """Publish again every version held (newest first), then register every receiver with its report."""
-        self._stale = False
-        try:
-            for manifest in sorted((m for held in self._held.values() for m in held.values()),
-                                   key=lambda m: -m.version):  # fmt: skip
-                try:
-                    await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id)
-                except (ManifestError, VersionError) as exc:  # this registry will never take it: stop offering it
-                    log.warning("registry client: version %d not re-announced: %s", manifest.version, exc)
-                    self._held.get((manifest.identity.key(), manifest.rank), {}).pop(manifest.version, None)
-            for (identity, receiver_id), version in list(self._receivers.items()):
-                await self._request("register_receiver", identity=identity_to_dict(identity),
-                                    receiver_id=receiver_id, owner=self.client_id)  # fmt: skip
-                if version >= 0:
-                    await self._send_report(identity, receiver_id, version, self.request_timeout_s)
-        except BaseException:
-            self._stale = True  # not all of it got through: again next time
-            raise
-
-    def _forget(self, identity: Identity, version: int) -> None:
-        """``version`` is released: it and older ones are never re-announced (the newest of a rank always is)."""
-        key = identity.key()
-        for (held_key, _), held in self._held.items():
-            if held_key == key:
-                newest = max(held)
-                for v in [v for v in held if v <= version and v != newest]:
-                    del held[v]
-
-    async def _send_report(self, identity: Identity, receiver_id: str, version: int, timeout: float) -> None:
-        await self._request("report", timeout=timeout, identity=identity_to_dict(identity),
-                            receiver_id=receiver_id, version=version)  # fmt: skip
-        key = (identity, receiver_id)
-        if self._unsent.get(key, version) <= version:
-            self._unsent.pop(key, None)
 
     # -- the Registry interface -------------------------------------------------------------------
 
@@ -234,7 +163,7 @@ class RegistryClient:
                         digests=digests_to_dict(manifest),
                         max_bytes=hello.get("max_message_bytes"),
                     )
-                    self._hold(manifest)
+                    self._upkeep.hold(manifest)
                     return
                 except VersionError as exc:
                     log.info("registry client: digests alone refused (%s); publishing the whole manifest", exc.reason)
@@ -249,24 +178,17 @@ class RegistryClient:
                     log.info("registry client: rank %d is still another client's; asking again", manifest.rank)
                     await asyncio.sleep(0.25)
         except RefitTimeoutError as exc:
-            self._hold(manifest)
-            self._stale = True  # announce what is held once the registry answers
+            self._upkeep.hold(manifest)
+            self._upkeep.stale = True  # announce what is held once the registry answers
             raise RefitTimeoutError(f"{exc.reason}; version {manifest.version} is held and will be announced when "
                                     "the registry answers again", version=manifest.version) from exc  # fmt: skip
-        self._hold(manifest)
+        self._upkeep.hold(manifest)
 
     def _completes(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` holds the digests of the pending manifest this client announced for its rank and
         version (``Manifest.completes``: the same head and layout, ≈ 0.5 µs a shard)."""
-        held = self._held.get((manifest.identity.key(), manifest.rank), {}).get(manifest.version)
+        held = self._upkeep.announced(manifest)
         return held is not None and manifest.completes(held)
-
-    def _hold(self, manifest: Manifest) -> None:
-        held = self._held.setdefault((manifest.identity.key(), manifest.rank), {})
-        held[manifest.version] = manifest
-        while len(held) > self.max_held_versions:
-            del held[min(held)]
-        self._hold_lease()
 
     async def latest(
         self,
@@ -292,7 +214,7 @@ class RegistryClient:
 
         An offer goes compact (address, status, regions) — the registry holds its layout when any receiver of
         that geometry joined whole before — and the upstream's comes back so when this client knows its layout
-        (``core.relay.RelayLayouts``); a registry that does not hold the layout (the first of its geometry, a
+        (``core.fanout.RelayLayouts``); a registry that does not hold the layout (the first of its geometry, a
         restart, another replica) refuses the compact form and gets the whole offer: one more round trip."""
         compact = offer is not None
         if offer is not None:  # known here from now: an upstream of this layout may come back compact
@@ -314,8 +236,7 @@ class RegistryClient:
         decode = partial(offer_from_dict, layouts=self._layouts)
         return await asyncio.to_thread(decode, found) if len(found.get("held", ())) > 256 else decode(found)
 
-    async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
-        await self._request("relay_leave", identity=identity_to_dict(identity), receiver_id=receiver_id)
+    relay_leave = Remote(RegistryProtocol.relay_leave)
 
     async def wait_complete(
         self,
@@ -359,26 +280,21 @@ class RegistryClient:
     async def register_receiver(self, identity: Identity, receiver_id: str) -> None:
         await self._request("register_receiver", identity=identity_to_dict(identity), receiver_id=receiver_id,
                             owner=self.client_id)  # fmt: skip
-        self._receivers.setdefault((identity, receiver_id), -1)
-        self._hold_lease()
+        self._upkeep.registered(identity, receiver_id)
 
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
-        self._receivers.pop((identity, receiver_id), None)
-        self._unsent.pop((identity, receiver_id), None)
+        self._upkeep.unregistered(identity, receiver_id)
         await self._request("unregister_receiver", identity=identity_to_dict(identity), receiver_id=receiver_id)
 
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
         """Tell the registry ``receiver_id`` is done with ``version``: delivered within ``report_wait_s`` or
         later by the background task (kept for a restarted registry too); never a timeout here."""
-        key = (identity, receiver_id)
-        if key in self._receivers:
-            self._receivers[key] = max(self._receivers[key], version)
-        self._unsent[key] = max(self._unsent.get(key, version), version)
-        self._hold_lease()
+        self._upkeep.reported(identity, receiver_id, version)
         if not self._channel.answering:  # the registry is away: don't wait for it
             return
         try:
-            await self._send_report(identity, receiver_id, version, min(self.report_wait_s, self.request_timeout_s))
+            await self._upkeep.send_report(identity, receiver_id, version,
+                                           min(self.report_wait_s, self.request_timeout_s))  # fmt: skip
         except RefitTimeoutError:
             log.info("registry client: report of version %d delivered later", version)
 
@@ -386,12 +302,8 @@ class RegistryClient:
         released = bool(await self._request("is_released", identity=identity_to_dict(identity), version=version,
                                             policy=None if policy is None else policy.to_dict()))  # fmt: skip
         if released:
-            self._forget(identity, version)
+            self._upkeep.forget(identity, version)
         return released
-
-    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
-        done, registered = await self._request("acked", identity=identity_to_dict(identity), version=version)
-        return int(done), int(registered)
 
     async def wait_released(
         self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
@@ -411,20 +323,14 @@ class RegistryClient:
                 log.info("registry client: waiting for the release of version %d: %s", version, exc)
                 await asyncio.sleep(min(self.requery_s, wait_s))
             if released:
-                self._forget(identity, version)
+                self._upkeep.forget(identity, version)
                 return
             if deadline is not None and loop.time() >= deadline:
                 raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
 
-    async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
-        """What the registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
-        return [str(s) for s in await self._request("near_misses", identity=identity_to_dict(identity),
-                                                    min_version=min_version)]  # fmt: skip
+    # -- the calls that are one request -----------------------------------------------------------------
 
-    async def versions(self, identity: Identity) -> list[int]:
-        return list(await self._request("versions", identity=identity_to_dict(identity)))
-
-    async def relayed(self, identity: Identity) -> int | None:
-        """The newest complete version a receiver relays (``Registry.relayed``), or None."""
-        found = await self._request("relayed", identity=identity_to_dict(identity))
-        return found if type(found) is int else None
+    acked = Remote(RegistryProtocol.acked, result=lambda found: (int(found[0]), int(found[1])))
+    near_misses = Remote(RegistryProtocol.near_misses, result=lambda found: [str(s) for s in found])
+    versions = Remote(RegistryProtocol.versions, result=list)
+    relayed = Remote(RegistryProtocol.relayed, result=lambda found: found if type(found) is int else None)

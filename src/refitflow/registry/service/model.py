@@ -7,13 +7,15 @@ two-phase publication), *complete* once every rank's digests are in too.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from refitflow.core.types import Manifest
+from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.service.checks import VersionIndex
 from refitflow.registry.service.fanout import Relays
 
-__all__ = ["Model", "mark", "unmark"]
+__all__ = ["Model", "mark", "newest", "unmark"]
 
 
 @dataclass
@@ -68,3 +70,29 @@ def unmark(ordered: list[int], version: int) -> None:
     at = bisect.bisect_left(ordered, version)
     if at < len(ordered) and ordered[at] == version:
         del ordered[at]
+
+
+def newest(
+    models: Mapping[Identity, Model], identity: Identity, min_version: int, targets: Collection[str] | None,
+    metadata: Mapping[str, str] | None, early: bool = False, skip: Collection[int] = (),
+) -> Publication | None:  # fmt: skip
+    """The newest complete (``early``: or laid-out) version ≥ ``min_version`` among ``models`` (the
+    ``Discovery.latest`` filters: compile ``targets``, ``metadata``, versions to ``skip``), or None."""
+    best: Publication | None = None
+    names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
+    for target in names:
+        model = models.get(dataclasses.replace(identity, compile_target=target))
+        if model is None:
+            continue
+        for version in reversed(model.laid_out if early else model.complete):
+            if version < min_version or (best is not None and version <= best.version):
+                break
+            if version in skip:
+                continue
+            ranks = model.versions[version]
+            manifests = tuple(ranks[r] for r in range(len(ranks)))
+            if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
+                continue
+            best = Publication(identity=manifests[0].identity, version=version, manifests=manifests)
+            break
+    return best

@@ -24,8 +24,8 @@ from refitflow.core.wire import (
 )
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
+from refitflow.registry.protocol import Store
 from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.service.store_api import Store
 
 __all__ = ["MAX_WAIT_S", "OFF_LOOP_SHARDS", "WIRE_CACHE", "Handler"]
 

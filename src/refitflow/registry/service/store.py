@@ -2,17 +2,13 @@
 
 A version is discoverable once every rank of its publisher's world has published it (``model``: what is
 held of one identity; two-phase publication: *laid out* before its digests are in, *complete* after).
-Receivers register, and report each version they are done with (committed, aborted or skipped); a version is
-*released* per a :class:`ReleasePolicy` (default: every registered receiver is done with it), and
-dropped once released and superseded by a newer complete version.
+Receivers and releases: ``releases`` (a version is released per a ``ReleasePolicy``, and dropped once released
+and superseded by a newer complete version).
 
-Leases: a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
+Leases (``leases``): a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
 as that owner heartbeats; ``expire()`` drops what stale owners held, so their versions stop being
 offered, and incomplete versions that no owner holds once ``limits.incomplete_ttl_s`` has passed.
-After a restart the store cannot know the receivers that have not re-registered yet:
-``hold_releases`` withholds "every receiver is done" for a while (the service calls it when a client
-of an earlier incarnation returns). ``Registry`` (``embedded``) adds ``serve``, which runs a store as
-a ZMQ service (``service``).
+``Registry`` (``embedded``) adds ``serve``, which runs a store as a ZMQ service (``service``).
 
 Costs: a publish is O(tensors of the manifest) plus O(log versions held); old versions are dropped
 oldest first, each once.
@@ -20,7 +16,6 @@ oldest first, each once.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Collection, Mapping
 
@@ -31,16 +26,15 @@ from refitflow.core.fanout import RelayOffer
 from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import CLAIMED
-from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.protocol import Store
 from refitflow.registry.service.checks import VersionIndex
 from refitflow.registry.service.fanout import Relays, check_offer
-from refitflow.registry.service.model import Model, mark
+from refitflow.registry.service.leases import Key, Leases
+from refitflow.registry.service.model import Model, mark, newest
 from refitflow.registry.service.near_misses import near_misses
+from refitflow.registry.service.releases import Releasing
 
 __all__ = ["RegistryStore", "claimed"]
-
-_DEFAULT_POLICY = ReleasePolicy()
-
 
 def claimed(manifest: Manifest, lease_s: float) -> VersionError:
     """A publish of a rank another live client publishes: refused (a forged or a second publisher)."""
@@ -54,7 +48,7 @@ def claimed(manifest: Manifest, lease_s: float) -> VersionError:
 _EMPTY = Model()  # what a query about an unknown identity sees (queries never create models)
 
 
-class RegistryStore:
+class RegistryStore(Releasing, Store):
     """In one process. All methods are coroutines, as they are on a remote registry client."""
 
     announces = False  # the service announces what is published through it
@@ -73,10 +67,8 @@ class RegistryStore:
         self._clock = clock
         self._models: dict[Identity, Model] = {}
         self._changed = anyio.Event()
-        self._leases: dict[str, float] = {}  # owner -> last heartbeat
-        self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
+        self._leases = Leases()
         self._hold_until = float("-inf")
-        self._claims: dict[tuple[Identity, int], str] = {}  # (identity, rank) -> the owner publishing it
 
     def _notify(self) -> None:
         self._changed.set()
@@ -113,14 +105,18 @@ class RegistryStore:
         self._models.clear()
         self._notify()
 
-    def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
+    def _own(self, owner: str | None, key: Key) -> None:
         if owner is not None:
-            self._leases[owner] = self._clock()
-            owned = self._owned.setdefault(owner, set())
-            n = len(owned)  # forget versions since dropped, so a long-lived owner's record stays small: at 64,
-            if n >= 64 and not n & (n - 1):  # 128, 256, … entries (every publish once past 64 was O(owned))
-                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._peek(k[0]).versions}
-            owned.add(key)
+            self._leases.own(owner, key, self._clock(), self._gone)
+
+    @property
+    def _owned(self) -> dict[str, set[Key]]:
+        """What each owner holds (``leases.Leases.owned``)."""
+        return self._leases.owned
+
+    def _gone(self, key: Key) -> bool:
+        """A version an owner held was dropped since (receivers go when unregistered or expired)."""
+        return isinstance(key[1], int) and key[1] not in self._peek(key[0]).versions
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
         """Record one rank's manifest; republishing a version with other content is refused.
@@ -135,8 +131,8 @@ class RegistryStore:
         """Raise if ``manifest`` is refused here; False when it changes nothing (a late retry)."""
         model = self._peek(manifest.identity)
         version, rank = manifest.version, manifest.rank
-        holder = self._claims.get((manifest.identity, rank))
-        if owner is not None and holder not in (None, owner) and holder in self._leases:
+        holder = self._leases.holder(manifest.identity, rank)
+        if owner is not None and holder not in (None, owner):
             raise claimed(manifest, self.lease_s)
         known = model.versions.get(version, {})
         old = known.get(rank)
@@ -186,7 +182,7 @@ class RegistryStore:
         ranks[rank] = manifest  # the same content again: its newest source address wins
         if owner is not None:
             model.owner[(version, rank)] = owner
-            self._claims[(manifest.identity, rank)] = owner
+            self._leases.claim(manifest.identity, rank, owner)
         if len(ranks) == manifest.world_size:
             mark(model.laid_out, version)
             if version not in model.completed_at and not any(m.pending for m in ranks.values()):
@@ -209,29 +205,6 @@ class RegistryStore:
         model = self._peek(identity)
         return version in (model.newest, model.laid_out[-1] if model.laid_out else None)
 
-    def _complete(
-        self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None,
-        early: bool = False, skip: Collection[int] = (),
-    ) -> Publication | None:  # fmt: skip
-        best: Publication | None = None
-        names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
-        for target in names:
-            model = self._models.get(dataclasses.replace(identity, compile_target=target))
-            if model is None:
-                continue
-            for version in reversed(model.laid_out if early else model.complete):
-                if version < min_version or (best is not None and version <= best.version):
-                    break
-                if version in skip:
-                    continue
-                ranks = model.versions[version]
-                manifests = tuple(ranks[r] for r in range(len(ranks)))
-                if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
-                    continue
-                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests)
-                break
-        return best
-
     async def latest(
         self,
         identity: Identity,
@@ -242,14 +215,8 @@ class RegistryStore:
         early: bool = False,
         skip: Collection[int] = (),
     ) -> Publication | None:
-        """The newest complete version ≥ ``min_version``, or None.
-
-        ``compile_targets``: accept any of these compile targets instead of ``identity.compile_target``;
-        ``metadata``: only versions whose every manifest's metadata contains these items; ``early``: also
-        versions laid out but not complete (some rank's digests pending: ``Publication.pending``); ``skip``:
-        versions the asker cannot use (their sources unreadable to it), passed over for older ones.
-        """
-        return self._complete(identity, min_version, compile_targets, metadata, early, skip)
+        """The newest complete version ≥ ``min_version``, or None (``Discovery.latest``)."""
+        return newest(self._models, identity, min_version, compile_targets, metadata, early, skip)
 
     async def wait_complete(
         self,
@@ -267,16 +234,11 @@ class RegistryStore:
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                pub = self._complete(identity, min_version, compile_targets, metadata, early, skip)
+                pub = newest(self._models, identity, min_version, compile_targets, metadata, early, skip)
                 if pub is not None:
                     return pub
                 await changed.wait()
         raise RefitTimeoutError(f"no complete version ≥ {min_version} of {identity.model!r} within {timeout} s")
-
-    async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None:
-        self._model(identity).receivers.setdefault(receiver_id, -1)
-        self._own(owner, (identity, receiver_id, -1))
-        self._notify()
 
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
@@ -312,69 +274,6 @@ class RegistryStore:
         for relays in model.relays.values():
             relays.leave(receiver_id)
 
-    async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
-        model = self._peek(identity)
-        model.receivers.pop(receiver_id, None)
-        self._drop_relays(model, receiver_id)
-        self._collect(model)
-        self._notify()
-
-    async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
-        """A receiver is done with ``version`` (and so with every older one)."""
-        model = self._peek(identity)
-        if receiver_id in model.receivers:
-            model.receivers[receiver_id] = max(model.receivers[receiver_id], version)
-        self._collect(model)
-        self._notify()
-
-    def hold_releases(self, seconds: float) -> None:
-        """For ``seconds``, "every registered receiver is done" releases nothing: receivers of an earlier
-        incarnation of this registry may not have re-registered yet (a count or a time still releases)."""
-        self._hold_until = max(self._hold_until, self._clock() + seconds)
-        self._notify()
-
-    def _released(self, model: Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
-        done_at = model.completed_at.get(version)
-        age = None if done_at is None else self._clock() - done_at
-        return policy.released(model.receivers.values(), version, age, all_known=self._clock() >= self._hold_until)
-
-    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
-        return self._released(self._peek(identity), version, policy or _DEFAULT_POLICY)
-
-    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
-        """(receivers done with ``version``, receivers registered)."""
-        receivers = self._peek(identity).receivers
-        return sum(done >= version for done in receivers.values()), len(receivers)
-
-    async def wait_released(
-        self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
-    ) -> None:
-        """Return once ``version`` is released per ``policy`` (default: every registered receiver is done)."""
-        policy = policy or _DEFAULT_POLICY
-        with anyio.move_on_after(timeout):
-            while True:
-                changed = self._changed
-                model = self._peek(identity)
-                if self._released(model, version, policy):
-                    return
-                now, wakes = self._clock(), []
-                if policy.after_s is not None and version in model.completed_at:
-                    wakes.append(model.completed_at[version] + policy.after_s - now)
-                if self._hold_until > now:
-                    wakes.append(self._hold_until - now)
-                with anyio.move_on_after(max(0.0, min(wakes)) + 1e-3 if wakes else None):
-                    await changed.wait()
-        raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
-
-    def _collect(self, model: Model) -> int:
-        """Drop versions that are released and superseded by a newer complete version, oldest first
-        (under the default policy a version is released only if every older one is); how many."""
-        newest, dropped = model.newest, 0
-        while newest is not None and model.order and model.order[0] < newest and self._released(model, model.order[0]):
-            model.drop(model.order[0])
-            dropped += 1
-        return dropped
-
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
         return list(self._peek(identity).order)
@@ -393,29 +292,23 @@ class RegistryStore:
     async def goodbye(self, owner: str) -> None:
         """``owner`` closed: the ranks it published may be published by another client at once (what it
         published stays until its lease runs out, for receivers reading it)."""
-        self._claims = {k: o for k, o in self._claims.items() if o != owner}
+        self._leases.goodbye(owner)
 
     async def heartbeat(self, owner: str) -> bool:
         """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""
-        known = owner in self._leases
-        self._leases[owner] = self._clock()
-        return known
+        return self._leases.heartbeat(owner, self._clock())
 
     def extend_leases(self, seconds: float) -> None:
         """Every lease lives ``seconds`` longer (the registry could not read heartbeats for that long)."""
-        self._leases = {o: t + seconds for o, t in self._leases.items()}
+        self._leases.extend(seconds)
 
     def expire(self) -> list[str]:
         """Drop every owner whose lease ran out, with the manifests and receivers it held, and every
         incomplete version no owner holds once ``limits.incomplete_ttl_s`` has passed since it appeared."""
         now = self._clock()
-        stale = [o for o, t in self._leases.items() if now - t > self.lease_s]
-        if stale:
-            gone = set(stale)
-            self._claims = {k: o for k, o in self._claims.items() if o not in gone}
-        for owner in stale:
-            del self._leases[owner]
-            for identity, key, rank in self._owned.pop(owner, set()):
+        stale = self._leases.stale(now, self.lease_s)
+        for owner, owned in stale.items():
+            for identity, key, rank in owned:
                 model = self._peek(identity)
                 if isinstance(key, str):
                     model.receivers.pop(key, None)
@@ -432,4 +325,4 @@ class RegistryStore:
             dropped += self._collect(model)  # also what a hold on releases kept
         if stale or dropped:
             self._notify()
-        return stale
+        return list(stale)
