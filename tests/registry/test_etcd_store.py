@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 import refitflow as rf
+from refitflow.core.records import RankLayout
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.core.wire import manifest_to_dict
 from refitflow.registry.client.client import RegistryClient
@@ -130,8 +131,11 @@ async def test_a_large_manifest_is_written_once_in_chunks_below_etcds_request_li
             got = await cb.wait_complete(ID, 1, 90)
             assert got.manifests[0] == big
             store: EtcdStore = a.registry  # type: ignore[assignment]
-            _, kvs = await store.etcd.get_prefix(store.keys.manifest(ID, 1, 0))
+            # the rank's layout (names, shapes, regions) once, as a head and its chunks; the version a small record
+            _, kvs = await store.etcd.get_prefix(store.keys.layout(RankLayout.id_of(big)))
             assert len(kvs) > 2 and all(len(kv.value) <= CHUNK_BYTES for kv in kvs)  # a head and its chunks
+            _, kvs = await store.etcd.get_prefix(store.keys.manifest(ID, 1, 0))
+            assert len(kvs) == 1 and len(kvs[0].value) < 40_000 * 8 + 1000  # the revision and raw digests alone
 
 
 @pytest.mark.asyncio

@@ -19,12 +19,15 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Protocol
 
-from refitflow.core.fanout import RelayOffer
-from refitflow.core.types import Identity, Manifest, Publication
+from refitflow.core.fanout import Geometry, Relay, RelayOffer
+from refitflow.core.records import Announcement, RankLayout, RankRecord
+from refitflow.core.types import Identity, Manifest, Publication, SourceAddress
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.release import ReleasePolicy
 
-__all__ = ["Discovery", "Publishing", "RegistryProtocol", "RelayRegistry", "Store"]
+__all__ = ["Discovery", "Found", "Publishing", "RegistryProtocol", "RelayRegistry", "Store"]
+
+Found = tuple[Identity, int, tuple[Announcement, ...]]  # a version found: identity, number, ranks in rank order
 
 
 class Publishing(Protocol):
@@ -93,6 +96,22 @@ class Discovery(RelayRegistry, Protocol):
         """As ``latest``, waiting up to ``timeout`` seconds for one (``RefitTimeoutError`` then)."""
         ...
 
+    async def wait_outline(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        early: bool = False,
+        skip: Collection[int] = (),
+    ) -> Publication:
+        """As ``wait_complete``, the version as a receiver plans and reads it: a registry across a network answers
+        an ``core.records.Outline`` (every rank's layout, fetched once each; a plan's part of the digests fetched
+        alone, ``Outline.digests``), a registry in this process the whole publication."""
+        ...
+
     async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
         """What is held of ``identity.model`` that does not match, in sentences (for a discovery timeout)."""
         ...
@@ -156,4 +175,56 @@ class Store(RegistryProtocol, Protocol):
 
     def extend_leases(self, seconds: float) -> None:
         """Every lease lives ``seconds`` longer (the service could not read heartbeats for that long)."""
+        ...
+
+    # -- by layout and record (``core.records``): what the service takes and serves without whole manifests --
+
+    def layout(self, layout_id: str) -> RankLayout | None:
+        """The rank layout of that id, if held (checked when it was added)."""
+        ...
+
+    async def add_layout(self, layout: RankLayout) -> RankLayout:
+        """Hold a checked rank layout (once: the one held under its id is returned)."""
+        ...
+
+    def entry_of(self, record: RankRecord) -> Announcement:
+        """``record`` checked against the layout it names (size, revision: O(digests) of CPU);
+        ``ManifestError`` saying ``UNKNOWN_LAYOUT`` for a layout not held."""
+        ...
+
+    async def publish_entry(self, entry: Announcement, *, owner: str | None = None) -> None:
+        """As ``publish``, for an announcement of a layout held."""
+        ...
+
+    def entry(self, identity: Identity, version: int, rank: int) -> Announcement | None:
+        """What ``rank`` announced for ``version`` (pending or complete), if held."""
+        ...
+
+    def find(
+        self, identity: Identity, min_version: int = 0, *, compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None, early: bool = False, skip: Collection[int] = (),
+    ) -> Found | None:  # fmt: skip
+        """As ``latest``, without making any manifest: the version's announcements."""
+        ...
+
+    # -- relays by geometry (``core.fanout.Relay``) --------------------------------------------------------
+
+    def relay_geometry(self, layout: str) -> Geometry | None: ...
+
+    async def add_relay_geometry(self, layout: str, geometry: Geometry) -> None:
+        """Hold a relay layout's geometry (its digest computed by the caller from a whole offer it checked)."""
+        ...
+
+    def relay_source(self, sid: str) -> SourceAddress | None: ...
+
+    async def add_relay_source(self, source: SourceAddress) -> None: ...
+
+    async def join_relays(
+        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None
+    ) -> Relay | None:
+        """``relay_join`` by geometry: O(1) in the model's size."""
+        ...
+
+    def offer_of(self, identity: Identity, version: int, relay: Relay) -> RelayOffer:
+        """A relay's whole offer (O(tensors): for a peer that does not hold its geometry)."""
         ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -29,15 +29,17 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, ManifestError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.fanout import RelayLayouts, RelayOffer
+from refitflow.core.offers import KNOWN, offer_from_dict, offer_to_dict
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import UNKNOWN_LAYOUT, digests_to_dict, manifest_to_dict, offer_from_dict, offer_to_dict
+from refitflow.core.wire import UNKNOWN_LAYOUT
 from refitflow.registry.address import check_addresses
 from refitflow.registry.client.announcements import Announcements
 from refitflow.registry.client.fetched import Fetched
+from refitflow.registry.client.publishing import Announcing
 from refitflow.registry.client.replicas import Replicas
 from refitflow.registry.client.upkeep import Upkeep
 from refitflow.registry.implement import Remote
-from refitflow.registry.messages import CLAIMED, identity_to_dict
+from refitflow.registry.messages import identity_to_dict
 from refitflow.registry.protocol import RegistryProtocol
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
@@ -87,6 +89,8 @@ class RegistryClient(RegistryProtocol):
         self._hello_via = addresses[0]  # the replica that answered ``hello``
         self._fetched = Fetched(self._request, cache_size)
         self._layouts = RelayLayouts()  # relay geometries known here (and to the registry): offers travel compact
+        self._announcing = Announcing(lambda *a, **k: self._request(*a, **k), self.hello, self._upkeep,
+                                      self.client_id)  # fmt: skip
 
     @property
     def announcements(self) -> int:
@@ -95,8 +99,13 @@ class RegistryClient(RegistryProtocol):
 
     @property
     def fetches(self) -> int:
-        """Manifest fetches so far (for tests and benches: one per new version)."""
+        """Whole-publication fetches so far (for tests and benches: one per new version)."""
         return self._fetched.fetches
+
+    @property
+    def fetched(self) -> Fetched:
+        """What this client fetched (layouts, parts: for benches)."""
+        return self._fetched
 
     async def __aenter__(self) -> RegistryClient:
         return self
@@ -115,12 +124,17 @@ class RegistryClient(RegistryProtocol):
         return self._hello
 
     def _failed_over(self) -> None:
-        """Another replica answers now: learn where it announces (``wait_complete`` subscribes there too)."""
+        """Another replica answers now: learn where it announces (``wait_complete`` subscribes there too); what
+        this client sent the last one by reference (parts) is sent again once."""
         self._hello = None
+        self._fetched.forget_parts()
 
     def _restarted(self) -> None:
-        """The registry restarted: re-announce what we hold, re-learn where it announces."""
+        """The registry restarted: re-announce what we hold, re-learn where it announces; the layouts and parts
+        it held are sent again."""
         self._hello = None
+        self._announcing.layouts.clear()
+        self._fetched.forget_parts()
         self._upkeep.restarted()
 
     async def aclose(self) -> None:
@@ -139,56 +153,28 @@ class RegistryClient(RegistryProtocol):
     # -- the Registry interface -------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest) -> None:
-        """Announce ``manifest``. A registry that does not answer in time (down, or cut off by the network) is
-        a ``RefitTimeoutError`` — and the version is held all the same: the lease task announces it as soon as
-        the registry answers again (with every other version held), so receivers get it after the outage.
+        """Announce ``manifest``: its layout once, then per version its record (``publishing``). A registry that does
+        not answer in time (down, or cut off by the network) is a ``RefitTimeoutError`` — and the version is held all
+        the same: the lease task announces it as soon as the registry answers again (with every other version
+        held), so receivers get it after the outage.
 
         A rank another live client publishes (a predecessor that crashed, whose lease has not run out yet) is
         asked again until one lease has passed; then the registry's ``VersionError`` is raised.
 
         The digests of a manifest this client announced pending (two-phase publication) go alone, without the
         layout the registry holds already; a registry that no longer holds it gets the whole manifest."""
-        hello = await self.hello()
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + float(hello.get("lease_s", 10.0)) + 1.0
-        try:
-            if self._completes(manifest):
-                try:
-                    await self._request(
-                        "complete",
-                        identity=identity_to_dict(manifest.identity),
-                        version=manifest.version,
-                        rank=manifest.rank,
-                        owner=self.client_id,
-                        digests=digests_to_dict(manifest),
-                        max_bytes=hello.get("max_message_bytes"),
-                    )
-                    self._upkeep.hold(manifest)
-                    return
-                except VersionError as exc:
-                    log.info("registry client: digests alone refused (%s); publishing the whole manifest", exc.reason)
-            while True:
-                try:
-                    await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
-                                        max_bytes=hello.get("max_message_bytes"))  # fmt: skip
-                    break
-                except VersionError as exc:
-                    if CLAIMED not in exc.reason or loop.time() >= give_up:
-                        raise
-                    log.info("registry client: rank %d is still another client's; asking again", manifest.rank)
-                    await asyncio.sleep(0.25)
-        except RefitTimeoutError as exc:
-            self._upkeep.hold(manifest)
-            self._upkeep.stale = True  # announce what is held once the registry answers
-            raise RefitTimeoutError(f"{exc.reason}; version {manifest.version} is held and will be announced when "
-                                    "the registry answers again", version=manifest.version) from exc  # fmt: skip
-        self._upkeep.hold(manifest)
+        await self._announcing.publish(manifest)
 
-    def _completes(self, manifest: Manifest) -> bool:
-        """Whether ``manifest`` holds the digests of the pending manifest this client announced for its rank and
-        version (``Manifest.completes``: the same head and layout, ≈ 0.5 µs a shard)."""
-        held = self._upkeep.announced(manifest)
-        return held is not None and manifest.completes(held)
+    async def _found(
+        self, identity: Identity, min_version: int, compile_targets: Collection[str] | None,
+        metadata: Mapping[str, str] | None, early: bool, skip: Collection[int],
+    ) -> dict[str, Any] | None:  # fmt: skip
+        found: dict[str, Any] | None = await self._request(
+            "latest", identity=identity_to_dict(identity), min_version=min_version,
+            compile_targets=None if compile_targets is None else list(compile_targets),
+            metadata=None if metadata is None else dict(metadata), early=early, skip=sorted(skip)[-64:],
+        )  # fmt: skip
+        return found
 
     async def latest(
         self,
@@ -200,11 +186,7 @@ class RegistryClient(RegistryProtocol):
         early: bool = False,
         skip: Collection[int] = (),
     ) -> Publication | None:
-        found = await self._request(
-            "latest", identity=identity_to_dict(identity), min_version=min_version,
-            compile_targets=None if compile_targets is None else list(compile_targets),
-            metadata=None if metadata is None else dict(metadata), early=early, skip=sorted(skip)[-64:],
-        )  # fmt: skip
+        found = await self._found(identity, min_version, compile_targets, metadata, early, skip)
         return None if found is None else await self._fetched.get(found)
 
     async def relay_join(
@@ -212,25 +194,31 @@ class RegistryClient(RegistryProtocol):
     ) -> RelayOffer | None:
         """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None.
 
-        An offer goes compact (address, status, regions) — the registry holds its layout when any receiver of
-        that geometry joined whole before — and the upstream's comes back so when this client knows its layout
-        (``core.fanout.RelayLayouts``); a registry that does not hold the layout (the first of its geometry, a
+        An offer goes by geometry (``core.offers``: its layout, address id, status, regions — O(1) in the model's
+        size) when the registry holds its layout (any receiver of that geometry joined whole before) and this
+        client's address (it joined before); the upstream's comes back so when this client knows its layout and
+        address (the few most recent it lists). A registry that does not hold them (the first of a geometry, a
         restart, another replica) refuses the compact form and gets the whole offer: one more round trip."""
         compact = offer is not None
+        source_known = offer is not None and self._layouts.has_source(offer.source)
         if offer is not None:  # known here from now: an upstream of this layout may come back compact
             self._layouts.add(offer)
         while True:
             try:
+                sent = None if offer is None else offer_to_dict(offer, compact=compact, source_known=source_known)
                 found = await self._request(
                     "relay_join", identity=identity_to_dict(identity), version=version, receiver_id=receiver_id,
-                    layout=layout, offer=None if offer is None else offer_to_dict(offer, compact=compact),
-                    layouts=self._layouts.names(), max_bytes=(await self.hello()).get("max_message_bytes"),
+                    layout=layout, offer=sent, layouts=self._layouts.names()[-KNOWN:],
+                    sources=self._layouts.source_ids()[-KNOWN:],
+                    max_bytes=(await self.hello()).get("max_message_bytes"),
                 )  # fmt: skip
                 break
             except ManifestError as exc:
-                if not compact or UNKNOWN_LAYOUT not in exc.reason:
+                if not (compact or source_known) or UNKNOWN_LAYOUT not in exc.reason:
                     raise
-                compact = False
+                compact = source_known = False
+        if offer is not None:
+            self._layouts.add_source(offer.source)  # the registry holds it now
         if found is None:
             return None
         decode = partial(offer_from_dict, layouts=self._layouts)
@@ -249,6 +237,30 @@ class RegistryClient(RegistryProtocol):
         early: bool = False,
         skip: Collection[int] = (),
     ) -> Publication:
+        return await self._wait(self._fetched.get, identity, min_version, timeout, compile_targets, metadata, early,
+                                skip)  # fmt: skip
+
+    async def wait_outline(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        early: bool = False,
+        skip: Collection[int] = (),
+    ) -> Publication:
+        """As ``wait_complete``, as a receiver needs the version: its layouts (fetched once each) and a plan's part
+        of its digests, fetched alone (``core.records.Outline``, ``fetched``)."""
+        return await self._wait(self._fetched.outline, identity, min_version, timeout, compile_targets, metadata,
+                                early, skip)  # fmt: skip
+
+    async def _wait(
+        self, get: Callable[[dict[str, Any]], Awaitable[Publication]], identity: Identity, min_version: int,
+        timeout: float, compile_targets: Collection[str] | None, metadata: Mapping[str, str] | None, early: bool,
+        skip: Collection[int],
+    ) -> Publication:  # fmt: skip
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         targets = [identity.compile_target] if compile_targets is None else list(compile_targets)
@@ -261,8 +273,8 @@ class RegistryClient(RegistryProtocol):
                     try:  # subscribe (once) inside the loop: a registry down at first is asked again
                         hello = await self.hello()
                         self._announcements.subscribe(str(hello["pub"]), topics, self._hello_via)
-                        pub = await self.latest(identity, min_version, compile_targets=compile_targets,
-                                                metadata=metadata, early=early, skip=skip)  # fmt: skip
+                        found = await self._found(identity, min_version, compile_targets, metadata, early, skip)
+                        pub = None if found is None else await get(found)
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer
                         pub, last = None, exc
                     if pub is not None:

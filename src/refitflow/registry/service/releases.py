@@ -35,7 +35,7 @@ class Releasing:
     _peek: Callable[[Identity], Model]  # ... (an empty model if unknown)
     _own: Callable[[str | None, Key], None]
     _notify: Callable[[], None]
-    _drop_relays: Callable[[Model, str], None]
+    _drop_relays: Callable[[Model, str], None]  # (``relay_joins``)
 
     async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None:
         self._model(identity).receivers.setdefault(receiver_id, -1)

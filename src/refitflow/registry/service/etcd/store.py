@@ -33,11 +33,14 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import orjson
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
-from refitflow.core.fanout import RelayOffer
-from refitflow.core.types import Identity, Manifest
-from refitflow.core.wire import decode, encode, manifest_to_dict, offer_to_dict
+from refitflow.core.fanout import Geometry, Relay, RelayOffer
+from refitflow.core.offers import geometry_to_dict, relay_to_dict
+from refitflow.core.records import Announcement, RankLayout, RankRecord, record_to_dict
+from refitflow.core.types import Identity, Manifest, SourceAddress
+from refitflow.core.wire import decode, encode
 from refitflow.registry.implement import Forward
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import identity_to_dict
@@ -46,6 +49,7 @@ from refitflow.registry.service.etcd import kv
 from refitflow.registry.service.etcd.keys import EtcdTLS, Keys, blob_value, endpoints_of
 from refitflow.registry.service.etcd.kv import Etcd
 from refitflow.registry.service.etcd.watch import Replication
+from refitflow.registry.service.relay_joins import join_whole
 from refitflow.registry.service.store import RegistryStore, claimed
 
 __all__ = ["EtcdStore"]
@@ -78,6 +82,8 @@ class EtcdStore(Replication, Store):
         self._joined: dict[tuple[Identity, str], tuple[int, Any]] = {}  # a relay join's revision and outcome
         self._announced: dict[Identity, tuple[int | None, int | None]] = {}
         self._claims: dict[tuple[Identity, int], str] = {}  # (identity, rank) -> the owner publishing it (c/ keys)
+        self._layout_keys: set[str] = set()  # the layouts etcd holds (l/ keys, as the watch saw them)
+        self._carried: set[Any] = set()  # relay geometries (layout digests) and addresses some x/ key carried
         self._decoding = anyio.CapacityLimiter(2)
         self._tasks: list[asyncio.Task[None]] = []
         self._watch: asyncio.Task[None] | None = None
@@ -174,24 +180,45 @@ class EtcdStore(Replication, Store):
     # -- writes --------------------------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
-        identity, version = manifest.identity, manifest.version
-        vkey, mkey = self.keys.version(identity, version), self.keys.manifest(identity, version, manifest.rank)
-        d = manifest_to_dict(manifest)
-        head, chunks = await anyio.to_thread.run_sync(blob_value, mkey, {"manifest": d})
+        layout = self.mirror.layout_of(manifest)  # checked once per layout
+        await self.publish_entry(Announcement(layout, manifest.version, manifest.revision, None, manifest=manifest),
+                                 owner=owner)  # fmt: skip
+
+    async def add_layout(self, layout: RankLayout) -> RankLayout:
+        return self.mirror.hold_layout(layout)  # written to etcd with its first record (``_write_layout``)
+
+    async def _write_layout(self, layout: RankLayout) -> None:
+        """Write ``layout`` to etcd once (every replica's watch then holds it), before a record names it."""
+        if layout.id in self._layout_keys:
+            return
+        key = self.keys.layout(layout.id)
+        head, chunks = await anyio.to_thread.run_sync(blob_value, key, {"layout": orjson.Fragment(layout.encoded)})
+        for chunk_key, chunk in chunks:  # a large layout: its chunks first, then its head
+            await self.etcd.txn([kv.missing(key)], [kv.put(chunk_key, chunk)])
+        await self._write([kv.missing(key)], [kv.put(key, head)])
+        self._layout_keys.add(layout.id)
+
+    async def publish_entry(self, entry: Announcement, *, owner: str | None = None) -> None:
+        identity, version, rank = entry.identity, entry.version, entry.rank
+        vkey, mkey = self.keys.version(identity, version), self.keys.manifest(identity, version, rank)
+        await self._write_layout(entry.layout)
+        record = RankRecord(identity=identity, version=version, rank=rank, layout=entry.layout.id,
+                            revision=entry.revision, digests=entry.raw)  # fmt: skip
+        head, chunks = await anyio.to_thread.run_sync(blob_value, mkey, {"record": record_to_dict(record)})
         vdoc = encode({"identity": identity_to_dict(identity), "version": version})
-        ckey = self.keys.claim(identity, manifest.rank)
-        cdoc = encode({"identity": identity_to_dict(identity), "rank": manifest.rank, "owner": owner})
+        ckey = self.keys.claim(identity, rank)
+        cdoc = encode({"identity": identity_to_dict(identity), "rank": rank, "owner": owner})
 
         async def write(lease: int) -> None:
-            for chunk_key, chunk in chunks:  # a large manifest: its chunks first (under the lease), then its head
+            for chunk_key, chunk in chunks:  # a large record: its chunks first (under the lease), then its head
                 await self.etcd.txn([], [kv.put(chunk_key, chunk, lease)])
             # the first round compares with the mirror; a lost one with what etcd said the keys hold (the mirror
             # may lag: a claim whose lease ended is a deletion, and no key's revision tells of it)
-            holder, seen = self._claims.get((identity, manifest.rank)), self._vrev.get((identity, version), 0)
+            holder, seen = self._claims.get((identity, rank)), self._vrev.get((identity, version), 0)
             for _ in range(_CAS_TRIES):
                 if owner is not None and holder not in (None, owner):
-                    raise claimed(manifest, self.lease_s)
-                if not self.mirror.admit(manifest):
+                    raise claimed(entry, self.lease_s)
+                if not self.mirror.admit(entry):
                     return
                 compare, success = [kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)]
                 if owner is not None:  # the rank's claim: taken now, or still this owner's (one transaction)
@@ -231,10 +258,27 @@ class EtcdStore(Replication, Store):
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
     ) -> RelayOffer | None:
-        self.mirror.check_relay(identity, version, offer)
+        return await join_whole(self, identity, version, receiver_id, layout, offer)
+
+    async def add_relay_geometry(self, layout: str, geometry: Geometry) -> None:
+        await self.mirror.add_relay_geometry(layout, geometry)  # carried to etcd by a join (``join_relays``)
+
+    async def add_relay_source(self, source: SourceAddress) -> None:
+        await self.mirror.add_relay_source(source)
+
+    async def join_relays(
+        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None
+    ) -> Relay | None:
+        """Write the join by geometry (the geometry and address whole only when etcd has not carried them yet)."""
+        self.mirror.check_relay(identity, version, relay)
         key = self.keys.relay(identity, receiver_id)
-        doc = {"identity": identity_to_dict(identity), "receiver": receiver_id, "version": version, "layout": layout,
-               "offer": None if offer is None else offer_to_dict(offer)}  # fmt: skip
+        doc: dict[str, Any] = {"identity": identity_to_dict(identity), "receiver": receiver_id, "version": version,
+                               "layout": layout, "relay": None}  # fmt: skip
+        if relay is not None:
+            doc["relay"] = relay_to_dict(identity, version, relay, source_known=relay.source in self._carried)
+            if relay.layout not in self._carried:
+                tensors, held = self.mirror.relay_geometry(relay.layout) or ((), ())
+                doc["geometry"] = geometry_to_dict(tensors, held)
         head, chunks = await anyio.to_thread.run_sync(blob_value, key, doc)
         lease = self._leases.get(self.keys.receiver(identity, receiver_id), 0)
         await self.etcd.delete_prefix(key + b"/c/")  # the chunks of its last join
@@ -282,14 +326,29 @@ class EtcdStore(Replication, Store):
                         await self.etcd.delete_prefix(self.keys.version(identity, version))
                     except (RefitTimeoutError, TransportError) as exc:
                         log.info("registry (etcd): clean-up of version %d deferred: %s", version, exc)
+            if not self._applying:  # layouts no version announces any more, once their grace has passed
+                for lid in self.mirror.prune_layouts(now) & self._layout_keys:
+                    try:
+                        await self.etcd.delete_prefix(self.keys.layout(lid))
+                    except (RefitTimeoutError, TransportError) as exc:
+                        log.info("registry (etcd): clean-up of a layout deferred: %s", exc)
 
     # -- reads: the mirror ---------------------------------------------------------------------------
+
+    layout = Forward(Store.layout)
+    entry_of = Forward(Store.entry_of)
+    entry = Forward(Store.entry)
+    find = Forward(Store.find)
+    relay_geometry = Forward(Store.relay_geometry)
+    relay_source = Forward(Store.relay_source)
+    offer_of = Forward(Store.offer_of)
 
     newest_complete = Forward(RegistryStore.newest_complete)
     is_newest = Forward(Store.is_newest)
     announced = Forward(Store.announced)
     latest = Forward(Store.latest)
     wait_complete = Forward(Store.wait_complete)
+    wait_outline = Forward(Store.wait_outline)
     is_released = Forward(Store.is_released)
     acked = Forward(Store.acked)
     wait_released = Forward(Store.wait_released)

@@ -2,11 +2,13 @@
 reads; the other half writes, ``etcd.store``).
 
 Every key the watch delivers is applied to the mirror (an in-memory ``RegistryStore``) and remembered for its
-deletion: owners' leases (``o/``), versions' keys and their compare-and-set revisions (``m/…``), manifests,
-rank claims (``c/``), receivers (``r/``) and relay joins (``x/``). Each replica announces, from its watch,
-every version that became the newest complete (or laid-out) one. A watch that fails, or says nothing for 2 s,
-is restarted on another member from the last revision applied (or the mirror is loaded whole, if etcd
-compacted that history); how far the mirror is comes from the watch's events alone (etcd-io/etcd#15220).
+deletion: owners' leases (``o/``), rank layouts (``l/``, each once), versions' keys and their compare-and-set
+revisions (``m/…``), ranks' records (checked against their layout's size; their revisions were computed by the
+replica that wrote them), rank claims (``c/``), receivers (``r/``) and relay joins by geometry (``x/``). Each
+replica announces, from its watch, every version that became the newest complete (or laid-out) one. A watch
+that fails, or says nothing for 2 s, is restarted on another member from the last revision applied (or the
+mirror is loaded whole, if etcd compacted that history); how far the mirror is comes from the watch's events
+alone (etcd-io/etcd#15220).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import anyio
 import anyio.to_thread
 
 from refitflow.core.errors import ManifestError, RefitTimeoutError, TransportError, VersionError
-from refitflow.core.types import Identity, Manifest
-from refitflow.core.wire import decode, manifest_from_dict, offer_from_dict
+from refitflow.core.fanout import Relay, RelayLayouts
+from refitflow.core.offers import geometry_from_dict, relay_from_dict
+from refitflow.core.records import Announcement, RankLayout, fits, layout_from_dict, record_from_dict
+from refitflow.core.types import Identity
+from refitflow.core.wire import decode, source_from
 from refitflow.registry.messages import identity_from_dict, identity_to_dict
 from refitflow.registry.service.etcd import kv
 from refitflow.registry.service.etcd.keys import Keys, chunked, join_chunks
@@ -35,6 +40,31 @@ __all__ = ["Replication"]
 log = logging.getLogger(__name__)
 
 _BIG = 256  # shard specs (or held boxes) above which a value is decoded in a worker thread
+
+
+def _layout(d: Any) -> RankLayout:
+    return RankLayout(layout_from_dict(d))
+
+
+def rows(value: Any) -> int:
+    if isinstance(value, list):
+        return len(value)
+    count = value.get("count") if isinstance(value, dict) else None
+    return count if type(count) is int else 0
+
+
+class _MirrorKnows(RelayLayouts):
+    """The mirror's relay geometries and addresses, as the wire form reads compact offers by them."""
+
+    def __init__(self, mirror: RegistryStore) -> None:
+        super().__init__()
+        self.mirror = mirror
+
+    def geometry(self, layout: str) -> Any:
+        return self.mirror.relay_geometry(layout)
+
+    def source(self, sid: str) -> Any:
+        return self.mirror.relay_source(sid)
 
 
 class Replication:
@@ -54,6 +84,8 @@ class Replication:
     _joined: dict[tuple[Identity, str], tuple[int, Any]]  # a relay join's revision and outcome
     _announced: dict[Identity, tuple[int | None, int | None]]
     _claims: dict[tuple[Identity, int], str]  # (identity, rank) -> the owner publishing it (c/ keys)
+    _layout_keys: set[str]  # the layouts etcd holds (l/ keys)
+    _carried: set[Any]  # relay geometries (layout digests) and addresses some x/ key carried whole
     _decoding: anyio.CapacityLimiter
     _watch: asyncio.Task[None] | None
     _progress: asyncio.Queue[None]  # progress requests to the watch
@@ -149,12 +181,23 @@ class Replication:
                 identity = identity_from_dict(doc["identity"])
                 self._vrev[(identity, int(doc["version"]))] = item.mod_revision
                 self._meaning[item.key] = ("v", identity, int(doc["version"]))
+            elif kind == "l":
+                d = (await self._value(item, revision))["layout"]
+                layout = await self._decode(d, rows(d.get("shards")), _layout)
+                if layout.id != parts[0]:
+                    raise ManifestError("a layout key holds another layout")
+                self._layout_keys.add(layout.id)
+                self._meaning[item.key] = ("l", layout.identity, layout.id)
+                self.mirror.hold_layout(layout)
             elif kind == "m":
-                d = (await self._value(item, revision))["manifest"]
-                manifest: Manifest = await self._decode(d, len(d.get("shards", ())), manifest_from_dict)
+                record = record_from_dict((await self._value(item, revision))["record"])
+                layout = self.mirror.layout(record.layout)
+                if layout is None:
+                    raise ManifestError(f"a record of a layout etcd does not hold ({record.layout[:12]})")
+                fits(layout, record)  # checked by the replica that wrote it: its revision is not computed again
                 self._leases[item.key] = item.lease
-                self._meaning[item.key] = ("m", manifest.identity, (manifest.version, manifest.rank))
-                self.mirror.record(manifest)
+                self._meaning[item.key] = ("m", record.identity, (record.version, record.rank))
+                self.mirror.record(Announcement.of_record(layout, record, None))
             elif kind == "c":
                 doc = decode(item.value)
                 claim = (identity_from_dict(doc["identity"]), int(doc["rank"]))
@@ -171,13 +214,10 @@ class Replication:
                 doc = await self._value(item, revision)
                 identity, rid = identity_from_dict(doc["identity"]), str(doc["receiver"])
                 self._meaning[item.key] = ("x", identity, rid)
-                offer = None
-                if doc["offer"] is not None:
-                    offer = await self._decode(doc["offer"], len(doc["offer"].get("held", ())), offer_from_dict)
                 outcome: Any
                 try:
-                    outcome = await self.mirror.relay_join(identity, int(doc["version"]), rid, layout=doc["layout"],
-                                                           offer=offer)  # fmt: skip
+                    relay = await self._relay(doc)
+                    outcome = await self.mirror.join_relays(identity, int(doc["version"]), rid, doc["layout"], relay)
                 except (VersionError, ManifestError) as exc:
                     outcome = exc
                 self._joined[(identity, rid)] = (item.mod_revision, outcome)
@@ -202,6 +242,25 @@ class Replication:
             await self.mirror.unregister_receiver(identity, detail)
         elif what == "x":
             await self.mirror.relay_leave(identity, detail)
+        elif what == "l":
+            self._layout_keys.discard(detail)
+
+    async def _relay(self, doc: dict[str, Any]) -> Relay | None:
+        """A relay join's offer, by geometry (the geometry and the address whole the first time etcd has them)."""
+        if doc["relay"] is None:
+            return None
+        if "geometry" in doc:
+            d = doc["geometry"]
+            layout, geometry = await self._decode(d, rows(d.get("held")), geometry_from_dict)
+            if layout != doc["relay"]["layout"]:
+                raise ManifestError("a relay join's geometry is of another layout")
+            await self.mirror.add_relay_geometry(layout, geometry)
+            self._carried.add(layout)
+        if isinstance(doc["relay"]["source"], dict):
+            self._carried.add(source_from(doc["relay"]["source"]))
+        _, _, relay = relay_from_dict(doc["relay"], _MirrorKnows(self.mirror))
+        await self.mirror.add_relay_source(relay.source)
+        return relay
 
     async def _announce(self) -> None:
         """Announce every identity whose newest complete or laid-out version changed."""
