@@ -9,8 +9,9 @@ from collections.abc import Callable
 import anyio
 
 from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, TransportError, VersionError
+from refitflow.core.records import Outline
 from refitflow.core.threads import off_loop
-from refitflow.core.types import Identity, Publication
+from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.planner.compile_filter import check_compile
 from refitflow.refit.attempt import Found, Meter, Resources
 from refitflow.refit.transaction import Transaction
@@ -46,8 +47,10 @@ async def run(
     early = limits.read_early and not (res.fanout is not None and res.fanout.serve)
     while True:
         try:
-            pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=limits.compile_targets,
-                                               early=early, skip=res.unreadable)  # fmt: skip
+            # a registry across the network answers the version as a receiver needs it (core.records.Outline: its
+            # layouts, fetched once each; the plan's part of its digests, fetched alone: refit/digests.py)
+            pub = await registry.wait_outline(identity, min_version, timeout, compile_targets=limits.compile_targets,
+                                              early=early, skip=res.unreadable)  # fmt: skip
         except RefitTimeoutError as exc:
             raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
         check_compile(pub, limits)
@@ -90,8 +93,10 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
     """``pending``'s version with every rank's digests, within ``timeout``; typed errors for a publisher
     that never sends them, or sends another layout (nothing is compared then: the refit aborts)."""
     version = pending.version
+    outline = isinstance(pending, Outline)
     try:
-        pub = await registry.wait_complete(pending.identity, version, timeout)
+        wait = registry.wait_outline if outline else registry.wait_complete
+        pub = await wait(pending.identity, version, timeout)
     except RefitTimeoutError as exc:
         raise RefitTimeoutError(f"the digests of version {version} did not follow its announcement within "
                                 f"{timeout} s: {exc.reason}", version=version) from exc  # fmt: skip
@@ -100,15 +105,23 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
                            version=version)  # fmt: skip
 
     def same() -> bool:  # a rank already complete when the version was found (ranks complete one by one) as it was
+        if len(pub.manifests) != len(pending.manifests):
+            return False
         pairs = zip(pub.manifests, pending.manifests, strict=True)
-        return len(pub.manifests) == len(pending.manifests) and all(
-            full.completes(m) if m.pending else full == m for full, m in pairs
-        )
+        if outline:  # every rank's layout as it was (the revisions of ranks complete then as they were)
+            done = zip(getattr(pub, "revisions", ()), getattr(pending, "revisions", ()), strict=False)
+            return all(_same_layout(a, b) for a, b in pairs) and all(b in ("", a) for a, b in done)
+        return all(full.completes(m) if m.pending else full == m for full, m in pairs)
 
     many = sum(len(m.shards) for m in pub.manifests) > 1000  # every shard's layout compared: off the loop
     if not (await off_loop(same) if many else same()):
         raise ManifestError("the digests came with another layout than the version announced", version=version)
     return pub
+
+
+def _same_layout(a: Manifest, b: Manifest) -> bool:
+    """Two outlines' manifests of one rank announce one layout (usually the very same shards, fetched once)."""
+    return a.source == b.source and a.metadata == b.metadata and (a.shards is b.shards or a.shards == b.shards)
 
 
 async def _explain(registry: Discovery, identity: Identity, min_version: int, exc: RefitTimeoutError) -> str:

@@ -38,6 +38,7 @@ from refitflow.core.errors import IntegrityError
 from refitflow.core.threads import off_loop
 from refitflow.planner.delta import PULL
 from refitflow.refit.attempt import Attempt, Meter, Resources
+from refitflow.refit.digests import version_digests
 from refitflow.refit.hashes import Compare, HashState, check_bucket
 from refitflow.refit.landing import piece_copies, read_pieces, write
 from refitflow.refit.work import Work
@@ -73,7 +74,7 @@ class _Digests:
         assert a.found.complete is not None  # a pending publication carries how to complete it
         pub = await a.found.complete()
         a.txn.revision = pub.revision
-        vec = await off_loop(a.plan.digests, pub)
+        vec = await version_digests(a.plan, pub)
         a.txn.holding = (a.plan.digest_geometry, vec)
         self.vec = vec
         self.arrived.set()

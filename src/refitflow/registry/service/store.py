@@ -314,7 +314,20 @@ class RegistryStore(Releasing, RelayJoins, Store):
                 await changed.wait()
         raise RefitTimeoutError(f"no complete version ≥ {min_version} of {identity.model!r} within {timeout} s")
 
-    wait_outline = wait_complete  # the manifests are here whole: a receiver takes its part of them itself
+    async def wait_outline(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        early: bool = False,
+        skip: Collection[int] = (),
+    ) -> Publication:
+        """``wait_complete``: in this process the manifests are whole, a receiver takes its part of them itself."""
+        return await self.wait_complete(identity, min_version, timeout, compile_targets=compile_targets,
+                                        metadata=metadata, early=early, skip=skip)  # fmt: skip
 
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
