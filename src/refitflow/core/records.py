@@ -81,9 +81,9 @@ def layout_from_dict(d: Any) -> Manifest:
 class RankLayout:
     """A rank's layout, checked: the pending manifest, its canonical bytes and id, where each shard's digests lie."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, encoded: bytes | None = None) -> None:
         self.manifest = manifest  # the pending form (version 0): the geometry, the source, the metadata
-        self.encoded = orjson.dumps(layout_to_dict(manifest))
+        self.encoded = orjson.dumps(layout_to_dict(manifest)) if encoded is None else encoded
         self.id = hashlib.blake2b(self.encoded, digest_size=16).hexdigest()
         counts = np.fromiter((s.tiling.count for s in manifest.shards), dtype=np.int64, count=len(manifest.shards))
         self.offsets = np.concatenate([[0], np.cumsum(counts)])  # shard i's digests: [offsets[i], offsets[i + 1])
@@ -93,6 +93,24 @@ class RankLayout:
     def id_of(m: Manifest) -> str:
         """The id ``m``'s layout has (computed as a ``RankLayout`` computes it, without building one)."""
         return hashlib.blake2b(orjson.dumps(layout_to_dict(m)), digest_size=16).hexdigest()
+
+    @classmethod
+    def of_checked(cls, m: Manifest, encoded: bytes | None = None) -> RankLayout:
+        """The layout of ``m``, a manifest already checked (made here, or by ``manifest_from_dict``): its specs
+        without digests, not checked again; ``encoded``: its layout's bytes, if made already."""
+        new, setattr_ = object.__new__, object.__setattr__
+        shards = []
+        for spec in m.shards:
+            fields = dict(vars(spec))
+            fields["digest"], fields["blocks"] = "", ""
+            s = new(ShardSpec)
+            setattr_(s, "__dict__", fields)
+            shards.append(s)
+        pending = new(Manifest)
+        vars(pending).update(identity=m.identity, version=0, rank=m.rank, world_size=m.world_size, source=m.source,
+                             shards=tuple(shards), revision="", metadata=dict(m.metadata),
+                             layout_digest=m.layout_digest)  # fmt: skip
+        return cls(pending, encoded)
 
     @property
     def identity(self) -> Identity:

@@ -19,13 +19,16 @@ A version announced before its digests has revisions "": fetched each time it is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
 import numpy as np
+import orjson
 
 from refitflow.core.errors import ManifestError, VersionError
 from refitflow.core.records import (
@@ -48,11 +51,20 @@ _PLACE = operator.attrgetter("name", *TILING_FIELDS)  # a shard's name and diges
 _PARTS = 8  # plans whose parts are kept
 
 
+_CHECKED: weakref.WeakValueDictionary[str, RankLayout] = weakref.WeakValueDictionary()  # this process's, by id
+
+
 def _layout(d: Any, want: str) -> RankLayout:
-    layout = RankLayout(layout_from_dict(d))
-    if layout.id != want:
-        raise ManifestError(f"the registry sent layout {layout.id[:12]} for {want[:12]}")
-    return layout
+    """The layout the registry sent for ``want``: its bytes must give that id (content-addressed); a layout
+    another client of this process checked under that id is that very layout, and is shared."""
+    encoded = orjson.dumps(d)
+    found = hashlib.blake2b(encoded, digest_size=16).hexdigest()
+    if found != want:
+        raise ManifestError(f"the registry sent layout {found[:12]} for {want[:12]}")
+    held = _CHECKED.get(want)
+    if held is None:
+        held = _CHECKED[want] = RankLayout(layout_from_dict(d), encoded)
+    return held
 
 
 class _Part:

@@ -37,6 +37,7 @@ class Model:
     laid_out: list[int] = field(default_factory=list)  # every rank announced, some still pending, ascending
     index: dict[int, VersionIndex] = field(default_factory=dict)  # version -> its tensors so far (made on need)
     good: list[dict[int, str]] = field(default_factory=list)  # combinations of layouts checked: rank -> layout id
+    fits: dict[int, list[dict[int, str]]] = field(default_factory=dict)  # version -> the good ones its ranks fit
     owner: dict[tuple[int, int], str] = field(default_factory=dict)  # (version, rank) -> owner, if any
     first_seen: dict[int, float] = field(default_factory=dict)  # version -> clock at its first manifest
     receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
@@ -51,18 +52,24 @@ class Model:
         """Refuse ``layout`` for a new rank of ``version`` when it disagrees with the ranks held; nothing to do
         when they and it belong to one known-good combination."""
         known = self.versions.get(version, {})
-        rank = layout.rank
-        for good in self.good:
-            if good.get(rank) == layout.id and all(good.get(r) == e.layout.id for r, e in known.items()):
-                return
+        if any(good.get(layout.rank) == layout.id for good in self._fitting(version, known)):
+            return
         index = self.index.get(version)
         if index is None:
             index = self.index[version] = VersionIndex([e.layout.manifest for e in known.values()])
         index.check(layout.manifest, version)
 
+    def _fitting(self, version: int, known: dict[int, Announcement]) -> list[dict[int, str]]:
+        """The known-good combinations the ranks ``known`` of ``version`` all belong to."""
+        fits = self.fits.get(version)
+        if fits is None:
+            fits = self.fits[version] = [g for g in self.good if all(g.get(r) == e.layout.id for r, e in known.items())]
+        return fits
+
     def add_rank(self, version: int, entry: Announcement) -> None:
         """``entry`` is a new rank of ``version`` (checked); a version laid out leaves its combination as good."""
         ranks = self.versions[version]
+        self.fits[version] = [g for g in self._fitting(version, ranks) if g.get(entry.rank) == entry.layout.id]
         index = self.index.get(version)
         if index is not None:
             index.add(entry.layout.manifest)
@@ -76,6 +83,7 @@ class Model:
         for rank in self.versions.pop(version, {}):
             self.owner.pop((version, rank), None)
         self.index.pop(version, None)
+        self.fits.pop(version, None)
         self.first_seen.pop(version, None)
         self.completed_at.pop(version, None)
         self.relays.pop(version, None)
@@ -91,6 +99,7 @@ class Model:
             self.drop(version)
             return
         self.index.pop(version, None)  # made again from the ranks left, if a rank needs checking
+        self.fits.pop(version, None)
         self.completed_at.pop(version, None)
         self.relays.pop(version, None)
         unmark(self.complete, version)

@@ -19,10 +19,12 @@ new layout O(its tensors), once; old versions are dropped oldest first, each onc
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
 
 import anyio
+import orjson
 
 from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
 from refitflow.core.fanout import RelayLayouts
@@ -31,7 +33,6 @@ from refitflow.core.records import (
     RankLayout,
     RankRecord,
     check_record,
-    layout_from_dict,
     layout_to_dict,
 )
 from refitflow.core.types import Identity, Manifest, Publication
@@ -156,9 +157,10 @@ class RegistryStore(Releasing, RelayJoins, Store):
         return layout
 
     def layout_of(self, manifest: Manifest) -> RankLayout:
-        """``manifest``'s layout: the one held under its id, or a new one (checked once)."""
-        held = self.layout(RankLayout.id_of(manifest))
-        return held or self.hold_layout(RankLayout(layout_from_dict(layout_to_dict(manifest))))
+        """``manifest``'s layout (a manifest checked whole): the one held under its id, or a new one."""
+        encoded = orjson.dumps(layout_to_dict(manifest))
+        held = self.layout(hashlib.blake2b(encoded, digest_size=16).hexdigest())
+        return held or self.hold_layout(RankLayout.of_checked(manifest, encoded))
 
     # -- publishing ------------------------------------------------------------------------------------
 
