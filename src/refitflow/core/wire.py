@@ -122,7 +122,10 @@ def with_blobs(doc: Any, tail: memoryview) -> Any:
             return [walk(v) for v in value]
         return value
 
-    out = walk(doc)
+    try:
+        out = walk(doc)
+    except RecursionError:
+        raise ManifestError("a message with bytes beside it is nested too deeply") from None
     if at[0] != len(tail):
         raise ManifestError(f"{len(tail) - at[0]} bytes after the message's JSON that no blob reference names")
     return out
