@@ -90,24 +90,18 @@ def _version(pub: rf.Publication, version: int) -> list[rf.Manifest]:
 
 async def _run(a: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from kimi_plan_bench import kimi_k2, publication
+    from kimi_plan_bench import ApplyMode, Destination, ReceiverConfig, build_plan, kimi_k2, publication
 
     from refitflow.core.wire import PROTOCOL_VERSION, encode
     from refitflow.layouts import fused
-    from refitflow.pipeline.config import ReceiverConfig
-    from refitflow.pipeline.destination import ApplyMode, Destination
     from refitflow.registry.client.client import RegistryClient
     from refitflow.registry.limits import RegistryLimits
     from refitflow.registry.service.frames import decode_request
     from refitflow.registry.service.ops import Handler
     from refitflow.registry.service.store import RegistryStore
-    from refitflow.stages.plan import build_plan
-
-    from refitflow.layouts import fused
-    from refitflow.registry.client.client import RegistryClient
 
     try:
-        from refitflow.stages._checks import version_digests
+        from refitflow.refit.digests import version_digests
     except ImportError:  # a tree before layouts and parts: every receiver decodes every rank's manifest
         version_digests = None
 

@@ -7,7 +7,7 @@
   and reused by the other engines. Receivers that relay plan with their ``relay_bucket_bytes`` cap, the
   others with the default limits, as ``api.Receiver`` does.
 - **Relays**: each class's offer is ``stages._relay.held_boxes`` of its plan (checked by the registry's
-  ``check_offer``); receivers join ``registry.service.relays.Relays`` in join order and get their upstream
+  ``check_offer``); receivers join ``registry.service.fanout.Relays`` in join order and get their upstream
   from it; which of a reader's pieces its upstream holds, and which of the upstream's tensors each waits
   for, is ``stages._relay.Geometry`` — the code a receiver runs.
 

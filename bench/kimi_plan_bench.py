@@ -38,10 +38,17 @@ import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata
-from refitflow.planner import Plan, build_plan
-from refitflow.planner.checks import digest_vector
-from refitflow.refit.config import ReceiverConfig
-from refitflow.refit.destination import ApplyMode, Destination
+
+try:
+    from refitflow.planner import Plan, build_plan
+    from refitflow.planner.checks import digest_vector
+    from refitflow.refit.config import ReceiverConfig
+    from refitflow.refit.destination import ApplyMode, Destination
+except ImportError:  # a tree before planner/ and refit/ (``--control --baseline``)
+    from refitflow.pipeline.config import ReceiverConfig  # type: ignore[no-redef]
+    from refitflow.pipeline.destination import ApplyMode, Destination  # type: ignore[no-redef]
+    from refitflow.stages._checks import digest_vector  # type: ignore[no-redef]
+    from refitflow.stages.plan import Plan, build_plan  # type: ignore[no-redef]
 
 
 def kimi_k2(layers: int, experts: int) -> ModelDims:

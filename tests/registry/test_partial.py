@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import refitflow as rf
+from refitflow.core.fanout import HeldBox, RelayOffer, RelayParam
 from refitflow.core.records import Outline, RankLayout, record_of, record_to_dict
-from refitflow.core.relay import HeldBox, RelayOffer, RelayParam
 from refitflow.core.types import TILING_FIELDS
 from refitflow.core.wire import Blob, encode, manifest_to_dict
+from refitflow.planner.checks import digest_vector
 from refitflow.registry.client.client import RegistryClient
-from refitflow.stages._checks import digest_vector
 from tests.core.test_records import _spec
 
 ID = rf.Identity(model="partial")
