@@ -2,10 +2,11 @@
 
 From the trainer's go (t = 0): every trainer rank hashes its shards (``trainer_digest_gbps``) and publishes
 its manifest (one registry round trip); the registry checks them one after the other (``registry_s``,
-measured); the version is complete. Each receiver is told (half a round trip), fetches the publication
-(``wire_bytes`` through the registry's NIC, ``registry_gbps``, shared by all) and decodes it with its digest
-vector (``fetch_s``, measured), plans (``plan_s``: 0 when the plan is cached, as from the second refit
-on), joins the relays (one round trip) and then works through its segments in order:
+measured); the version is complete. Each receiver is told (half a round trip), fetches what it needs of the
+version — the ``latest`` answer and its plan's part of the digests (``wire_bytes`` through the registry's NIC,
+``registry_gbps``, shared by all) — and decodes it into its digest vector (``fetch_s``, measured), plans
+(``plan_s``: 0 when the plan is cached, as from the second refit on), joins the relays (one round trip) and
+then works through its segments in order:
 
 - **pull** segment j once segment j - 1 is pulled and j - 2 verified (two buckets in flight): first its
   serial costs (``bucket_us`` and one ``latency_us`` per bucket, ``relay_bucket_us`` and a latency more per

@@ -7,7 +7,7 @@
   and reused by the other engines. Receivers that relay plan with their ``relay_bucket_bytes`` cap, the
   others with the default limits, as ``api.Receiver`` does.
 - **Relays**: each class's offer is ``stages._relay.held_boxes`` of its plan (checked by the registry's
-  ``check_offer``); receivers join ``registry.service.relays.Relays`` in join order and get their upstream
+  ``check_offer``); receivers join ``registry.service.fanout.Relays`` in join order and get their upstream
   from it; which of a reader's pieces its upstream holds, and which of the upstream's tensors each waits
   for, is ``stages._relay.Geometry`` — the code a receiver runs.
 
@@ -31,6 +31,7 @@ import torch
 import refitflow as rf
 from refitflow.core.fanout import RelayOffer
 from refitflow.planner import Plan, build_plan
+from refitflow.planner.checks import used_digests
 from refitflow.planner.fanout import Geometry, held_boxes
 from refitflow.planner.limits import Limits
 from refitflow.refit.config import ReceiverConfig
@@ -70,7 +71,8 @@ class RankPlan:
     tensor_last: np.ndarray  # per relay param position: the last bucket writing it (-1: none)
     plan_seconds: float
     ideal_bytes: int
-    digest_share: float  # the share of the publication's digests it decodes (those of the shards it reads)
+    digest_share: float  # the share of the publication's digests of the shards it reads
+    part_digests: int = 0  # the digests its checks read: what it fetches per version (its plan's part)
     layout: str = ""  # relay layout digest ("" when it does not relay)
     offer: RelayOffer | None = None
     plan: Plan | None = field(default=None, repr=False)
@@ -99,8 +101,13 @@ class Classes:
 
     @property
     def digest_share(self) -> float:
-        """The largest share of the publication's digests a rank decodes (of the shards it reads)."""
+        """The largest share of the publication's digests of the shards a rank reads."""
         return max(p.digest_share for p in self.plans)
+
+    @property
+    def part_digests(self) -> int:
+        """The largest part a rank fetches per version (the digests its checks read)."""
+        return max(p.part_digests for p in self.plans)
 
 
 def limits_for(relay: bool, relay_bucket_bytes: int = 4 * MiB) -> Limits:
@@ -135,9 +142,13 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
                            source=rf.SourceAddress(transport="loopback", agent=f"receiver-{rank}"), status=0,
                            params=target.relay_params, held=held, layout=layout)  # fmt: skip
         check_offer(pub, offer)  # what the registry checks at relay_join
+    for b in plan.buckets:  # every bucket's checks made, as after a receiver's first refit: its part
+        b.built()
+    part = used_digests(plan)
     return RankPlan(rank, np.array(pb, dtype=np.int64), np.array(ps, dtype=np.int64), np.array(pn, dtype=np.int64),
                     np.array(reads, dtype=np.int64), np.array(bbytes, dtype=np.int64), last, plan.seconds,
-                    plan.ideal_bytes, plan.digest_count / digests, layout, offer, plan)  # fmt: skip
+                    plan.ideal_bytes, plan.digest_count / digests, 0 if part is None else len(part), layout, offer,
+                    plan)  # fmt: skip
 
 
 def _pair(reader: RankPlan, up: RankPlan) -> Pair:

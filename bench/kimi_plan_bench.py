@@ -17,6 +17,11 @@ process does on its first refit; the first plan in this process also fills cache
 every rank ("first") — the box copies, buckets, reads and bytes, against the bytes of its slice.
 ``--digests``: also the seconds a rank decodes a version's digests in (``Plan.digests``: those of the shards
 it reads), and for comparison every shard's (what each rank decoded before stop 45), best of 3.
+
+``--control [--versions 3] [--engines 8] [--baseline COMMIT]``: instead, a version's control traffic through the
+real registry service and the real receiver code — the registry's work to accept a version, the bytes and
+seconds each receiver rank asked for needs to fetch and decode it, the registry's egress for ``--engines``
+engines (``bench/_kimi_control.py``). The simulator's Kimi-K2 trainer: ``--train-ep 32 --train-pp 8``.
 """
 
 from __future__ import annotations
@@ -33,10 +38,17 @@ import refitflow as rf
 from refitflow.core.digests import Tiling, choose_tiling
 from refitflow.layouts import ModelDims, Parallel, fused, megatron
 from refitflow.layouts.wire import layout_metadata
-from refitflow.planner import Plan, build_plan
-from refitflow.planner.checks import digest_vector
-from refitflow.refit.config import ReceiverConfig
-from refitflow.refit.destination import ApplyMode, Destination
+
+try:
+    from refitflow.planner import Plan, build_plan
+    from refitflow.planner.checks import digest_vector
+    from refitflow.refit.config import ReceiverConfig
+    from refitflow.refit.destination import ApplyMode, Destination
+except ImportError:  # a tree before planner/ and refit/ (``--control --baseline``)
+    from refitflow.pipeline.config import ReceiverConfig  # type: ignore[no-redef]
+    from refitflow.pipeline.destination import ApplyMode, Destination  # type: ignore[no-redef]
+    from refitflow.stages._checks import digest_vector  # type: ignore[no-redef]
+    from refitflow.stages.plan import Plan, build_plan  # type: ignore[no-redef]
 
 
 def kimi_k2(layers: int, experts: int) -> ModelDims:
@@ -128,12 +140,23 @@ def main() -> None:
     ap.add_argument("--ranks", default=None, help="receiver ranks to plan (default: the first and the last)")
     ap.add_argument("--digests", action="store_true", help="time each rank's digest decode per version too")
     ap.add_argument("--apart", action="store_true", help="each trainer tensor its own region (no DDP buffers)")
+    ap.add_argument("--control", action="store_true", help="measure a version's control traffic instead")
+    ap.add_argument("--versions", type=int, default=3, help="--control: versions published")
+    ap.add_argument("--engines", type=int, default=8, help="--control: engines the egress is counted for")
+    ap.add_argument("--baseline", default="", help="--control: an earlier refitflow (a git commit) to run first")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     shape = re.fullmatch(r"(?:tp(\d+))?x?(?:dp(\d+))?", a.receiver)
     if shape is None or not any(shape.groups()):
         ap.error(f"--receiver: tpN, dpN or tpAxdpB, got {a.receiver!r}")
     rtp, rdp = (int(g) if g else 1 for g in shape.groups())
     ranks = [int(x) for x in a.ranks.split(",")] if a.ranks else [0, rtp * rdp - 1]
+    if a.control:
+        from _kimi_control import run
+
+        a.rank_list, a.rtp, a.rdp = ranks, rtp, rdp
+        run(a)
+        return
     d = kimi_k2(a.layers, a.experts)
     t0 = time.perf_counter()
     pub, layout_s = publication(d, a.train_tp, a.train_ep, a.train_pp, a.apart)

@@ -6,13 +6,16 @@
 The real registry service (``refitflow registry``, its own process, open) and real sockets: a trainer client
 publishes each version two-phase (every rank's layout, then its digests: ``--world`` ranks, the tensors dealt
 round-robin, rank r holding ``layers.{t}`` for t ≡ r mod world); ``--receivers`` receivers (RegistryClients,
-tasks in ``--workers`` processes) then each, at once: wait for the version, fetch its manifests (8 fetches in
-flight per worker process, over one raw socket, the reply's bytes not decoded: megabytes each), join its
+tasks in ``--workers`` processes) then each, at once: wait for the version, fetch what it reads of it, join its
 relays with an offer (receiver i holds what trainer rank i mod world publishes — a ``--world``-way expert
-layout: one relay layout per rank position), and report it done. Printed per version: the registry's CPU
-seconds (``/proc/<pid>/stat``), the bytes on its sockets (its peers count every frame to and from it), and
-p50/p99 of each request as the receivers saw it. Version 1 is every layout's first sight;
-later ones are the steady state of a fleet that refits.
+layout: one relay layout per rank position), and report it done. What it fetches: where the tree has them,
+the version's outline and the part of the digests it reads — every digest of rank i mod world
+(``RegistryClient.wait_outline``, ``Outline.digests``: the receiver code's calls); before, every rank's
+manifest (8 fetches in flight per worker process, over one raw socket, the reply's bytes not decoded:
+megabytes each). Printed per version: the registry's CPU seconds (``/proc/<pid>/stat``), the bytes on its
+sockets (its peers count every frame to and from it), p50/p99 of each request as the receivers saw it, and
+the size of a relay join's request and answer (p50/max bytes, as the client's frame holds them). Version 1 is
+every layout's first sight; later ones are the steady state of a fleet that refits.
 
 ``--baseline COMMIT`` runs the same with an earlier refitflow's source tree (``git archive``), registry and
 clients alike, in the same run (before, then this tree).
@@ -50,7 +53,7 @@ def _cpu(pid: int) -> float:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
-FETCHES = 8  # manifest fetches in flight per worker process: each reply is megabytes
+FETCHES = 8  # fetches in flight per worker process: a version's manifests (or its first sight's layouts) are MBs
 MOVED = [0]  # bytes this process sent to and received from the registry (every socket here talks to it)
 
 
@@ -134,21 +137,64 @@ async def _receivers(address: str, ids: list[int], world: int, tensors: int, ver
         MOVED[0] += len(reply)
         assert b'"ok":true' in reply[:200], reply[:300]
 
+    partial = hasattr(clients[0], "wait_outline")
+    joins: dict[str, list[int]] = {"request": [], "answer": []}
+
+    def sized(c: Any) -> None:  # a relay join's request and answer, as the client's frame holds them
+        request = c._request
+
+        async def spy(op: str, **args: Any) -> Any:
+            found = await request(op, **args)
+            if op == "relay_join":
+                args = {k: v for k, v in args.items() if k != "max_bytes"}
+                joins["request"].append(len(orjson.dumps({"v": PROTOCOL_VERSION, "id": 1, "op": op, **args})))
+                joins["answer"].append(len(orjson.dumps(found)))
+            return found
+
+        c._request = spy
+
+    for c in clients:
+        sized(c)
+    orders: dict[int, tuple[Any, int]] = {}
+
+    async def read(c: Any, i: int, v: int) -> None:
+        """What receiver i reads of version v: every digest of trainer rank i mod world (its part)."""
+        import operator
+
+        from refitflow.core.types import TILING_FIELDS
+
+        outline = await c.wait_outline(ident, v, 300)
+        if i not in orders:
+            rank, place = i % world, operator.attrgetter("name", *TILING_FIELDS)
+            shards = outline.manifests[rank].shards
+            order = tuple((rank, p, place(s)) for p, s in enumerate(shards))
+            orders[i] = (order, sum(s.tiling.count for s in shards))
+        order, count = orders[i]
+        assert len(await outline.digests(order, count)) == count
+
     conn.send("ready")
     for version in range(1, versions + 1):
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # published
-        times: dict[str, list[float]] = {"latest": [], "manifests": [], "relay_join": [], "report": []}
+        times: dict[str, list[float]] = {"latest": [], "fetch": [], "relay_join": [], "report": []}
         MOVED[0] = 0
+        joins["request"].clear()
+        joins["answer"].clear()
 
         async def one(c: Any, i: int, v: int = version, times: dict[str, list[float]] = times) -> None:
-            t = time.perf_counter()
-            found = await c._request("latest", identity={"model": "scale"}, min_version=v)
-            times["latest"].append(time.perf_counter() - t)
-            assert found is not None and found["version"] == v, found
-            async with fetching:  # the bytes, as every rank asks them (not decoded here: the registry is timed)
+            if partial:
+                async with fetching:  # as many in flight as the manifests' fetches before (a version's first
+                    t = time.perf_counter()  # sight is megabytes: every rank's layout)
+                    await read(c, i, v)
+                    times["fetch"].append(time.perf_counter() - t)
+            else:
                 t = time.perf_counter()
-                await fetch(v)
-                times["manifests"].append(time.perf_counter() - t)
+                found = await c._request("latest", identity={"model": "scale"}, min_version=v)
+                times["latest"].append(time.perf_counter() - t)
+                assert found is not None and found["version"] == v, found
+                async with fetching:  # the bytes, as every rank asks them (not decoded here: the registry is timed)
+                    t = time.perf_counter()
+                    await fetch(v)
+                    times["fetch"].append(time.perf_counter() - t)
             offer = offers[i]
             offer = type(offer)(
                 **{
@@ -167,7 +213,7 @@ async def _receivers(address: str, ids: list[int], world: int, tensors: int, ver
             times["report"].append(time.perf_counter() - t)
 
         await asyncio.gather(*(one(c, i) for c, i in zip(clients, ids, strict=True)))
-        conn.send((times, MOVED[0]))
+        conn.send(({k: v for k, v in times.items() if v}, MOVED[0], dict(joins)))
     for c in clients:
         await c.__aexit__(None, None, None)
     dealer.close(linger=0)
@@ -216,18 +262,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for p in pipes:
                     p.send("go")
                 times: dict[str, list[float]] = {}
+                sizes: dict[str, list[int]] = {"request": [], "answer": []}
                 moved = published_bytes
                 for p in pipes:
-                    worker_times, worker_bytes = await loop.run_in_executor(None, p.recv)
+                    worker_times, worker_bytes, worker_joins = await loop.run_in_executor(None, p.recv)
                     moved += worker_bytes
                     for op, values in worker_times.items():
                         times.setdefault(op, []).extend(values)
+                    for k, got in worker_joins.items():
+                        sizes[k].extend(got)
                 took = time.perf_counter() - t0
                 cpu2 = _cpu(registry.pid)
                 out["versions"].append({
                     "publish_s": published, "publish_cpu": cpu1 - cpu0, "publish_bytes": published_bytes,
                     "cpu": cpu2 - cpu0, "bytes": moved, "wall": took, "rss": _peak_rss(registry.pid),
                     "ops": {op: (_pct(v, 50), _pct(v, 99)) for op, v in times.items()},
+                    "join": {k: (int(_pct([float(x) for x in v], 50)), max(v)) for k, v in sizes.items() if v},
                 })  # fmt: skip
     finally:
         for proc in procs:
@@ -255,10 +305,12 @@ def show(label: str, out: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"{label}:")
     for v, row in enumerate(out["versions"], 1):
         ops = "  ".join(f"{op} {p50 * 1e3:.1f}/{p99 * 1e3:.1f}" for op, (p50, p99) in row["ops"].items())
+        join = row.get("join", {})
+        sized = "; relay join bytes p50/max: " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in join.items()) if join else ""
         print(f"  version {v}: registry CPU {row['cpu']:.2f} s (publish {row['publish_cpu']:.2f} s), "
               f"{row['bytes'] / 1e9:.2f} GB moved, peak RSS {row.get('rss', 0) / 1e9:.1f} GB, "
               f"all done in {row['wall']:.1f} s; "
-              f"p50/p99 ms: {ops}")  # fmt: skip
+              f"p50/p99 ms: {ops}{sized}")  # fmt: skip
 
 
 def main() -> None:

@@ -53,8 +53,6 @@ WHAT_IF: list[tuple[str, dict[str, object], str]] = [
     ("read_start spread per engine (an option today; VllmFleet.init sets it)", {"rotate": True}, "pull"),
     ("digests on the device, 1 TB/s (verify, trainer)", {"verify_gbps": 1000.0, "trainer_digest_gbps": 1000.0},
      "both"),
-    ("each receiver fetches only its digests", {"wire_share": True}, "both"),
-    ("registry checks cached per rank layout", {"registry_s": 0.01}, "both"),
     ("per-bucket costs 50 us (relayed buckets too)", {"bucket_us": 50.0, "relay_bucket_us": 50.0}, "both"),
     ("NIXL descriptors prepared once per plan, 0.3 us each", {"read_us": 0.3}, "both"),
     ("fp8 on the wire (half the bytes)", {"byte_scale": 0.5}, "both"),
@@ -78,15 +76,14 @@ class Run:
         return self.classes[key]
 
     def sim(self, p: Params, relay: bool, changes: dict[str, object] | None = None) -> Result:
-        """``p`` with ``changes`` (Params fields, and ``wire_share``, ``relay_bucket_mb``) for this run."""
+        """``p`` with ``changes`` (Params fields, and ``relay_bucket_mb``) for this run."""
         ch = dict(changes or {})
-        share = 1.0 / max(1, self.setup.ranks) if ch.pop("wire_share", False) else 1.0
         mb = ch.pop("relay_bucket_mb", None)
         q = dataclasses.replace(p, **ch)  # type: ignore[arg-type]
         cls = self.planned(relay, int(float(mb) * MiB) if mb else None)  # type: ignore[arg-type]
         reg = self.costs.registry_s if q.registry_s is None else min(q.registry_s, self.costs.registry_s)
-        fetch = self.costs.fetch_s(cls.digest_share) * share if q.fetch_s is None else q.fetch_s
-        return simulate(cls, q, registry_s=reg, fetch_s=fetch, wire_bytes=int(self.costs.wire_bytes * share),
+        fetch = self.costs.fetch_s(cls.part_digests) if q.fetch_s is None else q.fetch_s
+        return simulate(cls, q, registry_s=reg, fetch_s=fetch, wire_bytes=self.costs.wire_bytes(cls.part_digests),
                         engines=self.setup.engines, relay=relay)  # fmt: skip
 
 
@@ -114,12 +111,14 @@ def report(r: Run, p: Params, relays: list[bool], what_if: bool) -> None:
     ideal = sum(pl.ideal_bytes for pl in first.plans) / 1e12
     print(f"publication: {first.model_bytes / 1e12:.3f} TB bf16 published, one engine reads "
           f"{sum(float(pl.bucket_bytes.sum()) for pl in first.plans) / 1e12:.3f} TB (its slices: {ideal:.3f} TB; "
-          f"strict verify reads whole digest tiles); {first.specs:,} shard specs, "
-          f"{c.wire_bytes / 1e6:.0f} MB of manifests on the wire ({first.digest_bytes / 1e6:.0f} MB of it block "
-          f"digests); measured here: registry checks {c.registry_s:.2f} s per version, one receiver's decode "
-          f"{c.fetch_s(first.digest_share):.2f} s (manifests {c.decode_s:.2f} s, the digests of the shards it reads: "
-          f"{first.digest_share:.1%} of them, {c.digests_s:.2f} s for all); "
-          f"plans {min(plan_s):.2f}-{max(plan_s):.2f} s a rank (first refit only)")  # fmt: skip
+          f"strict verify reads whole digest tiles); {first.specs:,} shard specs (their manifests "
+          f"{c.was_bytes / 1e6:.0f} MB on the wire in format 4 alone, {first.digest_bytes / 1e6:.0f} MB of it base64 "
+          f"block digests); per "
+          f"version a receiver fetches {c.wire_bytes(first.part_digests) / 1e6:.2f} MB (its plan's part: "
+          f"{first.part_digests:,} digests, raw; the shards it reads hold {first.digest_share:.1%} of them); "
+          f"measured here: the registry's work {c.registry_s:.3f} s per version, one receiver's decode "
+          f"{c.fetch_s(first.part_digests) * 1e3:.1f} ms; plans {min(plan_s):.2f}-{max(plan_s):.2f} s a rank "
+          f"(first refit only)")  # fmt: skip
     for relay in relays:
         pl = r.planned(relay).plans
         print(f"  {'relaying' if relay else 'not relaying'}: per rank {max(x.bucket_bytes.size for x in pl):,} buckets,"

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import refitflow as rf
+from refitflow.core.records import RankLayout
 from refitflow.core.types import Manifest, ShardSpec, SourceAddress
 from refitflow.core.wire import manifest_to_dict
 from refitflow.registry.client.client import RegistryClient
@@ -130,8 +133,11 @@ async def test_a_large_manifest_is_written_once_in_chunks_below_etcds_request_li
             got = await cb.wait_complete(ID, 1, 90)
             assert got.manifests[0] == big
             store: EtcdStore = a.registry  # type: ignore[assignment]
-            _, kvs = await store.etcd.get_prefix(store.keys.manifest(ID, 1, 0))
+            # the rank's layout (names, shapes, regions) once, as a head and its chunks; the version a small record
+            _, kvs = await store.etcd.get_prefix(store.keys.layout(RankLayout.id_of(big)))
             assert len(kvs) > 2 and all(len(kv.value) <= CHUNK_BYTES for kv in kvs)  # a head and its chunks
+            _, kvs = await store.etcd.get_prefix(store.keys.manifest(ID, 1, 0))
+            assert len(kvs) == 1 and len(kvs[0].value) < 40_000 * 8 + 1000  # the revision and raw digests alone
 
 
 @pytest.mark.asyncio
@@ -249,3 +255,49 @@ def test_the_cli_refuses_a_store_it_cannot_use(capsys: pytest.CaptureFixture[str
             registry_main(["--store", bad])
         assert info.value.code == 2
         assert "--store" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_a_layout_is_written_once_and_a_receiver_on_another_replica_reads_its_part(etcd: Cluster) -> None:
+    from tests.registry.test_partial import ID as PID
+    from tests.registry.test_partial import manifest as tiled
+    from tests.registry.test_partial import order_of
+
+    with anyio.fail_after(120):
+        async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
+            store: EtcdStore = a.registry  # type: ignore[assignment]
+            for version in (1, 2):
+                for rank in (0, 1):
+                    await ca.publish(tiled(version, rank))
+                outline = await cb.wait_outline(PID, version, 30)
+                whole = await cb.wait_complete(PID, version, 30)
+                order, count = order_of(whole, [(1, 2), (0, 5)])
+                want = [s.digest_array() for s in (whole.manifests[1].shards[2], whole.manifests[0].shards[5])]
+                assert (await outline.digests(order, count) == np.concatenate(want)).all()
+            _, layouts = await store.etcd.get_prefix(store.keys.root + b"l/")
+            assert len(layouts) == 2  # each rank's layout once, whatever the versions
+
+
+
+@pytest.mark.asyncio
+async def test_relays_join_by_geometry_through_either_replica(etcd: Cluster) -> None:
+    from tests.registry.test_partial import _offer
+
+    with anyio.fail_after(120):
+        async with replicas(etcd.url) as (a, b), RegistryClient(a.address) as ca, RegistryClient(b.address) as cb:
+            await ca.register_receiver(ID, "r1")  # every version stays held
+            await ca.publish(manifest(1, 0, world=1))
+            first = dataclasses.replace(_offer(1, "r1"), identity=ID, held=(), layout="")
+            second = dataclasses.replace(_offer(1, "r2"), identity=ID, held=(), layout="")
+            sent: list[Any] = []
+            request = cb._request
+
+            async def spy(op: str, **args: Any) -> Any:
+                if op == "relay_join":
+                    sent.append(args["offer"])
+                return await request(op, **args)
+
+            cb._request = spy  # type: ignore[method-assign]
+            assert await ca.relay_join(ID, 1, "r1", offer=first) is None  # whole, once: etcd carries its geometry
+            assert await cb.relay_join(ID, 1, "r2", offer=second) == first  # through b, compact, its upstream r1
+            assert ["params" in o for o in sent] == [False]  # b's mirror held the geometry: no second whole offer

@@ -137,7 +137,7 @@ async def test_a_report_in_flight_or_owed_when_its_replica_dies_releases_the_ver
             else:
                 victim.stop()
                 await rx.report(ident, "r1", 1)  # the replica hangs: report() gives up, the client owes it
-                assert rx._unsent, "the report was not owed"
+                assert rx._upkeep.unsent, "the report was not owed"
                 victim.kill()
             with anyio.fail_after(LEASE_S):  # within a lease of the commit
                 await trainer.wait_released(ident, 1, None)

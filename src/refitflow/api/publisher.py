@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import anyio.to_thread
 import torch
@@ -39,20 +39,12 @@ from refitflow.metrics import NULL_OBSERVER, PublishObserver
 from refitflow.refit.device import check_device, devices_of, mark_current, wait_marks
 from refitflow.registry.client.connect import connect_registry
 from refitflow.registry.keys import DeploymentKeys
+from refitflow.registry.protocol import Publishing
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
 from refitflow.transports import Transport, make_transport
 
 __all__ = ["Publisher", "Sharded"]
-
-
-class PublishRegistry(Protocol):
-    async def publish(self, manifest: Manifest) -> None: ...
-    async def wait_released(
-        self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
-    ) -> None: ...
-    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool: ...
-    async def acked(self, identity: Identity, version: int) -> tuple[int, int]: ...
 
 
 _LAYOUT_FIELDS = ("dtype", "global_shape", "axis", "start", "stop")  # what ``_spec`` gives of each tensor
@@ -109,7 +101,7 @@ class Publisher:
 
     def __init__(
         self,
-        registry: PublishRegistry | str,
+        registry: Publishing | str,
         *,
         identity: Identity,
         rank: int = 0,
@@ -139,7 +131,7 @@ class Publisher:
         self.column_digests = column_digests
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)
-        self.registry: PublishRegistry = connect_registry(registry, security, "trainer")
+        self.registry: Publishing = connect_registry(registry, security, "trainer")
         self.release_policy = release_policy
         self.identity = identity
         self.rank = rank

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -24,7 +24,7 @@ from refitflow.core.errors import (
     VersionError,
 )
 from refitflow.core.threads import off_loop
-from refitflow.core.types import Identity, Publication
+from refitflow.core.types import Identity
 from refitflow.layouts.canonical import LocalTensor
 from refitflow.metrics import NULL_OBSERVER, Observer
 from refitflow.planner.records import Plan
@@ -41,22 +41,13 @@ from refitflow.refit.results import ReceiverStatus, RefitResult, StageStats, ref
 from refitflow.refit.transaction import Transaction
 from refitflow.registry.client.connect import connect_registry
 from refitflow.registry.keys import DeploymentKeys
+from refitflow.registry.protocol import Discovery
 from refitflow.registry.security import ClientSecurity
 from refitflow.transports import Transport, make_transport
 
 __all__ = ["Receiver", "ReceiverStatus", "RefitResult", "StageStats"]
 
 log = logging.getLogger(__name__)
-
-
-class ReceiveRegistry(Protocol):
-    async def wait_complete(
-        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None,
-        early: bool = False, skip: Collection[int] = (),
-    ) -> Publication: ...  # fmt: skip
-    async def register_receiver(self, identity: Identity, receiver_id: str) -> None: ...
-    async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None: ...
-    async def report(self, identity: Identity, receiver_id: str, version: int) -> None: ...
 
 
 class Receiver:
@@ -104,7 +95,7 @@ class Receiver:
     def __init__(
         self,
         model: torch.nn.Module | Mapping[str, torch.Tensor],
-        registry: ReceiveRegistry | str,
+        registry: Discovery | str,
         *,
         identity: Identity,
         transport: str | Transport = "auto",
@@ -131,7 +122,7 @@ class Receiver:
         self.config = ReceiverConfig(budget_bytes=budget_bytes, mode=mode, **options)  # type: ignore[arg-type]
         transport = choose_transport(transport, registry)
         self._owns_registry = isinstance(registry, str)  # an address: a client opened and closed with us
-        self.registry: ReceiveRegistry = connect_registry(registry, security, "rollout")
+        self.registry: Discovery = connect_registry(registry, security, "rollout")
         self.identity = identity
         self.receiver_id = receiver_id or f"receiver-{uuid.uuid4().hex[:12]}"
         self.observer = observer
@@ -154,9 +145,6 @@ class Receiver:
         self.limits = replace(self.config.limits, bucket_bytes=min(self.config.limits.bucket_bytes, share))
         # pipelined fan-out: serve verified bytes to other receivers; read from the upstream relay named
         self.serve_replicas = serve_replicas
-        self._relays = all(hasattr(self.registry, n) for n in ("relay_join", "relay_leave"))
-        if serve_replicas and not self._relays:
-            raise ConfigError("serve_replicas needs a registry that keeps relays (rf.Registry or rf.RegistryClient)")
         if serve_replicas and self.config.verify != "strict":
             raise ConfigError("serve_replicas serves only verified bytes: it needs verify='strict'")
         if serve_replicas and self.config.read_start:
@@ -188,8 +176,8 @@ class Receiver:
         assert self._transport is not None
         await anyio.to_thread.run_sync(self._prepare_landing)
         self._landing = {self._transport.register(t) for t in self.destination.landing_tensors()}
-        if self._relays and not self.config.read_start:  # a rotated reader reads the trainer (docs/fanout.md)
-            self._relaying = Relaying(self.registry, self.identity, self.receiver_id, self.destination,  # type: ignore[arg-type]
+        if not self.config.read_start:  # a rotated reader reads the trainer (docs/fanout.md)
+            self._relaying = Relaying(self.registry, self.identity, self.receiver_id, self.destination,
                                       self._transport, serve=self.serve_replicas)  # fmt: skip
 
     async def rebind(self) -> None:

@@ -11,10 +11,15 @@ version for which every element of local tensor ``p`` is verified. A reader read
 
 ``layout`` digests everything but the address and regions: relays of one layout share one read
 geometry on a reader, and the registry prefers an upstream of the reader's own layout.
+
+By geometry (``Relay``): an offer whose geometry — tensors and held boxes — a peer holds already (``RelayLayouts``,
+by layout digest) travels as its layout digest, address (or the id of an address the peer holds), status
+region and the runs of its tensors' regions: O(1) in the model's size.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import orjson
@@ -25,7 +30,8 @@ from refitflow.core.dtypes import itemsize
 from refitflow.core.errors import ManifestError, PlanError
 from refitflow.core.types import MAX_DIMS, MAX_INT, TENSOR_NAME, Identity, SourceAddress
 
-__all__ = ["HeldBox", "RelayLayouts", "RelayOffer", "RelayParam", "check_offer_shape", "relay_layout"]
+__all__ = ["Geometry", "HeldBox", "Relay", "RelayLayouts", "RelayOffer", "RelayParam", "check_offer_shape",
+           "expand_runs", "region_runs", "relay_layout", "source_id"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,52 @@ class RelayOffer:
     def __post_init__(self) -> None:
         if not self.layout:
             object.__setattr__(self, "layout", relay_layout(self.params, self.held))
+
+
+Geometry = tuple[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[HeldBox, ...]]  # tensors (name, dtype,
+# shape) and held boxes: what an offer's layout digest names
+
+
+@dataclass(frozen=True, eq=False)
+class Relay:
+    """An offer by geometry: its layout digest, address, status region and its tensors' regions as runs (first,
+    count); ``offer``: the whole offer, when it was made in this process (handed back as it is)."""
+
+    receiver: str
+    layout: str
+    source: SourceAddress
+    status: int
+    regions: tuple[tuple[int, int], ...]
+    offer: RelayOffer | None = None
+
+    @classmethod
+    def of(cls, offer: RelayOffer) -> Relay:
+        return cls(offer.receiver, offer.layout, offer.source, offer.status,
+                   region_runs([p.region for p in offer.params]), offer)  # fmt: skip
+
+
+def region_runs(values: list[int]) -> tuple[tuple[int, int], ...]:
+    """Regions as runs (first, count) of consecutive ones: one run for tensors registered in order."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] + runs[-1][1] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return tuple((a, n) for a, n in runs)
+
+
+def expand_runs(runs: tuple[tuple[int, int], ...] | list[list[int]]) -> list[int]:
+    return [first + i for first, n in runs for i in range(n)]
+
+
+def source_id(source: SourceAddress) -> str:
+    """The id of an address (BLAKE2b-128 of its fields): an offer names an address its peer holds by it."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (source.transport.encode(), source.agent.encode(), source.metadata):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
 
 
 def relay_layout(params: tuple[RelayParam, ...] | list[RelayParam], held: tuple[HeldBox, ...] | list[HeldBox]) -> str:
@@ -122,21 +174,48 @@ def _volume(box: Box) -> int:
 
 
 class RelayLayouts:
-    """The relay geometries a peer has seen, by layout digest (most recent ``size``): what lets offers of a known
-    layout travel as their address, status and regions alone (``core.wire.offer_to_dict(compact=True)``). A
-    geometry is recorded from a whole offer, whose layout digest the recorder computed itself."""
+    """The relay geometries a peer has seen, by layout digest (most recent ``size``), and the relays' addresses, by
+    id (most recent ``4 * size``): what lets offers of a known layout travel as their address (or its id), status and
+    regions alone (``core.wire.offer_to_dict(compact=True)``). A geometry is recorded from a whole offer, whose
+    layout digest the recorder computed itself, and an address under the id the recorder computed."""
 
     def __init__(self, size: int = 64) -> None:
         self.size = size
-        self._geometry: dict[str, tuple[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[HeldBox, ...]]] = {}
+        self._geometry: dict[str, Geometry] = {}
+        self._sources: dict[str, SourceAddress] = {}
 
     def add(self, offer: RelayOffer) -> None:
-        if offer.layout in self._geometry:
-            self._geometry[offer.layout] = self._geometry.pop(offer.layout)  # the most recent last
+        self.add_geometry(offer.layout, (tuple((p.name, p.dtype, p.shape) for p in offer.params), offer.held))
+
+    def add_geometry(self, layout: str, geometry: Geometry) -> None:
+        if layout in self._geometry:
+            self._geometry[layout] = self._geometry.pop(layout)  # the most recent last
             return
-        self._geometry[offer.layout] = (tuple((p.name, p.dtype, p.shape) for p in offer.params), offer.held)
+        self._geometry[layout] = geometry
         while len(self._geometry) > self.size:
             del self._geometry[next(iter(self._geometry))]
+
+    def geometry(self, layout: str) -> Geometry | None:
+        return self._geometry.get(layout)
+
+    def add_source(self, source: SourceAddress) -> str:
+        """Hold ``source``; its id."""
+        sid = source_id(source)
+        self._sources.pop(sid, None)
+        self._sources[sid] = source  # the most recent last
+        while len(self._sources) > 4 * self.size:
+            del self._sources[next(iter(self._sources))]
+        return sid
+
+    def source(self, sid: str) -> SourceAddress | None:
+        return self._sources.get(sid)
+
+    def has_source(self, source: SourceAddress) -> bool:
+        return source_id(source) in self._sources
+
+    def source_ids(self) -> list[str]:
+        """The addresses held, least recent first."""
+        return list(self._sources)
 
     def __contains__(self, layout: object) -> bool:
         return layout in self._geometry

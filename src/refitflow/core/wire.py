@@ -3,6 +3,13 @@
 A manifest dict carries ``"format": PROTOCOL_VERSION``; one of another format (or none: format 1,
 before per-shard digest algorithms and tiles) is refused, never read with the wrong meaning.
 The shard specs are columns (``core/columns.py``): a field every shard shares is sent and checked once.
+
+**Bytes beside the JSON** (added to format 4: a peer that does not know them refuses the frame as not JSON). A
+value may be a ``Blob``: raw bytes (digests), not base64 text. ``encode`` writes the JSON with each blob as a
+reference ``{"\u0000": [offset, length]}``, then a NUL byte (JSON text never holds a raw one), then the blobs back
+to back; ``decode`` splits at the first NUL, decodes the JSON and puts each blob's bytes (a ``memoryview``) where
+its reference was — references must cover the bytes after the NUL exactly, in order, or the message is refused.
+A message without blobs is plain JSON, as before.
 """
 
 from __future__ import annotations
@@ -14,52 +21,130 @@ import orjson
 
 from refitflow.core.columns import DIGESTS, completed_columns, shards_from_columns, shards_to_columns
 from refitflow.core.errors import ManifestError, RefitError
-from refitflow.core.fanout import HeldBox, RelayLayouts, RelayOffer, RelayParam, check_offer_shape
 from refitflow.core.types import Identity, Manifest, SourceAddress
 
 __all__ = [
     "PROTOCOL_VERSION",
     "UNKNOWN_LAYOUT",
+    "Blob",
+    "check_format",
     "decode",
     "digests_to_dict",
     "encode",
+    "identity_dict",
     "manifest_completed",
     "manifest_from_dict",
     "manifest_to_dict",
-    "offer_from_dict",
-    "offer_to_dict",
+    "source_dict",
+    "source_from",
+    "split_frame",
+    "with_blobs",
 ]  # fmt: skip
 
-UNKNOWN_LAYOUT = "a layout this peer does not hold"  # a compact relay offer's refusal: send the whole offer
-MAX_OFFER_TENSORS = 1 << 24  # the tensors of one relay offer, at most
-PROTOCOL_VERSION = 4  # 2: per-shard digest algorithm (xxh3 | mix64) and 2-D tiles; 3: pending digests; 4: columns
+UNKNOWN_LAYOUT = "a layout this peer does not hold"  # a compact form's refusal: send the whole
+PROTOCOL_VERSION = 4  # 2: per-shard digest algorithm and 2-D tiles; 3: pending digests; 4: columns (and, added to
+# it without changing what a whole manifest means: rank layouts and records, blobs beside the JSON, parts)
+BLOB = "\u0000"  # the key of a blob's reference in the JSON
+
+
+class Blob(dict[str, int]):
+    """Raw bytes a message carries beside its JSON (``encode``). As a dict it is ``{"bytes": n}``: what plain JSON
+    tools (and a request spy) see of it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__(bytes=len(data))
+        self.data = data
 
 
 def encode(obj: Any) -> bytes:
-    return orjson.dumps(obj)
+    blobs: list[bytes | bytearray | memoryview] = []
+    at = [0]
+
+    def hook(value: Any) -> Any:
+        if isinstance(value, Blob):
+            ref = {BLOB: [at[0], len(value.data)]}
+            blobs.append(value.data)
+            at[0] += len(value.data)
+            return ref
+        if isinstance(value, dict):  # other subclasses of the JSON types, as their type
+            return dict(value)
+        if isinstance(value, list):
+            return list(value)
+        if isinstance(value, str):
+            return str(value)
+        if isinstance(value, int):
+            return int(value)
+        raise TypeError(f"{type(value).__name__} is not JSON")
+
+    head = orjson.dumps(obj, default=hook, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
+    return b"".join([head, b"\0", *blobs]) if blobs else head
 
 
-def decode(data: bytes) -> Any:
+def split_frame(data: bytes | memoryview) -> tuple[bytes | memoryview, memoryview | None]:
+    """A message's JSON and the bytes after its NUL (None: plain JSON)."""
+    at = data.find(b"\0") if isinstance(data, bytes) else bytes(data).find(b"\0")
+    if at < 0:
+        return data, None
+    view = memoryview(data)
+    return view[:at], view[at + 1 :]
+
+
+def decode(data: bytes | memoryview) -> Any:
+    head, tail = split_frame(data)
     try:
-        return orjson.loads(data)
+        doc = orjson.loads(head)
     except orjson.JSONDecodeError as exc:
         raise ManifestError(f"not valid JSON: {exc}") from exc
+    return doc if tail is None else with_blobs(doc, tail)
 
 
-def _identity(i: Identity) -> dict[str, str]:
+def with_blobs(doc: Any, tail: memoryview) -> Any:
+    """``doc`` with each blob reference replaced by its bytes of ``tail``; the references must cover ``tail``
+    exactly, in order (``ManifestError`` otherwise)."""
+    at = [0]
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            if len(value) == 1 and BLOB in value:
+                ref = value[BLOB]
+                if not (isinstance(ref, list) and len(ref) == 2 and all(type(x) is int for x in ref)):
+                    raise ManifestError("a blob reference is [offset, length]")
+                offset, length = ref
+                if offset != at[0] or length < 0 or offset + length > len(tail):
+                    raise ManifestError(f"a blob reference [{offset}, {length}] does not follow the one before "
+                                        f"within the message's {len(tail)} bytes")  # fmt: skip
+                at[0] += length
+                return tail[offset : offset + length]
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    try:
+        out = walk(doc)
+    except RecursionError:
+        raise ManifestError("a message with bytes beside it is nested too deeply") from None
+    if at[0] != len(tail):
+        raise ManifestError(f"{len(tail) - at[0]} bytes after the message's JSON that no blob reference names")
+    return out
+
+
+def identity_dict(i: Identity) -> dict[str, str]:
     return {"model": i.model, "layout": i.layout, "dtype": i.dtype, "parallelism": i.parallelism,
             "compile_target": i.compile_target}  # fmt: skip
 
 
-def _source(s: SourceAddress) -> dict[str, str]:
+def source_dict(s: SourceAddress) -> dict[str, str]:
     return {"transport": s.transport, "agent": s.agent, "metadata": base64.b64encode(s.metadata).decode()}
 
 
-def _source_from(src: Any) -> SourceAddress:
+def source_from(src: Any) -> SourceAddress:
     return SourceAddress(
-        transport=_typed(src["transport"], str),
-        agent=_typed(src["agent"], str),
-        metadata=base64.b64decode(_typed(src.get("metadata", ""), str), validate=True),
+        transport=typed(src["transport"], str),
+        agent=typed(src["agent"], str),
+        metadata=base64.b64decode(typed(src.get("metadata", ""), str), validate=True),
     )
 
 
@@ -70,14 +155,14 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
 def _head(m: Manifest) -> dict[str, Any]:
     return {
         "format": PROTOCOL_VERSION,
-        "identity": _identity(m.identity),
+        "identity": identity_dict(m.identity),
         "version": m.version,
         "rank": m.rank,
         "world_size": m.world_size,
         "revision": m.revision,
         "layout_digest": m.layout_digest,
         "metadata": m.metadata,
-        "source": _source(m.source),
+        "source": source_dict(m.source),
     }
 
 
@@ -91,12 +176,12 @@ def manifest_completed(pending: Manifest, d: Any) -> Manifest:
     checked whole as ``manifest_from_dict`` checks a manifest."""
     if not isinstance(d, dict):
         raise ManifestError("digests: a JSON object")
-    _check_format(d)
+    check_format(d)
     return manifest_from_dict({**_head(pending), "revision": d.get("revision"),
                                "shards": completed_columns(pending.shards, d.get("digests"))})  # fmt: skip
 
 
-def _check_format(d: Any) -> None:
+def check_format(d: Any) -> None:
     if type(d.get("format")) is not int or d["format"] != PROTOCOL_VERSION:
         raise ManifestError(
             f"manifest format {d.get('format', 1)!r:.20} is not supported: this refitflow reads format "
@@ -107,17 +192,17 @@ def _check_format(d: Any) -> None:
 def manifest_from_dict(d: Any) -> Manifest:
     """Build and validate a manifest; every malformed field raises ``ManifestError``."""
     try:
-        _check_format(d)
+        check_format(d)
         shards = shards_from_columns(d["shards"])
         return Manifest(
-            identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),
-            version=_typed(d["version"], int),
-            rank=_typed(d["rank"], int),
-            world_size=_typed(d["world_size"], int),
-            revision=_typed(d.get("revision", ""), str),
-            layout_digest=_typed(d.get("layout_digest", ""), str),
-            metadata={_typed(k, str): _typed(v, str) for k, v in d.get("metadata", {}).items()},
-            source=_source_from(d["source"]),
+            identity=Identity(**{k: typed(v, str) for k, v in d["identity"].items()}),
+            version=typed(d["version"], int),
+            rank=typed(d["rank"], int),
+            world_size=typed(d["world_size"], int),
+            revision=typed(d.get("revision", ""), str),
+            layout_digest=typed(d.get("layout_digest", ""), str),
+            metadata={typed(k, str): typed(v, str) for k, v in d.get("metadata", {}).items()},
+            source=source_from(d["source"]),
             shards=shards,
         )
     except RefitError:
@@ -126,96 +211,7 @@ def manifest_from_dict(d: Any) -> Manifest:
         raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from exc
 
 
-def _typed(value: Any, kind: type) -> Any:
+def typed(value: Any, kind: type) -> Any:
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise ManifestError(f"expected {kind.__name__}, got {type(value).__name__} {value!r:.60}")
     return value
-
-
-def _flat(box: tuple[tuple[int, int], ...]) -> list[int]:
-    return [x for ab in box for x in ab]
-
-
-def _unflat(v: Any) -> tuple[tuple[int, int], ...]:
-    if not isinstance(v, list) or len(v) % 2:
-        raise ManifestError(f"a box is an even-length list of integers, got {v!r:.60}")
-    xs = [_typed(x, int) for x in v]
-    return tuple(zip(xs[::2], xs[1::2], strict=True))
-
-
-def offer_to_dict(o: RelayOffer, *, compact: bool = False) -> dict[str, Any]:
-    """A relay offer (``core.relay``); held boxes are rows ``[rank, tensor, sbox, param, dbox]``, boxes flat.
-    ``compact``: for a peer that knows its layout (``RelayLayouts``), the layout digest and the tensors' regions
-    (as runs ``[first, count]`` of consecutive regions) instead of the tensors and the held boxes."""
-    head = {
-        "format": PROTOCOL_VERSION,
-        "identity": _identity(o.identity),
-        "version": o.version,
-        "receiver": o.receiver,
-        "source": _source(o.source),
-        "status": o.status,
-    }
-    if compact:
-        return {**head, "layout": o.layout, "regions": _runs([p.region for p in o.params])}
-    return {**head, "params": [[p.name, p.dtype, list(p.shape), p.region] for p in o.params],
-            "held": [[h.rank, h.tensor, _flat(h.sbox), h.param, _flat(h.dbox)] for h in o.held]}  # fmt: skip
-
-
-def offer_from_dict(d: Any, layouts: RelayLayouts | None = None) -> RelayOffer:
-    """Build and check a relay offer (a compact one from the geometry ``layouts`` holds: a ``ManifestError``
-    saying ``UNKNOWN_LAYOUT`` when it holds none); anything malformed raises ``ManifestError``."""
-    try:
-        _check_format(d)
-        if "layout" in d:
-            layout = _typed(d["layout"], str)
-            known = None if layouts is None else layouts.params(layout, _unruns(d["regions"]))
-            if known is None:
-                raise ManifestError(f"relay offer: {UNKNOWN_LAYOUT} ({layout:.32})")
-            params, held = known
-        else:
-            layout = ""
-            params = tuple(
-                RelayParam(_typed(n, str), _typed(t, str), tuple(_typed(x, int) for x in s), _typed(r, int))
-                for n, t, s, r in d["params"]
-            )
-            held = tuple(
-                HeldBox(_typed(r, int), _typed(n, str), _unflat(sb), _typed(p, int), _unflat(db))
-                for r, n, sb, p, db in d["held"]
-            )
-        offer = RelayOffer(
-            identity=Identity(**{k: _typed(v, str) for k, v in d["identity"].items()}),
-            version=_typed(d["version"], int),
-            receiver=_typed(d["receiver"], str),
-            source=_source_from(d["source"]),
-            status=_typed(d["status"], int),
-            params=params,
-            held=held,
-            layout=layout,
-        )
-    except RefitError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ManifestError(f"malformed relay offer: {type(exc).__name__}: {exc}") from exc
-    if not layout:  # a known layout's geometry was checked when it was recorded
-        check_offer_shape(offer)
-        if layouts is not None:
-            layouts.add(offer)
-    return offer
-
-
-def _runs(values: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][0] + runs[-1][1] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs
-
-
-def _unruns(runs: Any) -> list[int]:
-    if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 for r in runs):
-        raise ManifestError("relay offer: regions are runs [first, count]")
-    if sum(_typed(n, int) for _, n in runs) > MAX_OFFER_TENSORS:
-        raise ManifestError("relay offer: more regions than a relay offer may hold")
-    return [_typed(first, int) + i for first, n in runs for i in range(n)]

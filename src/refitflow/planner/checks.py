@@ -37,6 +37,7 @@ __all__ = [
     "build_credits",
     "digest_vector",
     "every_shard",
+    "used_digests",
 ]  # fmt: skip
 
 _PLACE = operator.attrgetter("name", *TILING_FIELDS)  # a shard's name and its digest geometry (TILING_KEY after it)
@@ -173,6 +174,26 @@ def digest_vector(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, .
     if len(raw) != 8 * count:
         raise ManifestError("the publication's digests do not fit its layout digest", version=pub.version)
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+def used_digests(plan: Any) -> np.ndarray | None:
+    """The digest-vector indices a plan's checks read (sorted), once every bucket's checks are made (None before:
+    the first version of a plan reads them as they are made). Cached in ``plan.derived``."""
+    if "used" in plan.derived:
+        return plan.derived["used"]
+    if not all(b.is_built for b in plan.buckets):
+        return None
+    parts = [np.zeros(0, dtype=np.int64)]
+    for b in plan.buckets:
+        checks = b.built()[0]
+        if checks is None:
+            continue
+        parts.append(checks.want)
+        parts.extend(np.array([s.want]) for s in checks.streams)
+        parts.extend(m.want for m in checks.mixes)
+        breathe()
+    used = plan.derived["used"] = np.unique(np.concatenate(parts).astype(np.int64))
+    return used
 
 
 @lru_cache(maxsize=1 << 14)

@@ -153,5 +153,6 @@ class Plan:
     derived: dict[Hashable, object] = field(default_factory=dict, compare=False, repr=False)
 
     def digests(self, pub: Publication) -> np.ndarray:
-        """``pub``'s digests of the shards this plan reads, in the order its checks index them."""
+        """``pub``'s digests of the shards this plan reads, in the order its checks index them (a whole
+        publication; an ``Outline``'s come from the registry: ``stages._checks.version_digests``)."""
         return digest_vector(pub, self.digest_order, self.digest_count)

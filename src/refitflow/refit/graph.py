@@ -26,9 +26,9 @@ from refitflow.core.types import Identity, Publication
 from refitflow.refit.attempt import STAGES, Attempt, Found, Meter, Resources, Tally
 from refitflow.refit.handoff import first_error
 from refitflow.refit.stages import allocate, apply, commit, discover, plan, pull, translate, verify
-from refitflow.refit.stages.discover import Discovery
 from refitflow.refit.transaction import Transaction
 from refitflow.refit.work import Work
+from refitflow.registry.protocol import Discovery
 
 __all__ = ["Outcome", "run_pipeline"]
 

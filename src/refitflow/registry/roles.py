@@ -8,10 +8,11 @@ A deployment's key folder (``registry/keys.py``) holds one CURVE pair per role a
 - ``authorized/operator/*.key``: people and tools that watch and tend (``unregister_receiver``: evict a
   receiver that holds releases back; ``relay_leave``);
 
-and every role reads (``hello``, ``latest``, ``manifests``, ``versions``, ``relayed``, ``near_misses``,
-``acked``, ``is_released``, ``wait_released``) and keeps its own lease (``heartbeat``, ``goodbye``). A key
-in ``authorized/`` itself — a folder made before roles existed — holds every role (the registry says so
-when it starts). A public key's role is the folder it lies in; a key in two folders is refused.
+and every role reads (``hello``, ``latest``, ``manifests``, ``publication``, ``layouts``, ``part``,
+``versions``, ``relayed``, ``near_misses``, ``acked``, ``is_released``, ``wait_released``) and keeps its own
+lease (``heartbeat``, ``goodbye``). A key in ``authorized/`` itself — a folder made before roles
+existed — holds every role (the registry says so when it starts). A public key's role is the folder it lies
+in; a key in two folders is refused.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ ROLES = ("trainer", "rollout", "operator")
 EVERY = "every role"  # a key in authorized/ itself (a folder made before per-role keys)
 
 _LEASE = frozenset({"hello", "heartbeat", "goodbye"})
-_READS = frozenset({"latest", "manifests", "versions", "relayed", "near_misses", "acked", "is_released",
-                    "wait_released"})  # fmt: skip
+_READS = frozenset({"latest", "manifests", "publication", "layouts", "part", "versions", "relayed", "near_misses",
+                    "acked", "is_released", "wait_released"})  # fmt: skip
 _WRITES: Mapping[str, frozenset[str]] = {
     "trainer": frozenset({"publish", "complete"}),
     "rollout": frozenset({"register_receiver", "unregister_receiver", "report", "relay_join", "relay_leave"}),

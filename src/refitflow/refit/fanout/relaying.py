@@ -17,7 +17,6 @@ one the rank reads the trainer.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import anyio
 import anyio.to_thread
@@ -33,20 +32,14 @@ from refitflow.planner.checks import Credits
 from refitflow.planner.fanout import Geometry, Held, geometry, held_boxes
 from refitflow.planner.records import Plan
 from refitflow.refit.destination import Destination
+from refitflow.registry.protocol import RelayRegistry
 from refitflow.transports.base import Read, Transport
 
-__all__ = ["RelayRegistry", "Relaying", "Upstream"]
+__all__ = ["Relaying", "Upstream"]
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 5.0
-
-
-class RelayRegistry(Protocol):
-    async def relay_join(
-        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
-    ) -> RelayOffer | None: ...
-    async def relay_leave(self, identity: Identity, receiver_id: str) -> None: ...
 
 
 class Relaying:

@@ -4,31 +4,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
-from typing import Protocol
+from collections.abc import Callable
 
 import anyio
 
 from refitflow.core.errors import ManifestError, RefitError, RefitTimeoutError, TransportError, VersionError
+from refitflow.core.records import Outline
 from refitflow.core.threads import off_loop
-from refitflow.core.types import Identity, Publication
+from refitflow.core.types import Identity, Manifest, Publication
 from refitflow.planner.compile_filter import check_compile
 from refitflow.refit.attempt import Found, Meter, Resources
 from refitflow.refit.transaction import Transaction
+from refitflow.registry.protocol import Discovery
 
-__all__ = ["Discovery", "run"]
+__all__ = ["run"]
 
 NEAR_MISS_S = 2.0  # how long a timed-out discovery asks the registry what it holds instead
 MAX_UNREADABLE = 64  # versions a receiver remembers it cannot read (the registry's limit on ``skip``)
 
 log = logging.getLogger(__name__)
-
-
-class Discovery(Protocol):
-    async def wait_complete(
-        self, identity: Identity, min_version: int, timeout: float, *, compile_targets: Collection[str] | None = None,
-        early: bool = False, skip: Collection[int] = (),
-    ) -> Publication: ...  # fmt: skip
 
 
 async def run(
@@ -53,8 +47,10 @@ async def run(
     early = limits.read_early and not (res.fanout is not None and res.fanout.serve)
     while True:
         try:
-            pub = await registry.wait_complete(identity, min_version, timeout, compile_targets=limits.compile_targets,
-                                               early=early, skip=res.unreadable)  # fmt: skip
+            # a registry across the network answers the version as a receiver needs it (core.records.Outline: its
+            # layouts, fetched once each; the plan's part of its digests, fetched alone: refit/digests.py)
+            pub = await registry.wait_outline(identity, min_version, timeout, compile_targets=limits.compile_targets,
+                                              early=early, skip=res.unreadable)  # fmt: skip
         except RefitTimeoutError as exc:
             raise RefitTimeoutError(await _explain(registry, identity, min_version, exc)) from exc
         check_compile(pub, limits)
@@ -97,8 +93,10 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
     """``pending``'s version with every rank's digests, within ``timeout``; typed errors for a publisher
     that never sends them, or sends another layout (nothing is compared then: the refit aborts)."""
     version = pending.version
+    outline = isinstance(pending, Outline)
     try:
-        pub = await registry.wait_complete(pending.identity, version, timeout)
+        wait = registry.wait_outline if outline else registry.wait_complete
+        pub = await wait(pending.identity, version, timeout)
     except RefitTimeoutError as exc:
         raise RefitTimeoutError(f"the digests of version {version} did not follow its announcement within "
                                 f"{timeout} s: {exc.reason}", version=version) from exc  # fmt: skip
@@ -107,10 +105,13 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
                            version=version)  # fmt: skip
 
     def same() -> bool:  # a rank already complete when the version was found (ranks complete one by one) as it was
+        if len(pub.manifests) != len(pending.manifests):
+            return False
         pairs = zip(pub.manifests, pending.manifests, strict=True)
-        return len(pub.manifests) == len(pending.manifests) and all(
-            full.completes(m) if m.pending else full == m for full, m in pairs
-        )
+        if outline:  # every rank's layout as it was (the revisions of ranks complete then as they were)
+            done = zip(getattr(pub, "revisions", ()), getattr(pending, "revisions", ()), strict=False)
+            return all(_same_layout(a, b) for a, b in pairs) and all(b in ("", a) for a, b in done)
+        return all(full.completes(m) if m.pending else full == m for full, m in pairs)
 
     many = sum(len(m.shards) for m in pub.manifests) > 1000  # every shard's layout compared: off the loop
     if not (await off_loop(same) if many else same()):
@@ -118,16 +119,18 @@ async def _complete(registry: Discovery, pending: Publication, timeout: float) -
     return pub
 
 
+def _same_layout(a: Manifest, b: Manifest) -> bool:
+    """Two outlines' manifests of one rank announce one layout (usually the very same shards, fetched once)."""
+    return a.source == b.source and a.metadata == b.metadata and (a.shards is b.shards or a.shards == b.shards)
+
+
 async def _explain(registry: Discovery, identity: Identity, min_version: int, exc: RefitTimeoutError) -> str:
     """The timeout's message, with the full identity and what the registry holds of the model instead."""
     text = f"{exc.reason}; waited for {identity!r}"
-    ask = getattr(registry, "near_misses", None)
-    if ask is None:
-        return text
     held: list[str] = []
     with anyio.move_on_after(NEAR_MISS_S):
         try:
-            held = list(await ask(identity, min_version))
+            held = list(await registry.near_misses(identity, min_version))
         except RefitError:  # the registry did not answer this either: the first message says so
             return text
     return f"{text}; the registry holds: {'; '.join(held)}" if held else text

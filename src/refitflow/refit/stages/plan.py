@@ -16,6 +16,7 @@ from refitflow.core.threads import off_loop
 from refitflow.planner.delta import Skips, decide, delta_index
 from refitflow.planner.records import Bucket, Plan
 from refitflow.refit.attempt import Attempt, Found, Meter, Resources
+from refitflow.refit.digests import version_digests
 from refitflow.refit.handoff import give
 from refitflow.refit.work import Send, Work
 
@@ -31,7 +32,7 @@ async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
     plan, replay = await res.plans.get(pub, res.destination, res.limits)
     digests = skips = upstream = None
     if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
-        digests = await off_loop(plan.digests, pub)
+        digests = await version_digests(plan, pub)
         txn.holding = (plan.digest_geometry, digests)
         if res.limits.skip_unchanged:
             skips = await _skips(res, plan, digests, txn.version)

@@ -37,6 +37,7 @@ from refitflow.core.errors import IntegrityError
 from refitflow.core.threads import off_loop
 from refitflow.planner.delta import PULL
 from refitflow.refit.attempt import Attempt, Meter, Resources
+from refitflow.refit.digests import version_digests
 from refitflow.refit.handoff import first_error, give, take
 from refitflow.refit.hashes import Compare, HashState, check_bucket
 from refitflow.refit.landing import piece_copies, read_pieces, write
@@ -77,7 +78,7 @@ class _Digests:
         assert a.found.complete is not None  # a pending publication carries how to complete it
         pub = await a.found.complete()
         a.txn.revision = pub.revision
-        vec = await off_loop(a.plan.digests, pub)
+        vec = await version_digests(a.plan, pub)
         a.txn.holding = (a.plan.digest_geometry, vec)
         self.vec = vec
         self.arrived.set()

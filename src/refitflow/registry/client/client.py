@@ -7,13 +7,11 @@ over to the next within its deadline (``replicas``).
 ``wait_complete`` wakes on the registry's PUB announcement (SUB socket, ``announcements``) and re-asks
 every ``requery_s`` in case one was missed. Manifests are fetched once per version and cached (``fetched``).
 
-While the client holds publications, receivers or undelivered reports, a background task heartbeats
-its lease. When the registry restarted (its incarnation changed in any answer) or did not know the
-client (the lease ran out), the task re-announces everything held: every version published here that
-is not known to be released (the newest of each rank always), then every receiver with its latest
-report. ``report`` never holds a refit up for long: it waits at most ``report_wait_s`` (not at all
-while the registry is not answering), and a report not delivered then is delivered by the task. The
-task stops on ``aclose()``.
+What the client holds (publications, receivers, reports) is kept told to the registry by a background task
+(``upkeep``: heartbeats, re-announcement after a restart). ``report`` never holds a refit up for long: it waits
+at most ``report_wait_s`` (not at all while the registry is not answering), and a report not delivered then
+is delivered by the task. The task stops on ``aclose()``. The calls that are one request and nothing more take
+their signatures from the protocol (``registry.implement.Remote``).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -31,13 +29,18 @@ import zmq.asyncio
 
 from refitflow.core.errors import ConfigError, ManifestError, RefitError, RefitTimeoutError, VersionError
 from refitflow.core.fanout import RelayLayouts, RelayOffer
+from refitflow.core.offers import KNOWN, offer_from_dict, offer_to_dict
 from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import UNKNOWN_LAYOUT, digests_to_dict, manifest_to_dict, offer_from_dict, offer_to_dict
+from refitflow.core.wire import UNKNOWN_LAYOUT
 from refitflow.registry.address import check_addresses
 from refitflow.registry.client.announcements import Announcements
 from refitflow.registry.client.fetched import Fetched
+from refitflow.registry.client.publishing import Announcing
 from refitflow.registry.client.replicas import Replicas
-from refitflow.registry.messages import CLAIMED, identity_to_dict
+from refitflow.registry.client.upkeep import Upkeep
+from refitflow.registry.implement import Remote
+from refitflow.registry.messages import identity_to_dict
+from refitflow.registry.protocol import RegistryProtocol
 from refitflow.registry.release import ReleasePolicy
 from refitflow.registry.security import ClientSecurity
 
@@ -46,7 +49,7 @@ __all__ = ["RegistryClient"]
 log = logging.getLogger(__name__)
 
 
-class RegistryClient:
+class RegistryClient(RegistryProtocol):
     def __init__(
         self,
         address: str | list[str],
@@ -78,17 +81,16 @@ class RegistryClient:
                                  on_restart=self._restarted)  # fmt: skip
         self._channel.on_failover = self._failed_over
         self._request = self._channel.request
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()  # the heartbeat task has work now (a restart, a report to deliver)
-        self._stale = False  # the registry may have forgotten what this client holds
+        self._upkeep = Upkeep(lambda *a, **k: self._request(*a, **k), self.client_id,
+                              closed=lambda: self._channel.closed, heartbeat_s=heartbeat_s,
+                              request_timeout_s=request_timeout_s, max_held_versions=max_held_versions)  # fmt: skip
         self._announcements = Announcements(self._channel.channels[0])
         self._hello: dict[str, Any] | None = None
         self._hello_via = addresses[0]  # the replica that answered ``hello``
         self._fetched = Fetched(self._request, cache_size)
-        self._held: dict[tuple[str, int], dict[int, Manifest]] = {}  # (identity key, rank) -> version -> manifest
-        self._receivers: dict[tuple[Identity, str], int] = {}  # registered receivers -> highest reported
         self._layouts = RelayLayouts()  # relay geometries known here (and to the registry): offers travel compact
-        self._unsent: dict[tuple[Identity, str], int] = {}  # reports the registry has not acknowledged yet
+        self._announcing = Announcing(lambda *a, **k: self._request(*a, **k), self.hello, self._upkeep,
+                                      self.client_id)  # fmt: skip
 
     @property
     def announcements(self) -> int:
@@ -97,8 +99,13 @@ class RegistryClient:
 
     @property
     def fetches(self) -> int:
-        """Manifest fetches so far (for tests and benches: one per new version)."""
+        """Whole-publication fetches so far (for tests and benches: one per new version)."""
         return self._fetched.fetches
+
+    @property
+    def fetched(self) -> Fetched:
+        """What this client fetched (layouts, parts: for benches)."""
+        return self._fetched
 
     async def __aenter__(self) -> RegistryClient:
         return self
@@ -117,24 +124,25 @@ class RegistryClient:
         return self._hello
 
     def _failed_over(self) -> None:
-        """Another replica answers now: learn where it announces (``wait_complete`` subscribes there too)."""
+        """Another replica answers now: learn where it announces (``wait_complete`` subscribes there too); what
+        this client sent the last one by reference (parts) is sent again once."""
         self._hello = None
+        self._fetched.forget_parts()
 
     def _restarted(self) -> None:
-        """The registry restarted: re-announce what we hold, re-learn where it announces."""
-        self._stale = True
+        """The registry restarted: re-announce what we hold, re-learn where it announces; the layouts and parts
+        it held are sent again."""
         self._hello = None
-        self._wake.set()
+        self._announcing.layouts.clear()
+        self._fetched.forget_parts()
+        self._upkeep.restarted()
 
     async def aclose(self) -> None:
         """Stop heartbeating, close the sockets; what this client held expires with its lease. A client that
         published says goodbye (within a second, if the registry answers): its ranks may be published by
         another client at once."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
-            self._heartbeat = None
-        if self._held and self._channel.answering and not self._channel.closed:
+        await self._upkeep.stop()
+        if self._upkeep.held and self._channel.answering and not self._channel.closed:
             try:
                 await self._request("goodbye", timeout=min(1.0, self.request_timeout_s), owner=self.client_id)
             except RefitError as exc:
@@ -142,131 +150,31 @@ class RegistryClient:
         self._fetched.cancel()
         await self._channel.aclose()
 
-    # -- leases, re-announcement, reports ----------------------------------------------------------
-
-    def _hold_lease(self) -> None:
-        if self._heartbeat is None and not self._channel.closed:
-            self._heartbeat = asyncio.create_task(self._upkeep())
-
-    async def _upkeep(self) -> None:
-        """Heartbeat; re-announce after a restart or a lost lease; deliver reports not yet delivered."""
-        interval = self.heartbeat_s or self.request_timeout_s
-        while True:
-            self._wake.clear()
-            try:
-                if self._stale:
-                    await self._reannounce()
-                for (identity, receiver_id), version in list(self._unsent.items()):
-                    await self._send_report(identity, receiver_id, version, self.request_timeout_s)
-                answer = await self._request("heartbeat", owner=self.client_id)
-                if self.heartbeat_s is None:
-                    interval = float(answer["lease_s"]) / 4
-                if not answer["known"]:
-                    self._stale = True
-                    continue
-            except Exception as exc:  # a registry away for a while: keep trying, re-announce on return
-                log.info("registry client: heartbeat failed: %s", exc)
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
-
-    async def _reannounce(self) -> None:
-        """Publish again every version held (newest first), then register every receiver with its report."""
-        self._stale = False
-        try:
-            for manifest in sorted((m for held in self._held.values() for m in held.values()),
-                                   key=lambda m: -m.version):  # fmt: skip
-                try:
-                    await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id)
-                except (ManifestError, VersionError) as exc:  # this registry will never take it: stop offering it
-                    log.warning("registry client: version %d not re-announced: %s", manifest.version, exc)
-                    self._held.get((manifest.identity.key(), manifest.rank), {}).pop(manifest.version, None)
-            for (identity, receiver_id), version in list(self._receivers.items()):
-                await self._request("register_receiver", identity=identity_to_dict(identity),
-                                    receiver_id=receiver_id, owner=self.client_id)  # fmt: skip
-                if version >= 0:
-                    await self._send_report(identity, receiver_id, version, self.request_timeout_s)
-        except BaseException:
-            self._stale = True  # not all of it got through: again next time
-            raise
-
-    def _forget(self, identity: Identity, version: int) -> None:
-        """``version`` is released: it and older ones are never re-announced (the newest of a rank always is)."""
-        key = identity.key()
-        for (held_key, _), held in self._held.items():
-            if held_key == key:
-                newest = max(held)
-                for v in [v for v in held if v <= version and v != newest]:
-                    del held[v]
-
-    async def _send_report(self, identity: Identity, receiver_id: str, version: int, timeout: float) -> None:
-        await self._request("report", timeout=timeout, identity=identity_to_dict(identity),
-                            receiver_id=receiver_id, version=version)  # fmt: skip
-        key = (identity, receiver_id)
-        if self._unsent.get(key, version) <= version:
-            self._unsent.pop(key, None)
-
     # -- the Registry interface -------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest) -> None:
-        """Announce ``manifest``. A registry that does not answer in time (down, or cut off by the network) is
-        a ``RefitTimeoutError`` — and the version is held all the same: the lease task announces it as soon as
-        the registry answers again (with every other version held), so receivers get it after the outage.
+        """Announce ``manifest``: its layout once, then per version its record (``publishing``). A registry that does
+        not answer in time (down, or cut off by the network) is a ``RefitTimeoutError`` — and the version is held all
+        the same: the lease task announces it as soon as the registry answers again (with every other version
+        held), so receivers get it after the outage.
 
         A rank another live client publishes (a predecessor that crashed, whose lease has not run out yet) is
         asked again until one lease has passed; then the registry's ``VersionError`` is raised.
 
         The digests of a manifest this client announced pending (two-phase publication) go alone, without the
         layout the registry holds already; a registry that no longer holds it gets the whole manifest."""
-        hello = await self.hello()
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + float(hello.get("lease_s", 10.0)) + 1.0
-        try:
-            if self._completes(manifest):
-                try:
-                    await self._request(
-                        "complete",
-                        identity=identity_to_dict(manifest.identity),
-                        version=manifest.version,
-                        rank=manifest.rank,
-                        owner=self.client_id,
-                        digests=digests_to_dict(manifest),
-                        max_bytes=hello.get("max_message_bytes"),
-                    )
-                    self._hold(manifest)
-                    return
-                except VersionError as exc:
-                    log.info("registry client: digests alone refused (%s); publishing the whole manifest", exc.reason)
-            while True:
-                try:
-                    await self._request("publish", manifest=manifest_to_dict(manifest), owner=self.client_id,
-                                        max_bytes=hello.get("max_message_bytes"))  # fmt: skip
-                    break
-                except VersionError as exc:
-                    if CLAIMED not in exc.reason or loop.time() >= give_up:
-                        raise
-                    log.info("registry client: rank %d is still another client's; asking again", manifest.rank)
-                    await asyncio.sleep(0.25)
-        except RefitTimeoutError as exc:
-            self._hold(manifest)
-            self._stale = True  # announce what is held once the registry answers
-            raise RefitTimeoutError(f"{exc.reason}; version {manifest.version} is held and will be announced when "
-                                    "the registry answers again", version=manifest.version) from exc  # fmt: skip
-        self._hold(manifest)
+        await self._announcing.publish(manifest)
 
-    def _completes(self, manifest: Manifest) -> bool:
-        """Whether ``manifest`` holds the digests of the pending manifest this client announced for its rank and
-        version (``Manifest.completes``: the same head and layout, ≈ 0.5 µs a shard)."""
-        held = self._held.get((manifest.identity.key(), manifest.rank), {}).get(manifest.version)
-        return held is not None and manifest.completes(held)
-
-    def _hold(self, manifest: Manifest) -> None:
-        held = self._held.setdefault((manifest.identity.key(), manifest.rank), {})
-        held[manifest.version] = manifest
-        while len(held) > self.max_held_versions:
-            del held[min(held)]
-        self._hold_lease()
+    async def _found(
+        self, identity: Identity, min_version: int, compile_targets: Collection[str] | None,
+        metadata: Mapping[str, str] | None, early: bool, skip: Collection[int],
+    ) -> dict[str, Any] | None:  # fmt: skip
+        found: dict[str, Any] | None = await self._request(
+            "latest", identity=identity_to_dict(identity), min_version=min_version,
+            compile_targets=None if compile_targets is None else list(compile_targets),
+            metadata=None if metadata is None else dict(metadata), early=early, skip=sorted(skip)[-64:],
+        )  # fmt: skip
+        return found
 
     async def latest(
         self,
@@ -278,11 +186,7 @@ class RegistryClient:
         early: bool = False,
         skip: Collection[int] = (),
     ) -> Publication | None:
-        found = await self._request(
-            "latest", identity=identity_to_dict(identity), min_version=min_version,
-            compile_targets=None if compile_targets is None else list(compile_targets),
-            metadata=None if metadata is None else dict(metadata), early=early, skip=sorted(skip)[-64:],
-        )  # fmt: skip
+        found = await self._found(identity, min_version, compile_targets, metadata, early, skip)
         return None if found is None else await self._fetched.get(found)
 
     async def relay_join(
@@ -290,32 +194,37 @@ class RegistryClient:
     ) -> RelayOffer | None:
         """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None.
 
-        An offer goes compact (address, status, regions) — the registry holds its layout when any receiver of
-        that geometry joined whole before — and the upstream's comes back so when this client knows its layout
-        (``core.relay.RelayLayouts``); a registry that does not hold the layout (the first of its geometry, a
+        An offer goes by geometry (``core.offers``: its layout, address id, status, regions — O(1) in the model's
+        size) when the registry holds its layout (any receiver of that geometry joined whole before) and this
+        client's address (it joined before); the upstream's comes back so when this client knows its layout and
+        address (the few most recent it lists). A registry that does not hold them (the first of a geometry, a
         restart, another replica) refuses the compact form and gets the whole offer: one more round trip."""
         compact = offer is not None
+        source_known = offer is not None and self._layouts.has_source(offer.source)
         if offer is not None:  # known here from now: an upstream of this layout may come back compact
             self._layouts.add(offer)
         while True:
             try:
+                sent = None if offer is None else offer_to_dict(offer, compact=compact, source_known=source_known)
                 found = await self._request(
                     "relay_join", identity=identity_to_dict(identity), version=version, receiver_id=receiver_id,
-                    layout=layout, offer=None if offer is None else offer_to_dict(offer, compact=compact),
-                    layouts=self._layouts.names(), max_bytes=(await self.hello()).get("max_message_bytes"),
+                    layout=layout, offer=sent, layouts=self._layouts.names()[-KNOWN:],
+                    sources=self._layouts.source_ids()[-KNOWN:],
+                    max_bytes=(await self.hello()).get("max_message_bytes"),
                 )  # fmt: skip
                 break
             except ManifestError as exc:
-                if not compact or UNKNOWN_LAYOUT not in exc.reason:
+                if not (compact or source_known) or UNKNOWN_LAYOUT not in exc.reason:
                     raise
-                compact = False
+                compact = source_known = False
+        if offer is not None:
+            self._layouts.add_source(offer.source)  # the registry holds it now
         if found is None:
             return None
         decode = partial(offer_from_dict, layouts=self._layouts)
         return await asyncio.to_thread(decode, found) if len(found.get("held", ())) > 256 else decode(found)
 
-    async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
-        await self._request("relay_leave", identity=identity_to_dict(identity), receiver_id=receiver_id)
+    relay_leave = Remote(RegistryProtocol.relay_leave)
 
     async def wait_complete(
         self,
@@ -328,6 +237,30 @@ class RegistryClient:
         early: bool = False,
         skip: Collection[int] = (),
     ) -> Publication:
+        return await self._wait(self._fetched.get, identity, min_version, timeout, compile_targets, metadata, early,
+                                skip)  # fmt: skip
+
+    async def wait_outline(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        early: bool = False,
+        skip: Collection[int] = (),
+    ) -> Publication:
+        """As ``wait_complete``, as a receiver needs the version: its layouts (fetched once each) and a plan's part
+        of its digests, fetched alone (``core.records.Outline``, ``fetched``)."""
+        return await self._wait(self._fetched.outline, identity, min_version, timeout, compile_targets, metadata,
+                                early, skip)  # fmt: skip
+
+    async def _wait(
+        self, get: Callable[[dict[str, Any]], Awaitable[Publication]], identity: Identity, min_version: int,
+        timeout: float, compile_targets: Collection[str] | None, metadata: Mapping[str, str] | None, early: bool,
+        skip: Collection[int],
+    ) -> Publication:  # fmt: skip
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         targets = [identity.compile_target] if compile_targets is None else list(compile_targets)
@@ -341,8 +274,8 @@ class RegistryClient:
                         hello = await self.hello()
                         self._announcements.subscribe(str(hello["pub"]), topics, self._hello_via)
                         self._announcements.everywhere(self._channel.channels)
-                        pub = await self.latest(identity, min_version, compile_targets=compile_targets,
-                                                metadata=metadata, early=early, skip=skip)  # fmt: skip
+                        found = await self._found(identity, min_version, compile_targets, metadata, early, skip)
+                        pub = None if found is None else await get(found)
                     except (VersionError, RefitTimeoutError) as exc:  # withdrawn before fetched, or no answer
                         pub, last = None, exc
                     if pub is not None:
@@ -360,26 +293,21 @@ class RegistryClient:
     async def register_receiver(self, identity: Identity, receiver_id: str) -> None:
         await self._request("register_receiver", identity=identity_to_dict(identity), receiver_id=receiver_id,
                             owner=self.client_id)  # fmt: skip
-        self._receivers.setdefault((identity, receiver_id), -1)
-        self._hold_lease()
+        self._upkeep.registered(identity, receiver_id)
 
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
-        self._receivers.pop((identity, receiver_id), None)
-        self._unsent.pop((identity, receiver_id), None)
+        self._upkeep.unregistered(identity, receiver_id)
         await self._request("unregister_receiver", identity=identity_to_dict(identity), receiver_id=receiver_id)
 
     async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
         """Tell the registry ``receiver_id`` is done with ``version``: delivered within ``report_wait_s`` or
         later by the background task (kept for a restarted registry too); never a timeout here."""
-        key = (identity, receiver_id)
-        if key in self._receivers:
-            self._receivers[key] = max(self._receivers[key], version)
-        self._unsent[key] = max(self._unsent.get(key, version), version)
-        self._hold_lease()
+        self._upkeep.reported(identity, receiver_id, version)
         if not self._channel.answering:  # the registry is away: don't wait for it
             return
         try:
-            await self._send_report(identity, receiver_id, version, min(self.report_wait_s, self.request_timeout_s))
+            await self._upkeep.send_report(identity, receiver_id, version,
+                                           min(self.report_wait_s, self.request_timeout_s))  # fmt: skip
         except RefitTimeoutError:
             log.info("registry client: report of version %d delivered later", version)
 
@@ -387,12 +315,8 @@ class RegistryClient:
         released = bool(await self._request("is_released", identity=identity_to_dict(identity), version=version,
                                             policy=None if policy is None else policy.to_dict()))  # fmt: skip
         if released:
-            self._forget(identity, version)
+            self._upkeep.forget(identity, version)
         return released
-
-    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
-        done, registered = await self._request("acked", identity=identity_to_dict(identity), version=version)
-        return int(done), int(registered)
 
     async def wait_released(
         self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
@@ -412,20 +336,14 @@ class RegistryClient:
                 log.info("registry client: waiting for the release of version %d: %s", version, exc)
                 await asyncio.sleep(min(self.requery_s, wait_s))
             if released:
-                self._forget(identity, version)
+                self._upkeep.forget(identity, version)
                 return
             if deadline is not None and loop.time() >= deadline:
                 raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
 
-    async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
-        """What the registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
-        return [str(s) for s in await self._request("near_misses", identity=identity_to_dict(identity),
-                                                    min_version=min_version)]  # fmt: skip
+    # -- the calls that are one request -----------------------------------------------------------------
 
-    async def versions(self, identity: Identity) -> list[int]:
-        return list(await self._request("versions", identity=identity_to_dict(identity)))
-
-    async def relayed(self, identity: Identity) -> int | None:
-        """The newest complete version a receiver relays (``Registry.relayed``), or None."""
-        found = await self._request("relayed", identity=identity_to_dict(identity))
-        return found if type(found) is int else None
+    acked = Remote(RegistryProtocol.acked, result=lambda found: (int(found[0]), int(found[1])))
+    near_misses = Remote(RegistryProtocol.near_misses, result=lambda found: [str(s) for s in found])
+    versions = Remote(RegistryProtocol.versions, result=list)
+    relayed = Remote(RegistryProtocol.relayed, result=lambda found: found if type(found) is int else None)

@@ -31,13 +31,14 @@ class VersionIndex:
         for m in manifests:
             self.add(m)
 
-    def check(self, manifest: Manifest) -> None:
-        """Refuse ``manifest`` when it disagrees with the ranks indexed so far.
+    def check(self, manifest: Manifest, version: int | None = None) -> None:
+        """Refuse ``manifest`` (a rank's layout: its digests play no part) when it disagrees with the ranks
+        indexed so far; ``version``: the one errors name (default: the manifest's).
 
         Shards of one tensor across ranks must agree on global shape, dtype and axis, and sharded ones
         must not overlap. ``ShardSpec`` already checked each shard alone (its digest hex, among others).
         """
-        version = manifest.version
+        version = manifest.version if version is None else version
         if self.world_size is not None and manifest.world_size != self.world_size:
             raise ManifestError(
                 f"world size {manifest.world_size} disagrees with {self.world_size} of rank {self.first_rank}",

@@ -1,6 +1,6 @@
 """Relays (pipelined fan-out): which receivers serve a version, and whom each reader reads it from.
 
-A receiver refitting a version joins that version's relays with an offer (``core.relay``) as soon as
+A receiver refitting a version joins that version's relays with an offer (``core.fanout``) as soon as
 it has a plan, long before it commits; a receiver that serves nobody joins with none. ``Relays.join``
 answers every joiner with one *upstream*: among the relays that joined before it (every relay, for a
 reader that serves nobody), those of its own layout if any, the one given the fewest readers so far,
@@ -9,15 +9,23 @@ trainer feeds the first, each relay the next — so the trainer's egress stays o
 many start at once, and every relay's egress about one copy. Upstreams only ever join earlier, so
 no two receivers wait on each other. A relay leaves when it joins a later version, unregisters, or
 its lease expires.
+
+The registry holds each relay *by geometry* (``Relay``): its layout's digest (the geometry itself — tensors
+and held boxes — held once per layout: ``core.fanout.RelayLayouts``), its address, status region and the runs of
+its tensors' regions: O(1) per receiver, whatever the model's size. An offer's boxes are checked against the
+version's shards once per layout and version (``check_geometry``), not per receiver.
 """
 
 from __future__ import annotations
 
-from refitflow.core.errors import ManifestError
-from refitflow.core.fanout import RelayOffer, check_offer_shape
-from refitflow.core.types import Publication
+from collections.abc import Sequence
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["Relays", "check_offer"]
+from refitflow.core.errors import ManifestError
+from refitflow.core.fanout import Geometry, Relay, RelayOffer, check_offer_shape
+from refitflow.core.types import Manifest, Publication
+
+__all__ = ["Relay", "Relays", "check_geometry", "check_offer"]
 
 
 def check_offer(pub: Publication, offer: RelayOffer) -> None:
@@ -26,30 +34,48 @@ def check_offer(pub: Publication, offer: RelayOffer) -> None:
     check_offer_shape(offer)
     if offer.identity != pub.identity or offer.version != pub.version:
         raise ManifestError("a relay offer is for one complete version of its identity", version=offer.version)
-    specs = {(m.rank, s.name): s for m in pub.manifests for s in m.shards}
-    for h in offer.held:
+    check_geometry(pub.manifests, (tuple((p.name, p.dtype, p.shape) for p in offer.params), offer.held),
+                   offer.version)  # fmt: skip
+
+
+def check_geometry(layouts: Sequence[Manifest], geometry: Geometry, version: int) -> None:
+    """``ManifestError`` unless every box ``geometry`` holds lies in one of the shards of ``layouts`` (a version's
+    ranks, in rank order; their digests play no part), in that shard's dtype."""
+    tensors, held = geometry
+    specs = {(m.rank, s.name): s for m in layouts for s in m.shards}
+    for h in held:
         spec = specs.get((h.rank, h.tensor))
         if spec is None:
             raise ManifestError(f"relay offer holds a shard rank {h.rank} did not publish", tensor=h.tensor,
-                                version=offer.version)  # fmt: skip
+                                version=version)  # fmt: skip
         shape = spec.shape
         if len(h.sbox) != len(shape) or any(b > d for (_, b), d in zip(h.sbox, shape, strict=True)):
             raise ManifestError(f"relay offer: box {h.sbox} outside the shard's {shape}", tensor=h.tensor,
-                                version=offer.version)  # fmt: skip
-        if offer.params[h.param].dtype != spec.dtype:
+                                version=version)  # fmt: skip
+        if tensors[h.param][1] != spec.dtype:
             raise ManifestError("relay offer: a held box in another dtype than published", tensor=h.tensor,
-                                version=offer.version)  # fmt: skip
+                                version=version)  # fmt: skip
 
 
-class Relays:
+class _Joiner(Protocol):
+    @property
+    def receiver(self) -> str: ...
+    @property
+    def layout(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Joiner)
+
+
+class Relays(Generic[T]):
     """One version's relays in join order, and how many readers each was given."""
 
     def __init__(self) -> None:
-        self.offers: dict[str, RelayOffer] = {}
+        self.offers: dict[str, T] = {}
         self.readers: dict[str, int] = {}
-        self.checked: set[str] = set()  # the layouts whose offers fit this version (``check_offer``, once each)
+        self.checked: set[str] = set()  # the layouts whose offers fit this version (``check_geometry``, once each)
 
-    def join(self, receiver_id: str, layout: str, offer: RelayOffer | None) -> RelayOffer | None:
+    def join(self, receiver_id: str, layout: str, offer: T | None) -> T | None:
         """Record ``offer`` (if any) and return the upstream of ``receiver_id`` (None: the trainer)."""
         if offer is not None and receiver_id not in self.offers:
             self.offers[receiver_id] = offer
@@ -65,3 +91,4 @@ class Relays:
     def leave(self, receiver_id: str) -> None:
         self.offers.pop(receiver_id, None)
         self.readers.pop(receiver_id, None)
+

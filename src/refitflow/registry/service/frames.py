@@ -1,5 +1,9 @@
 """A request frame decoded without stopping the registry's event loop for long, its size checked first.
 
+Only the frame's JSON is counted and parsed this way: bytes carried beside it (``core.wire.Blob``: digests) are
+not JSON — each blob is a ``memoryview`` of the frame where its reference was, its size checked by whoever
+reads it, before anything is read from it.
+
 A small frame (≤ ``SMALL_BYTES``) is decoded at once (orjson: well under a millisecond). A larger one is
 first counted — its JSON values (a ``,`` before each but the first of a list or object), a slice at a
 time — and refused past what the row limit allows (``VALUES_PER_ROW`` values a shard spec or relay row,
@@ -17,6 +21,7 @@ from typing import Any
 import ijson
 
 from refitflow.core.errors import ManifestError
+from refitflow.core.wire import split_frame, with_blobs
 from refitflow.registry.messages import check_message, decode_message
 
 __all__ = ["ROW_SLACK", "decode_request"]
@@ -29,6 +34,12 @@ VALUES_PER_ROW = 16  # a shard spec has 15 fields (a relay offer's rows fewer); 
 
 
 async def decode_request(body: bytes, max_rows: int) -> dict[str, Any]:
+    head, tail = split_frame(body)
+    msg = await _decode_json(bytes(head) if tail is not None else body, max_rows)
+    return msg if tail is None else dict(with_blobs(msg, tail))
+
+
+async def _decode_json(body: bytes, max_rows: int) -> dict[str, Any]:
     if len(body) <= SMALL_BYTES:
         return decode_message(body)
     values, most = 0, (max_rows + ROW_SLACK) * VALUES_PER_ROW

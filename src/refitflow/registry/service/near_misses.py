@@ -9,8 +9,9 @@ are listed by name, for typos).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
-from refitflow.core.types import Identity, Manifest
+from refitflow.core.types import Identity
 
 __all__ = ["near_misses"]
 
@@ -19,10 +20,15 @@ _PER_IDENTITY = 3  # versions described per identity, newest first
 _MODELS = 10  # other model names listed
 
 
+class _Rank(Protocol):
+    @property
+    def world_size(self) -> int: ...
+
+
 def near_misses(
-    held: Mapping[Identity, Mapping[int, Mapping[int, Manifest]]], identity: Identity, min_version: int
+    held: Mapping[Identity, Mapping[int, Mapping[int, _Rank]]], identity: Identity, min_version: int
 ) -> list[str]:
-    """Sentences on what ``held`` (identity -> version -> rank -> manifest) has for ``identity.model``."""
+    """Sentences on what ``held`` (identity -> version -> rank -> what it announced) has for ``identity.model``."""
     same = sorted(
         ((i, v) for i, v in held.items() if i.model == identity.model and v),
         key=lambda item: (item[0] != identity, item[0].key()),

@@ -1,6 +1,6 @@
 """The registry as a ZMQ service: a ROUTER answers requests, a PUB announces complete versions.
 
-State and rules live in the wrapped store (``store_api.Store``: in memory, or etcd); this module only speaks the
+State and rules live in the wrapped store (``registry.protocol.Store``: in memory, or etcd); this module only speaks the
 protocol (``messages``), admits requests (``admission``: size, requests in flight, staleness), runs
 one task per request (so long waits don't block others), expires stale leases, and never lets one
 bad message stop it serving everyone else. Every answer carries the service's *incarnation* (new at
@@ -30,6 +30,7 @@ from refitflow.core.wire import PROTOCOL_VERSION, encode
 from refitflow.registry.address import check_address
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import error_reply, identity_from_dict, ok_reply, topic
+from refitflow.registry.protocol import Store
 from refitflow.registry.roles import KeyRoles
 from refitflow.registry.security import ServerSecurity, check_exposed
 from refitflow.registry.service.admission import Gate, check_fresh, request_id_of
@@ -37,7 +38,6 @@ from refitflow.registry.service.frames import SMALL_BYTES, decode_request
 from refitflow.registry.service.gc_pause import GcPause
 from refitflow.registry.service.ops import Handler
 from refitflow.registry.service.store import RegistryStore
-from refitflow.registry.service.store_api import Store
 
 __all__ = ["RegistryServer", "serve"]
 

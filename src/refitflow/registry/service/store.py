@@ -2,47 +2,53 @@
 
 A version is discoverable once every rank of its publisher's world has published it (``model``: what is
 held of one identity; two-phase publication: *laid out* before its digests are in, *complete* after).
-Receivers register, and report each version they are done with (committed, aborted or skipped); a version is
-*released* per a :class:`ReleasePolicy` (default: every registered receiver is done with it), and
-dropped once released and superseded by a newer complete version.
+Each rank's layout is held once (``layouts``, by the id its canonical bytes give: ``core.records``) and each
+version of it as a small ``Announcement`` (its revision and digest vector); a layout is checked when it first
+arrives, and across ranks once per combination of layouts (``model``), not per version.
+Receivers and releases: ``releases`` (a version is released per a ``ReleasePolicy``, and dropped once released
+and superseded by a newer complete version).
 
-Leases: a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
+Leases (``leases``): a manifest or receiver registered with an ``owner`` (a remote client's id) lives as long
 as that owner heartbeats; ``expire()`` drops what stale owners held, so their versions stop being
 offered, and incomplete versions that no owner holds once ``limits.incomplete_ttl_s`` has passed.
-After a restart the store cannot know the receivers that have not re-registered yet:
-``hold_releases`` withholds "every receiver is done" for a while (the service calls it when a client
-of an earlier incarnation returns). ``Registry`` (``embedded``) adds ``serve``, which runs a store as
-a ZMQ service (``service``).
+``Registry`` (``embedded``) adds ``serve``, which runs a store as a ZMQ service (``service``).
 
-Costs: a publish is O(tensors of the manifest) plus O(log versions held); old versions are dropped
-oldest first, each once.
+Costs: a publish of a known layout is O(its digests) (the revision recomputed) plus O(log versions held); a
+new layout O(its tensors), once; old versions are dropped oldest first, each once.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
 
 import anyio
+import orjson
 
-from refitflow.core.errors import ConfigError, RefitTimeoutError, VersionError
-from refitflow.core.fanout import RelayOffer
+from refitflow.core.errors import ConfigError, ManifestError, RefitTimeoutError, VersionError
+from refitflow.core.fanout import RelayLayouts
+from refitflow.core.records import (
+    Announcement,
+    RankLayout,
+    RankRecord,
+    check_record,
+    layout_to_dict,
+)
 from refitflow.core.types import Identity, Manifest, Publication
+from refitflow.core.wire import UNKNOWN_LAYOUT
 from refitflow.registry.limits import RegistryLimits
 from refitflow.registry.messages import CLAIMED
-from refitflow.registry.release import ReleasePolicy
-from refitflow.registry.service.checks import VersionIndex
-from refitflow.registry.service.fanout import Relays, check_offer
-from refitflow.registry.service.model import Model, mark
+from refitflow.registry.protocol import Store
+from refitflow.registry.service.leases import Key, Leases
+from refitflow.registry.service.model import Found, Model, mark, newest
 from refitflow.registry.service.near_misses import near_misses
+from refitflow.registry.service.relay_joins import RelayJoins
+from refitflow.registry.service.releases import Releasing
 
 __all__ = ["RegistryStore", "claimed"]
 
-_DEFAULT_POLICY = ReleasePolicy()
-
-
-def claimed(manifest: Manifest, lease_s: float) -> VersionError:
+def claimed(manifest: Manifest | Announcement, lease_s: float) -> VersionError:
     """A publish of a rank another live client publishes: refused (a forged or a second publisher)."""
     return VersionError(
         f"rank {manifest.rank} of {manifest.identity.model!r} {CLAIMED}: one publisher per rank; the other must "
@@ -51,10 +57,16 @@ def claimed(manifest: Manifest, lease_s: float) -> VersionError:
     )
 
 
+def publication(found: Found) -> Publication:
+    """The whole publication of a version found (each rank's manifest made on first use)."""
+    identity, version, entries = found
+    return Publication(identity=identity, version=version, manifests=tuple(e.manifest for e in entries))
+
+
 _EMPTY = Model()  # what a query about an unknown identity sees (queries never create models)
 
 
-class RegistryStore:
+class RegistryStore(Releasing, RelayJoins, Store):
     """In one process. All methods are coroutines, as they are on a remote registry client."""
 
     announces = False  # the service announces what is published through it
@@ -72,11 +84,11 @@ class RegistryStore:
         self.limits = limits or RegistryLimits()
         self._clock = clock
         self._models: dict[Identity, Model] = {}
+        self._layouts: dict[str, tuple[RankLayout, float]] = {}  # id -> the layout, when last announced
+        self._relay_layouts = RelayLayouts(size=1024)  # relay geometries and addresses (``relay_joins``)
         self._changed = anyio.Event()
-        self._leases: dict[str, float] = {}  # owner -> last heartbeat
-        self._owned: dict[str, set[tuple[Identity, int | str, int]]] = {}  # owner -> (identity, version|rid, rank)
+        self._leases = Leases()
         self._hold_until = float("-inf")
-        self._claims: dict[tuple[Identity, int], str] = {}  # (identity, rank) -> the owner publishing it
 
     def _notify(self) -> None:
         self._changed.set()
@@ -111,16 +123,46 @@ class RegistryStore:
     def reset(self) -> None:
         """Forget everything (a mirror about to be loaded again); waiters wake and ask again."""
         self._models.clear()
+        self._layouts.clear()
         self._notify()
 
-    def _own(self, owner: str | None, key: tuple[Identity, int | str, int]) -> None:
+    def _own(self, owner: str | None, key: Key) -> None:
         if owner is not None:
-            self._leases[owner] = self._clock()
-            owned = self._owned.setdefault(owner, set())
-            n = len(owned)  # forget versions since dropped, so a long-lived owner's record stays small: at 64,
-            if n >= 64 and not n & (n - 1):  # 128, 256, … entries (every publish once past 64 was O(owned))
-                owned -= {k for k in owned if isinstance(k[1], int) and k[1] not in self._peek(k[0]).versions}
-            owned.add(key)
+            self._leases.own(owner, key, self._clock(), self._gone)
+
+    @property
+    def _owned(self) -> dict[str, set[Key]]:
+        """What each owner holds (``leases.Leases.owned``)."""
+        return self._leases.owned
+
+    def _gone(self, key: Key) -> bool:
+        """A version an owner held was dropped since (receivers go when unregistered or expired)."""
+        return isinstance(key[1], int) and key[1] not in self._peek(key[0]).versions
+
+    # -- layouts --------------------------------------------------------------------------------------
+
+    def layout(self, layout_id: str) -> RankLayout | None:
+        """The layout of that id, if held (checked when it was added)."""
+        held = self._layouts.get(layout_id)
+        return None if held is None else held[0]
+
+    async def add_layout(self, layout: RankLayout) -> RankLayout:
+        """Hold ``layout`` (checked: ``core.records.layout_from_dict``); the one held already under its id."""
+        return self.hold_layout(layout)
+
+    def hold_layout(self, layout: RankLayout) -> RankLayout:
+        held = self._layouts.get(layout.id)
+        layout = layout if held is None else held[0]
+        self._layouts[layout.id] = (layout, self._clock())
+        return layout
+
+    def layout_of(self, manifest: Manifest) -> RankLayout:
+        """``manifest``'s layout (a manifest checked whole): the one held under its id, or a new one."""
+        encoded = orjson.dumps(layout_to_dict(manifest))
+        held = self.layout(hashlib.blake2b(encoded, digest_size=16).hexdigest())
+        return held or self.hold_layout(RankLayout.of_checked(manifest, encoded))
+
+    # -- publishing ------------------------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
         """Record one rank's manifest; republishing a version with other content is refused.
@@ -128,31 +170,46 @@ class RegistryStore:
         Two-phase: a pending manifest (no digest values yet) is completed by the same manifest with its
         digests; the version is *laid out* once every rank announced it, *complete* once every rank's
         digests are in. A pending manifest after the complete one changes nothing (a late retry)."""
-        if self.admit(manifest, owner=owner):
-            self.record(manifest, owner=owner)
+        layout = self.layout_of(manifest)
+        entry = Announcement(layout, manifest.version, manifest.revision, None, manifest=manifest)
+        await self.publish_entry(entry, owner=owner)
 
-    def admit(self, manifest: Manifest, *, owner: str | None = None) -> bool:
-        """Raise if ``manifest`` is refused here; False when it changes nothing (a late retry)."""
-        model = self._peek(manifest.identity)
-        version, rank = manifest.version, manifest.rank
-        holder = self._claims.get((manifest.identity, rank))
-        if owner is not None and holder not in (None, owner) and holder in self._leases:
-            raise claimed(manifest, self.lease_s)
+    def entry_of(self, record: RankRecord) -> Announcement:
+        """``record`` as an entry of the layout it names: checked against it (its size, its revision; CPU work
+        of O(digests), which the service does in a worker thread); ``ManifestError`` for a layout not held."""
+        layout = self.layout(record.layout)
+        if layout is None:
+            raise ManifestError(f"{UNKNOWN_LAYOUT} ({record.layout[:12]}): send the rank's layout",
+                                version=record.version)  # fmt: skip
+        return Announcement.of_record(layout, record, check_record(layout, record))
+
+    async def publish_entry(self, entry: Announcement, *, owner: str | None = None) -> None:
+        """Record one rank's announcement (``publish``, with its layout held and its record checked)."""
+        if self.admit(entry, owner=owner):
+            self.record(entry, owner=owner)
+
+    def admit(self, entry: Announcement, *, owner: str | None = None) -> bool:
+        """Raise if ``entry`` is refused here; False when it changes nothing (a late retry)."""
+        model = self._peek(entry.identity)
+        version, rank = entry.version, entry.rank
+        holder = self._leases.holder(entry.identity, rank)
+        if owner is not None and holder not in (None, owner):
+            raise claimed(entry, self.lease_s)
         known = model.versions.get(version, {})
         old = known.get(rank)
-        if old is not None and (manifest.pending or old.pending):
-            if manifest.pending and not old.pending and old.completes(manifest):
+        if old is not None and (entry.pending or old.pending):
+            if entry.pending and not old.pending and old.layout is entry.layout:
                 return False  # the pending announcement again, after its digests: a late retry
-            again = manifest.pending and old.pending and old.shards == manifest.shards  # a retry (or a new address)
-            if not (again or manifest.completes(old)):
+            again = entry.pending and old.pending and old.same_geometry(entry)  # a retry (or a new address)
+            if not (again or (old.pending and old.layout is entry.layout)):
                 raise VersionError(f"rank {rank} already announced this version with another layout", version=version)
-        elif old is not None and old.revision != manifest.revision:
+        elif old is not None and old.revision != entry.revision:
             raise VersionError(f"rank {rank} already published this version with other content", version=version)
         if old is None:
             ahead = self.limits.max_version_ahead
             if not known and ahead is not None:
                 self._check_ahead(model, version, ahead)
-            (model.index.get(version) or VersionIndex()).check(manifest)
+            model.check_rank(version, entry.layout)
         return True
 
     @staticmethod
@@ -170,34 +227,41 @@ class RegistryStore:
             raise VersionError(f"more than {ahead} versions above {done}, the newest version a receiver of this "
                                "model says it committed", version=version)  # fmt: skip
 
-    def record(self, manifest: Manifest, *, owner: str | None = None) -> None:
-        """Hold ``manifest`` (``admit`` said yes; a replicated store's mirror applies what was admitted)."""
-        model = self._model(manifest.identity)
-        version, rank = manifest.version, manifest.rank
-        known = model.versions.get(version, {})
-        if rank not in known:
-            index = model.index.get(version) or VersionIndex()
-            index.add(manifest)
-            if not known:
-                model.versions[version], model.index[version] = known, index
-                model.first_seen[version] = self._clock()
-                mark(model.order, version)
-        ranks = known
-        ranks[rank] = manifest  # the same content again: its newest source address wins
+    def record(self, entry: Announcement, *, owner: str | None = None) -> None:
+        """Hold ``entry`` (``admit`` said yes; a replicated store's mirror applies what was admitted)."""
+        model = self._model(entry.identity)
+        version, rank = entry.version, entry.rank
+        self.hold_layout(entry.layout)
+        ranks = model.versions.get(version)
+        if ranks is None:
+            ranks = model.versions[version] = {}
+            model.first_seen[version] = self._clock()
+            mark(model.order, version)
+        new = rank not in ranks
+        ranks[rank] = entry  # the same content again: its newest source address wins
+        if new:
+            model.add_rank(version, entry)
         if owner is not None:
             model.owner[(version, rank)] = owner
-            self._claims[(manifest.identity, rank)] = owner
-        if len(ranks) == manifest.world_size:
+            self._leases.claim(entry.identity, rank, owner)
+        if len(ranks) == entry.world_size:
             mark(model.laid_out, version)
-            if version not in model.completed_at and not any(m.pending for m in ranks.values()):
+            if version not in model.completed_at and not any(e.pending for e in ranks.values()):
                 model.completed_at[version] = self._clock()
                 mark(model.complete, version)
-        self._own(owner, (manifest.identity, version, rank))
+        self._own(owner, (entry.identity, version, rank))
         self._collect(model)
         self._notify()
 
+    # -- reads ---------------------------------------------------------------------------------------
+
     def announced(self, identity: Identity, version: int, rank: int) -> Manifest | None:
         """The manifest ``rank`` announced for ``version`` (pending or complete), if held."""
+        entry = self.entry(identity, version, rank)
+        return None if entry is None else entry.manifest
+
+    def entry(self, identity: Identity, version: int, rank: int) -> Announcement | None:
+        """What ``rank`` announced for ``version`` (pending or complete), if held."""
         return self._peek(identity).versions.get(version, {}).get(rank)
 
     def newest_complete(self, identity: Identity) -> int | None:
@@ -209,28 +273,12 @@ class RegistryStore:
         model = self._peek(identity)
         return version in (model.newest, model.laid_out[-1] if model.laid_out else None)
 
-    def _complete(
-        self, identity: Identity, min_version: int, targets: Collection[str] | None, metadata: Mapping[str, str] | None,
-        early: bool = False, skip: Collection[int] = (),
-    ) -> Publication | None:  # fmt: skip
-        best: Publication | None = None
-        names = [identity.compile_target] if targets is None else list(dict.fromkeys(targets))
-        for target in names:
-            model = self._models.get(dataclasses.replace(identity, compile_target=target))
-            if model is None:
-                continue
-            for version in reversed(model.laid_out if early else model.complete):
-                if version < min_version or (best is not None and version <= best.version):
-                    break
-                if version in skip:
-                    continue
-                ranks = model.versions[version]
-                manifests = tuple(ranks[r] for r in range(len(ranks)))
-                if metadata and not all(metadata.items() <= m.metadata.items() for m in manifests):
-                    continue
-                best = Publication(identity=manifests[0].identity, version=version, manifests=manifests)
-                break
-        return best
+    def find(
+        self, identity: Identity, min_version: int = 0, *, compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None, early: bool = False, skip: Collection[int] = (),
+    ) -> Found | None:  # fmt: skip
+        """As ``latest``, without making any manifest: the version's entries."""
+        return newest(self._models, identity, min_version, compile_targets, metadata, early, skip)
 
     async def latest(
         self,
@@ -242,14 +290,9 @@ class RegistryStore:
         early: bool = False,
         skip: Collection[int] = (),
     ) -> Publication | None:
-        """The newest complete version ≥ ``min_version``, or None.
-
-        ``compile_targets``: accept any of these compile targets instead of ``identity.compile_target``;
-        ``metadata``: only versions whose every manifest's metadata contains these items; ``early``: also
-        versions laid out but not complete (some rank's digests pending: ``Publication.pending``); ``skip``:
-        versions the asker cannot use (their sources unreadable to it), passed over for older ones.
-        """
-        return self._complete(identity, min_version, compile_targets, metadata, early, skip)
+        """The newest complete version ≥ ``min_version``, or None (``Discovery.latest``)."""
+        found = newest(self._models, identity, min_version, compile_targets, metadata, early, skip)
+        return None if found is None else publication(found)
 
     async def wait_complete(
         self,
@@ -267,124 +310,30 @@ class RegistryStore:
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed
-                pub = self._complete(identity, min_version, compile_targets, metadata, early, skip)
-                if pub is not None:
-                    return pub
+                found = newest(self._models, identity, min_version, compile_targets, metadata, early, skip)
+                if found is not None:
+                    return publication(found)
                 await changed.wait()
         raise RefitTimeoutError(f"no complete version ≥ {min_version} of {identity.model!r} within {timeout} s")
 
-    async def register_receiver(self, identity: Identity, receiver_id: str, *, owner: str | None = None) -> None:
-        self._model(identity).receivers.setdefault(receiver_id, -1)
-        self._own(owner, (identity, receiver_id, -1))
-        self._notify()
-
-    async def relay_join(
-        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
-    ) -> RelayOffer | None:
-        """Join ``version``'s relays with ``offer`` (None: a reader that serves nobody); the upstream to read
-        from (None: the trainer). Leaves every other version's relays (``registry.relays``)."""
-        self.check_relay(identity, version, offer)
-        model = self._model(identity)
-        for v, relays in model.relays.items():
-            if v != version:
-                relays.leave(receiver_id)
-        relays = model.relays.setdefault(version, Relays())
-        if offer is not None:
-            relays.checked.add(offer.layout)
-        return relays.join(receiver_id, layout, offer)
-
-    def check_relay(self, identity: Identity, version: int, offer: RelayOffer | None) -> None:
-        """Raise unless ``version`` is complete and still held, and ``offer`` (if any) fits its shards."""
-        model = self._peek(identity)
-        ranks = model.versions.get(version)
-        if ranks is None or version not in model.completed_at:  # complete, still held (newer ones may exist)
-            raise VersionError("relays need their version complete and still offered", version=version)
-        relays = model.relays.get(version)
-        if offer is not None and (relays is None or offer.layout not in relays.checked):  # once per layout
-            manifests = tuple(ranks[r] for r in range(len(ranks)))
-            check_offer(Publication(identity=manifests[0].identity, version=version, manifests=manifests), offer)
-
-    async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
-        """``receiver_id`` serves no version any more (it is about to change its bytes, or leaving)."""
-        self._drop_relays(self._peek(identity), receiver_id)
-
-    def _drop_relays(self, model: Model, receiver_id: str) -> None:
-        for relays in model.relays.values():
-            relays.leave(receiver_id)
-
-    async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
-        model = self._peek(identity)
-        model.receivers.pop(receiver_id, None)
-        self._drop_relays(model, receiver_id)
-        self._collect(model)
-        self._notify()
-
-    async def report(self, identity: Identity, receiver_id: str, version: int) -> None:
-        """A receiver is done with ``version`` (and so with every older one)."""
-        model = self._peek(identity)
-        if receiver_id in model.receivers:
-            model.receivers[receiver_id] = max(model.receivers[receiver_id], version)
-        self._collect(model)
-        self._notify()
-
-    def hold_releases(self, seconds: float) -> None:
-        """For ``seconds``, "every registered receiver is done" releases nothing: receivers of an earlier
-        incarnation of this registry may not have re-registered yet (a count or a time still releases)."""
-        self._hold_until = max(self._hold_until, self._clock() + seconds)
-        self._notify()
-
-    def _released(self, model: Model, version: int, policy: ReleasePolicy = _DEFAULT_POLICY) -> bool:
-        done_at = model.completed_at.get(version)
-        age = None if done_at is None else self._clock() - done_at
-        return policy.released(model.receivers.values(), version, age, all_known=self._clock() >= self._hold_until)
-
-    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
-        return self._released(self._peek(identity), version, policy or _DEFAULT_POLICY)
-
-    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
-        """(receivers done with ``version``, receivers registered)."""
-        receivers = self._peek(identity).receivers
-        return sum(done >= version for done in receivers.values()), len(receivers)
-
-    async def wait_released(
-        self, identity: Identity, version: int, timeout: float | None, *, policy: ReleasePolicy | None = None
-    ) -> None:
-        """Return once ``version`` is released per ``policy`` (default: every registered receiver is done)."""
-        policy = policy or _DEFAULT_POLICY
-        with anyio.move_on_after(timeout):
-            while True:
-                changed = self._changed
-                model = self._peek(identity)
-                if self._released(model, version, policy):
-                    return
-                now, wakes = self._clock(), []
-                if policy.after_s is not None and version in model.completed_at:
-                    wakes.append(model.completed_at[version] + policy.after_s - now)
-                if self._hold_until > now:
-                    wakes.append(self._hold_until - now)
-                with anyio.move_on_after(max(0.0, min(wakes)) + 1e-3 if wakes else None):
-                    await changed.wait()
-        raise RefitTimeoutError(f"version not released within {timeout} s", version=version)
-
-    def _collect(self, model: Model) -> int:
-        """Drop versions that are released and superseded by a newer complete version, oldest first
-        (under the default policy a version is released only if every older one is); how many."""
-        newest, dropped = model.newest, 0
-        while newest is not None and model.order and model.order[0] < newest and self._released(model, model.order[0]):
-            model.drop(model.order[0])
-            dropped += 1
-        return dropped
+    async def wait_outline(
+        self,
+        identity: Identity,
+        min_version: int,
+        timeout: float,
+        *,
+        compile_targets: Collection[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        early: bool = False,
+        skip: Collection[int] = (),
+    ) -> Publication:
+        """``wait_complete``: in this process the manifests are whole, a receiver takes its part of them itself."""
+        return await self.wait_complete(identity, min_version, timeout, compile_targets=compile_targets,
+                                        metadata=metadata, early=early, skip=skip)  # fmt: skip
 
     async def versions(self, identity: Identity) -> list[int]:
         """The versions held (complete or not), oldest first."""
         return list(self._peek(identity).order)
-
-    async def relayed(self, identity: Identity) -> int | None:
-        """The newest complete version some receiver relays (offers to its peers), or None: what a receiver
-        joining a running fleet reads from its peers rather than the trainer."""
-        model = self._peek(identity)
-        held = [v for v, relays in model.relays.items() if relays.offers and v in model.completed_at]
-        return max(held, default=None)
 
     async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
         """What this registry holds of ``identity.model`` that does not match (for a discovery timeout)."""
@@ -393,29 +342,23 @@ class RegistryStore:
     async def goodbye(self, owner: str) -> None:
         """``owner`` closed: the ranks it published may be published by another client at once (what it
         published stays until its lease runs out, for receivers reading it)."""
-        self._claims = {k: o for k, o in self._claims.items() if o != owner}
+        self._leases.goodbye(owner)
 
     async def heartbeat(self, owner: str) -> bool:
         """Extend ``owner``'s lease; False when the registry did not know it (restarted or expired)."""
-        known = owner in self._leases
-        self._leases[owner] = self._clock()
-        return known
+        return self._leases.heartbeat(owner, self._clock())
 
     def extend_leases(self, seconds: float) -> None:
         """Every lease lives ``seconds`` longer (the registry could not read heartbeats for that long)."""
-        self._leases = {o: t + seconds for o, t in self._leases.items()}
+        self._leases.extend(seconds)
 
     def expire(self) -> list[str]:
         """Drop every owner whose lease ran out, with the manifests and receivers it held, and every
         incomplete version no owner holds once ``limits.incomplete_ttl_s`` has passed since it appeared."""
         now = self._clock()
-        stale = [o for o, t in self._leases.items() if now - t > self.lease_s]
-        if stale:
-            gone = set(stale)
-            self._claims = {k: o for k, o in self._claims.items() if o not in gone}
-        for owner in stale:
-            del self._leases[owner]
-            for identity, key, rank in self._owned.pop(owner, set()):
+        stale = self._leases.stale(now, self.lease_s)
+        for owner, owned in stale.items():
+            for identity, key, rank in owned:
                 model = self._peek(identity)
                 if isinstance(key, str):
                     model.receivers.pop(key, None)
@@ -430,6 +373,16 @@ class RegistryStore:
                     model.drop(version)
                     dropped += 1
             dropped += self._collect(model)  # also what a hold on releases kept
+        self.prune_layouts(now)
         if stale or dropped:
             self._notify()
-        return stale
+        return list(stale)
+
+    def prune_layouts(self, now: float) -> set[str]:
+        """Forget layouts no version held announces, unless announced within ``limits.incomplete_ttl_s``; their ids."""
+        used = {e.layout.id for m in self._models.values() for ranks in m.versions.values() for e in ranks.values()}
+        ttl = self.limits.incomplete_ttl_s
+        gone = {k for k, v in self._layouts.items() if k not in used and now - v[1] > ttl}
+        for k in gone:
+            del self._layouts[k]
+        return gone

@@ -7,13 +7,18 @@ key                                value                                        
 =================================  ==================================================  ====================
 ``inc``                            the store's incarnation (made once)                 none
 ``o/<owner>``                      the owner's lease id                                the owner's
+``l/<layout id>``                  a rank's layout (``core.records``), written once    none (the janitor's)
+``l/<layout id>/c/…``              the chunks of a large layout                        none
 ``m/<id>/<version>``               the version's key: identity, version; every         none
                                    state change of the version sets it (compare-and-set)
-``m/<id>/<version>/r<rank>``       that rank's manifest (or the head of its chunks)    the publisher's
-``m/<id>/<version>/r<rank>/c/…``   the chunks of a large manifest                      the publisher's
+``m/<id>/<version>/r<rank>``       that rank's record: layout id, revision, digests    the publisher's
+                                   (raw, beside the JSON), or the head of its chunks
+``m/<id>/<version>/r<rank>/c/…``   the chunks of a large record                        the publisher's
 ``c/<id>/<rank>``                  the client publishing that rank (one per rank)      the publisher's
 ``r/<id>/<receiver>``              identity, the newest version the receiver is done   the receiver's
-``x/<id>/<receiver>``              its relay join: version, layout, offer (or chunks)  the receiver's
+``x/<id>/<receiver>``              its relay join by geometry: version, layout,        the receiver's
+                                   address id, status, region runs (the geometry and
+                                   the address whole, the first time: or chunks)
 =================================  ==================================================  ====================
 
 ``<id>`` is a hash of the identity (the value carries the identity itself); versions and ranks are fixed
@@ -89,6 +94,9 @@ class Keys:
     def version(self, identity: Identity, version: int) -> bytes:
         return self.root + f"m/{id_hash(identity)}/{version:020d}".encode()
 
+    def layout(self, layout_id: str) -> bytes:
+        return self.root + b"l/" + layout_id.encode()
+
     def manifest(self, identity: Identity, version: int, rank: int) -> bytes:
         return self.version(identity, version) + f"/r{rank:06d}".encode()
 
@@ -109,6 +117,8 @@ class Keys:
         if kind == "m" and len(parts) > 3:
             return "chunk", parts
         if kind == "x" and len(parts) > 2:  # x/<id>/<receiver>/c/…
+            return "chunk", parts
+        if kind == "l" and len(parts) > 1:  # l/<layout id>/c/…
             return "chunk", parts
         return kind, parts
 

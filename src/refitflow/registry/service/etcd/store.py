@@ -18,35 +18,38 @@ applied that revision (read-your-writes):
   every rank's lease ran out is deleted from etcd with one range delete; so is an incomplete version no
   lease holds once ``limits.incomplete_ttl_s`` has passed.
 
-A watch that fails, or falls behind the cluster's revision, is restarted on another member from the
-last revision applied (or reloaded whole, if etcd compacted that history).
+How the mirror follows etcd (the watch, its restarts, what each key means): ``etcd.watch``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import anyio.to_thread
+import orjson
 
-from refitflow.core.errors import ManifestError, RefitTimeoutError, TransportError, VersionError
-from refitflow.core.fanout import RelayOffer
-from refitflow.core.types import Identity, Manifest, Publication
-from refitflow.core.wire import decode, encode, manifest_from_dict, manifest_to_dict, offer_from_dict, offer_to_dict
+from refitflow.core.errors import RefitTimeoutError, TransportError
+from refitflow.core.fanout import Geometry, Relay, RelayOffer
+from refitflow.core.offers import geometry_to_dict, relay_to_dict
+from refitflow.core.records import Announcement, RankLayout, RankRecord, record_to_dict
+from refitflow.core.types import Identity, Manifest, SourceAddress
+from refitflow.core.wire import decode, encode
+from refitflow.registry.implement import Forward
 from refitflow.registry.limits import RegistryLimits
-from refitflow.registry.messages import identity_from_dict, identity_to_dict
-from refitflow.registry.release import ReleasePolicy
+from refitflow.registry.messages import identity_to_dict
+from refitflow.registry.protocol import Store
 from refitflow.registry.service.etcd import kv
-from refitflow.registry.service.etcd.keys import EtcdTLS, Keys, blob_value, chunked, endpoints_of, join_chunks
-from refitflow.registry.service.etcd.kv import KV, Etcd, RevisionCompacted
+from refitflow.registry.service.etcd.keys import EtcdTLS, Keys, blob_value, endpoints_of
+from refitflow.registry.service.etcd.kv import Etcd
+from refitflow.registry.service.etcd.watch import Replication
+from refitflow.registry.service.relay_joins import join_whole
 from refitflow.registry.service.store import RegistryStore, claimed
 
 __all__ = ["EtcdStore"]
@@ -54,10 +57,9 @@ __all__ = ["EtcdStore"]
 log = logging.getLogger(__name__)
 
 _CAS_TRIES = 16
-_BIG = 256  # shard specs (or held boxes) above which a value is decoded in a worker thread
 
 
-class EtcdStore:
+class EtcdStore(Replication, Store):
     """The ``RegistryStore`` interface over etcd (``open``: ``etcd://h1:2379,h2:2379,h3:2379``)."""
 
     announces = True  # its watch announces; the service does not announce publishes itself
@@ -81,6 +83,8 @@ class EtcdStore:
         self._joined: dict[tuple[Identity, str], tuple[int, Any]] = {}  # a relay join's revision and outcome
         self._announced: dict[Identity, tuple[int | None, int | None]] = {}
         self._claims: dict[tuple[Identity, int], str] = {}  # (identity, rank) -> the owner publishing it (c/ keys)
+        self._layout_keys: set[str] = set()  # the layouts etcd holds (l/ keys, as the watch saw them)
+        self._carried: set[Any] = set()  # relay geometries (layout digests) and addresses some x/ key carried
         self._decoding = anyio.CapacityLimiter(2)
         self._tasks: list[asyncio.Task[None]] = []
         self._watch: asyncio.Task[None] | None = None
@@ -119,179 +123,6 @@ class EtcdStore:
         self.incarnation = inc if ok else responses[0].response_range.kvs[0].value.decode()
         await self._load()
         self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._janitor())]
-
-    async def _load(self) -> None:
-        """Rebuild the mirror from what etcd holds now (at start, or after a compacted watch)."""
-        revision, kvs = await self.etcd.get_prefix(self.keys.root)
-        with self._half_applied():
-            self.mirror.reset()  # the same mirror object: its waiters wake on what is loaded
-            self._owners, self._meaning, self._vrev, self._leases, self._claims = {}, {}, {}, {}, {}
-            for item in sorted(kvs, key=lambda k: k.mod_revision):  # relays join in the order they joined
-                await self._put(item, revision)
-            self._advance(revision)
-
-    @contextlib.contextmanager
-    def _half_applied(self) -> Iterator[None]:
-        """Mark the mirror as being changed (a watch batch or a load: a version key applied before its manifest)."""
-        self._applying += 1
-        try:
-            yield
-        finally:
-            self._applying -= 1
-
-    def _advance(self, revision: int) -> None:
-        if revision > self._applied:
-            self._applied = revision
-            self._advanced.set()
-            self._advanced = asyncio.Event()
-
-    async def _supervise(self) -> None:
-        """Keep one watch running; ask it for progress every 0.5 s, and restart it on another member when it
-        has said nothing (no event, no progress) for 2 s: a member cut off from the majority, or stuck."""
-        while True:
-            if self._watch is None or self._watch.done():
-                self._heard = time.monotonic()
-                self._watch = asyncio.create_task(self._follow())
-            await asyncio.sleep(0.5)
-            self._progress.put_nowait(None)
-            if time.monotonic() - self._heard > 2.0:
-                log.warning("registry (etcd): the watch on %s is silent (at revision %d); moving it",
-                            self.etcd.current, self._applied)  # fmt: skip
-                self._watch.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._watch
-                self.etcd.skip()
-                self._watch = None
-
-    async def _follow(self) -> None:
-        self._progress = asyncio.Queue()
-        try:
-            async for _, events in self.etcd.watch(self.keys.root, self._applied + 1, self._progress):
-                # a progress notification (no events) only says the watch is alive, never how far the mirror is:
-                # etcd before 3.4.24 and 3.5.8 can send one ahead of events not yet sent (etcd-io/etcd#15220), and
-                # a watch moved to another member restarts after the revision applied (an event skipped: lost)
-                self._heard = time.monotonic()
-                if events:
-                    with self._half_applied():
-                        for event in events:
-                            item = KV.of(event.kv)
-                            if event.type == kv.DELETE:
-                                await self._delete(item.key)
-                            else:
-                                await self._put(item, item.mod_revision)
-                        await self._announce()
-                        self._advance(max(e.kv.mod_revision for e in events))
-        except RevisionCompacted as exc:
-            log.warning("registry (etcd): %s; reloading", exc)
-            await self._load()
-        except (TransportError, RefitTimeoutError) as exc:  # the watch, or a read it needed (a manifest's chunks)
-            log.info("registry (etcd): %s; watching again from another member", exc)
-            self.etcd.skip()
-            await asyncio.sleep(0.1)
-
-    async def _value(self, item: KV, revision: int) -> Any:
-        doc = decode(item.value)
-        if isinstance(doc, dict) and chunked(doc):
-            _, chunks = await self.etcd.get_prefix(str(doc["prefix"]).encode(), revision=revision)
-            doc = join_chunks(doc, [c.value for c in chunks])
-        return doc
-
-    async def _decode(self, d: dict[str, Any], rows: int, fn: Callable[[Any], Any]) -> Any:
-        return fn(d) if rows <= _BIG else await anyio.to_thread.run_sync(fn, d, limiter=self._decoding)
-
-    async def _put(self, item: KV, revision: int) -> None:
-        kind, parts = self.keys.parse(item.key)
-        try:
-            if kind == "o":
-                self._owners[parts[0]] = item.lease
-                self._meaning[item.key] = ("o", Identity(model="-"), parts[0])
-            elif kind == "m" and len(parts) == 2:
-                doc = decode(item.value)
-                identity = identity_from_dict(doc["identity"])
-                self._vrev[(identity, int(doc["version"]))] = item.mod_revision
-                self._meaning[item.key] = ("v", identity, int(doc["version"]))
-            elif kind == "m":
-                d = (await self._value(item, revision))["manifest"]
-                manifest: Manifest = await self._decode(d, len(d.get("shards", ())), manifest_from_dict)
-                self._leases[item.key] = item.lease
-                self._meaning[item.key] = ("m", manifest.identity, (manifest.version, manifest.rank))
-                self.mirror.record(manifest)
-            elif kind == "c":
-                doc = decode(item.value)
-                claim = (identity_from_dict(doc["identity"]), int(doc["rank"]))
-                self._claims[claim] = str(doc["owner"])
-                self._meaning[item.key] = ("c", claim[0], claim[1])
-            elif kind == "r":
-                doc = decode(item.value)
-                identity, rid = identity_from_dict(doc["identity"]), str(doc["receiver"])
-                self._leases[item.key] = item.lease
-                self._meaning[item.key] = ("r", identity, rid)
-                await self.mirror.register_receiver(identity, rid)
-                await self.mirror.report(identity, rid, int(doc["done"]))
-            elif kind == "x":
-                doc = await self._value(item, revision)
-                identity, rid = identity_from_dict(doc["identity"]), str(doc["receiver"])
-                self._meaning[item.key] = ("x", identity, rid)
-                offer = None
-                if doc["offer"] is not None:
-                    offer = await self._decode(doc["offer"], len(doc["offer"].get("held", ())), offer_from_dict)
-                outcome: Any
-                try:
-                    outcome = await self.mirror.relay_join(identity, int(doc["version"]), rid, layout=doc["layout"],
-                                                           offer=offer)  # fmt: skip
-                except (VersionError, ManifestError) as exc:
-                    outcome = exc
-                self._joined[(identity, rid)] = (item.mod_revision, outcome)
-        except (KeyError, TypeError, ValueError, ManifestError) as exc:  # not ours, or damaged: never stop the watch
-            log.warning("registry (etcd): ignoring %r: %s", item.key[:120], exc)
-
-    async def _delete(self, key: bytes) -> None:
-        meaning = self._meaning.pop(key, None)
-        self._leases.pop(key, None)
-        if meaning is None:
-            return
-        what, identity, detail = meaning
-        if what == "o":
-            self._owners.pop(detail, None)
-        elif what == "c":
-            self._claims.pop((identity, detail), None)
-        elif what == "v":
-            self._vrev.pop((identity, detail), None)
-        elif what == "m":
-            self.mirror.withdraw(identity, *detail)
-        elif what == "r":
-            await self.mirror.unregister_receiver(identity, detail)
-        elif what == "x":
-            await self.mirror.relay_leave(identity, detail)
-
-    async def _announce(self) -> None:
-        """Announce every identity whose newest complete or laid-out version changed."""
-        for identity, model in list(self.mirror.models.items()):  # announcing awaits: a copy
-            now = (model.newest, model.laid_out[-1] if model.laid_out else None)
-            before = self._announced.get(identity, (None, None))
-            if now == before:
-                continue
-            self._announced[identity] = now
-            for version in {v for v, b in zip(now, before, strict=True) if v is not None and v != b}:
-                if self.on_announce is not None:
-                    await self.on_announce(identity_to_dict(identity), version)
-
-    async def _caught_up(self, revision: int) -> None:
-        """Wait until the mirror applied ``revision`` (this replica's own write, read back)."""
-        try:
-            with anyio.fail_after(self.etcd.op_timeout_s):
-                while self._applied < revision:
-                    await self._advanced.wait()
-        except TimeoutError:
-            raise RefitTimeoutError(f"etcd wrote revision {revision} but this replica's watch has not delivered it "
-                                    f"within {self.etcd.op_timeout_s} s (at {self._applied})") from None  # fmt: skip
-
-    async def _version_seen(self, identity: Identity, version: int, revision: int) -> None:
-        """Wait (at most a call's deadline) until the mirror holds ``version``'s key at ``revision`` (0: none, as
-        after the janitor deleted it): the version's manifests then are those etcd holds."""
-        with anyio.move_on_after(self.etcd.op_timeout_s):  # changed again meanwhile: the next round loses anyway
-            while self._applying or self._vrev.get((identity, version), 0) != revision:
-                await self._advanced.wait()
 
     async def _write(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None
                      ) -> tuple[bool, Any]:  # fmt: skip
@@ -350,24 +181,45 @@ class EtcdStore:
     # -- writes --------------------------------------------------------------------------------------
 
     async def publish(self, manifest: Manifest, *, owner: str | None = None) -> None:
-        identity, version = manifest.identity, manifest.version
-        vkey, mkey = self.keys.version(identity, version), self.keys.manifest(identity, version, manifest.rank)
-        d = manifest_to_dict(manifest)
-        head, chunks = await anyio.to_thread.run_sync(blob_value, mkey, {"manifest": d})
+        layout = self.mirror.layout_of(manifest)  # checked once per layout
+        await self.publish_entry(Announcement(layout, manifest.version, manifest.revision, None, manifest=manifest),
+                                 owner=owner)  # fmt: skip
+
+    async def add_layout(self, layout: RankLayout) -> RankLayout:
+        return self.mirror.hold_layout(layout)  # written to etcd with its first record (``_write_layout``)
+
+    async def _write_layout(self, layout: RankLayout) -> None:
+        """Write ``layout`` to etcd once (every replica's watch then holds it), before a record names it."""
+        if layout.id in self._layout_keys:
+            return
+        key = self.keys.layout(layout.id)
+        head, chunks = await anyio.to_thread.run_sync(blob_value, key, {"layout": orjson.Fragment(layout.encoded)})
+        for chunk_key, chunk in chunks:  # a large layout: its chunks first, then its head
+            await self.etcd.txn([kv.missing(key)], [kv.put(chunk_key, chunk)])
+        await self._write([kv.missing(key)], [kv.put(key, head)])
+        self._layout_keys.add(layout.id)
+
+    async def publish_entry(self, entry: Announcement, *, owner: str | None = None) -> None:
+        identity, version, rank = entry.identity, entry.version, entry.rank
+        vkey, mkey = self.keys.version(identity, version), self.keys.manifest(identity, version, rank)
+        await self._write_layout(entry.layout)
+        record = RankRecord(identity=identity, version=version, rank=rank, layout=entry.layout.id,
+                            revision=entry.revision, digests=entry.raw)  # fmt: skip
+        head, chunks = await anyio.to_thread.run_sync(blob_value, mkey, {"record": record_to_dict(record)})
         vdoc = encode({"identity": identity_to_dict(identity), "version": version})
-        ckey = self.keys.claim(identity, manifest.rank)
-        cdoc = encode({"identity": identity_to_dict(identity), "rank": manifest.rank, "owner": owner})
+        ckey = self.keys.claim(identity, rank)
+        cdoc = encode({"identity": identity_to_dict(identity), "rank": rank, "owner": owner})
 
         async def write(lease: int) -> None:
-            for chunk_key, chunk in chunks:  # a large manifest: its chunks first (under the lease), then its head
+            for chunk_key, chunk in chunks:  # a large record: its chunks first (under the lease), then its head
                 await self.etcd.txn([], [kv.put(chunk_key, chunk, lease)])
             # the first round compares with the mirror; a lost one with what etcd said the keys hold (the mirror
             # may lag: a claim whose lease ended is a deletion, and no key's revision tells of it)
-            holder, seen = self._claims.get((identity, manifest.rank)), self._vrev.get((identity, version), 0)
+            holder, seen = self._claims.get((identity, rank)), self._vrev.get((identity, version), 0)
             for _ in range(_CAS_TRIES):
                 if owner is not None and holder not in (None, owner):
-                    raise claimed(manifest, self.lease_s)
-                if not self.mirror.admit(manifest):
+                    raise claimed(entry, self.lease_s)
+                if not self.mirror.admit(entry):
                     return
                 compare, success = [kv.mod_is(vkey, seen)], [kv.put(vkey, vdoc), kv.put(mkey, head, lease)]
                 if owner is not None:  # the rank's claim: taken now, or still this owner's (one transaction)
@@ -407,10 +259,27 @@ class EtcdStore:
     async def relay_join(
         self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
     ) -> RelayOffer | None:
-        self.mirror.check_relay(identity, version, offer)
+        return await join_whole(self, identity, version, receiver_id, layout, offer)
+
+    async def add_relay_geometry(self, layout: str, geometry: Geometry) -> None:
+        await self.mirror.add_relay_geometry(layout, geometry)  # carried to etcd by a join (``join_relays``)
+
+    async def add_relay_source(self, source: SourceAddress) -> None:
+        await self.mirror.add_relay_source(source)
+
+    async def join_relays(
+        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None
+    ) -> Relay | None:
+        """Write the join by geometry (the geometry and address whole only when etcd has not carried them yet)."""
+        self.mirror.check_relay(identity, version, relay)
         key = self.keys.relay(identity, receiver_id)
-        doc = {"identity": identity_to_dict(identity), "receiver": receiver_id, "version": version, "layout": layout,
-               "offer": None if offer is None else offer_to_dict(offer)}  # fmt: skip
+        doc: dict[str, Any] = {"identity": identity_to_dict(identity), "receiver": receiver_id, "version": version,
+                               "layout": layout, "relay": None}  # fmt: skip
+        if relay is not None:
+            doc["relay"] = relay_to_dict(identity, version, relay, source_known=relay.source in self._carried)
+            if relay.layout not in self._carried:
+                tensors, held = self.mirror.relay_geometry(relay.layout) or ((), ())
+                doc["geometry"] = geometry_to_dict(tensors, held)
         head, chunks = await anyio.to_thread.run_sync(blob_value, key, doc)
         lease = self._leases.get(self.keys.receiver(identity, receiver_id), 0)
         await self.etcd.delete_prefix(key + b"/c/")  # the chunks of its last join
@@ -458,45 +327,32 @@ class EtcdStore:
                         await self.etcd.delete_prefix(self.keys.version(identity, version))
                     except (RefitTimeoutError, TransportError) as exc:
                         log.info("registry (etcd): clean-up of version %d deferred: %s", version, exc)
+            if not self._applying:  # layouts no version announces any more, once their grace has passed
+                for lid in self.mirror.prune_layouts(now) & self._layout_keys:
+                    try:
+                        await self.etcd.delete_prefix(self.keys.layout(lid))
+                    except (RefitTimeoutError, TransportError) as exc:
+                        log.info("registry (etcd): clean-up of a layout deferred: %s", exc)
 
     # -- reads: the mirror ---------------------------------------------------------------------------
 
-    def newest_complete(self, identity: Identity) -> int | None:
-        return self.mirror.newest_complete(identity)
+    layout = Forward(Store.layout)
+    entry_of = Forward(Store.entry_of)
+    entry = Forward(Store.entry)
+    find = Forward(Store.find)
+    relay_geometry = Forward(Store.relay_geometry)
+    relay_source = Forward(Store.relay_source)
+    offer_of = Forward(Store.offer_of)
 
-    def is_newest(self, identity: Identity, version: int) -> bool:
-        return self.mirror.is_newest(identity, version)
-
-    def announced(self, identity: Identity, version: int, rank: int) -> Manifest | None:
-        return self.mirror.announced(identity, version, rank)
-
-    async def latest(self, identity: Identity, min_version: int = 0, *, compile_targets: Collection[str] | None = None,
-                     metadata: Mapping[str, str] | None = None, early: bool = False,
-                     skip: Collection[int] = ()) -> Publication | None:  # fmt: skip
-        return await self.mirror.latest(identity, min_version, compile_targets=compile_targets, metadata=metadata,
-                                        early=early, skip=skip)  # fmt: skip
-
-    async def wait_complete(self, identity: Identity, min_version: int, timeout: float, *,
-                            compile_targets: Collection[str] | None = None, metadata: Mapping[str, str] | None = None,
-                            early: bool = False, skip: Collection[int] = ()) -> Publication:  # fmt: skip
-        return await self.mirror.wait_complete(identity, min_version, timeout, compile_targets=compile_targets,
-                                               metadata=metadata, early=early, skip=skip)  # fmt: skip
-
-    async def is_released(self, identity: Identity, version: int, *, policy: ReleasePolicy | None = None) -> bool:
-        return await self.mirror.is_released(identity, version, policy=policy)
-
-    async def acked(self, identity: Identity, version: int) -> tuple[int, int]:
-        return await self.mirror.acked(identity, version)
-
-    async def wait_released(self, identity: Identity, version: int, timeout: float | None, *,
-                            policy: ReleasePolicy | None = None) -> None:  # fmt: skip
-        await self.mirror.wait_released(identity, version, timeout, policy=policy)
-
-    async def versions(self, identity: Identity) -> list[int]:
-        return await self.mirror.versions(identity)
-
-    async def relayed(self, identity: Identity) -> int | None:
-        return await self.mirror.relayed(identity)
-
-    async def near_misses(self, identity: Identity, min_version: int = 0) -> list[str]:
-        return await self.mirror.near_misses(identity, min_version)
+    newest_complete = Forward(RegistryStore.newest_complete)
+    is_newest = Forward(Store.is_newest)
+    announced = Forward(Store.announced)
+    latest = Forward(Store.latest)
+    wait_complete = Forward(Store.wait_complete)
+    wait_outline = Forward(Store.wait_outline)
+    is_released = Forward(Store.is_released)
+    acked = Forward(Store.acked)
+    wait_released = Forward(Store.wait_released)
+    versions = Forward(Store.versions)
+    relayed = Forward(Store.relayed)
+    near_misses = Forward(Store.near_misses)
