@@ -292,7 +292,8 @@ class Channel:
                 try:
                     await asyncio.wait([sending, future, down], return_when=asyncio.FIRST_COMPLETED)
                     if not sending.done() and not future.done():  # nobody listens: never sent, go elsewhere
-                        raise Unsent(f"no connection to the registry at {self.address} (nobody listens there)")
+                        hint = no_answer_hint(self.address, curve=self._security is not None)
+                        raise Unsent(f"no connection to the registry at {self.address} (nobody listens there); {hint}")
                     if sending.done() and not sending.cancelled():
                         sending.result()  # a send that failed raises here
                         self.sent[op] += 1
