@@ -227,3 +227,30 @@ async def test_a_refreshed_peer_address_invalidates_prepared_descriptors() -> No
     finally:
         await reader.aclose()
         await owner.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_read_in_flight_when_its_peers_connection_is_dropped_lands_over_a_new_one() -> None:
+    """With buckets in flight, one read that finds a peer dead drops its connection under the others (after a
+    partition healed): NIXL then refuses their stale handles (``NIXL_ERR_NOT_FOUND``, not a disconnection), and
+    they are read again over a new connection, as a disconnected one is."""
+    owner, reader = NixlTransport(), NixlTransport()
+    n = 16 << 20
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    dst = torch.zeros_like(src)
+    try:
+        with anyio.fail_after(30):
+            region = owner.register(src)
+            reader.register(dst)
+            reader.connect(owner.address())
+            reads = [Read(owner.agent, region, 0, n, dst)]
+            await reader.read(reads, key="k")
+            for _ in range(3):
+                src.add_(1)
+                submitted = await reader.submit(reads, key="k")
+                reader.reconnect([owner.agent])  # what another bucket's failed read (or the next attempt) does
+                await submitted.wait()
+                assert torch.equal(dst, src)
+    finally:
+        await reader.aclose()
+        await owner.aclose()

@@ -81,18 +81,19 @@ class Posted(Submitted):
     ``ended(failed)`` runs on the loop once every part ended (``failed``: whether any READ failed): the
     transport releases what it prepared for the read alone, or forgets what it cached for a failed one. A
     failure whose cause is a disconnected peer drops that peer (``drop_peer``) and, as ``read`` does, the reads
-    are tried once more over a new connection (``transport.read``)."""
+    are tried once more over a new connection (``transport.read``); so are they when any connection was dropped
+    after they were submitted (``dropped()``: another read found a peer dead and dropped it under this one)."""
 
     def __init__(
         self, transport: Transport, reads: Sequence[Read], key: Hashable | None, count: bool,
         batch: list[tuple[_Prepared, str]], posters: dict[int, Poster], drop_peer: Callable[[str], None],
-        ended: Callable[[bool], None],
+        ended: Callable[[bool], None], dropped: Callable[[], bool],
     ) -> None:  # fmt: skip
         super().__init__(transport, reads, key, count)
         self._event = anyio.Event()
         self._failures: list[TransportError] = []
         self._disconnected = False  # a failure's cause was a disconnected peer: worth reading again
-        self._drop_peer, self._ended = drop_peer, ended
+        self._drop_peer, self._ended, self._dropped = drop_peer, ended, dropped
         per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
         for p, peer in batch:
             per_agent.setdefault(id(p.nx), []).append((p, peer))
@@ -133,7 +134,7 @@ class Posted(Submitted):
         if not self._failures:
             return
         exc = self._failures[0]
-        if not self._disconnected:
+        if not self._disconnected and not self._dropped():
             raise exc
         try:  # a peer that was disconnected: once more over a new connection, as ``read`` does
             await self.transport.read(self.reads, key=self.key, count=self.count)

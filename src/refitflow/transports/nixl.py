@@ -81,6 +81,7 @@ class NixlTransport(Transport):
         self._index: LocalIndex | None = None
         self._address: SourceAddress | None = None
         self._peers: dict[str, _Peer] = {}
+        self._drops = 0  # peer connections dropped so far: a read that fails after one may have failed for it
         self._reads = PreparedReads(cache_groups)  # described and prepared reads by key, kept per group
         self._posters: dict[int, Poster] = {}  # id(agent) -> its poster thread (``submit``), made on first use
         self._closed = False
@@ -195,7 +196,10 @@ class NixlTransport(Transport):
                 self._drop_peer(agent)
 
     def _drop_peer(self, agent: str) -> None:
-        """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh."""
+        """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh. READs of it
+        still in flight (another bucket's) fail then, not always as disconnected (``NIXL_ERR_NOT_FOUND``: the
+        remote agent is gone): ``read`` and ``Posted`` read again any read that failed after a drop."""
+        self._drops += 1
         self._forget(lambda k: k[1] == agent)
         peer = self._peers.get(agent)
         for nx in self._agents if peer is not None and peer.loaded else []:
@@ -213,11 +217,12 @@ class NixlTransport(Transport):
         more, connecting afresh: after a network partition healed, UCX's endpoint to a live peer may be dead
         (its keepalive gave up during the partition) while a new one connects; a peer that is really gone
         fails the second try at once."""
+        drops = self._drops
         try:
             await self._read(reads, key=key, count=count)
         except TransportError as exc:
-            if not isinstance(exc.__cause__, self._nx.disconnected):
-                raise
+            if not isinstance(exc.__cause__, self._nx.disconnected) and self._drops == drops:
+                raise  # neither disconnected nor a connection dropped under it
             log.info("nixl: a peer was disconnected (%s); reading again over a new connection", exc)
             try:
                 await self._read(reads, key=key, count=count)
@@ -242,7 +247,9 @@ class NixlTransport(Transport):
             if id(p.nx) not in self._posters:
                 self._posters[id(p.nx)] = Poster(p.nx)
         ended = lambda failed: self._ended(batch, ckeys, failed=failed, key=key)  # noqa: E731
-        return Posted(self, reads, key, count, batch, self._posters, self._drop_peer, ended)
+        drops = self._drops
+        dropped = lambda: self._drops != drops  # noqa: E731  (a connection dropped since: a failure may be that)
+        return Posted(self, reads, key, count, batch, self._posters, self._drop_peer, ended, dropped)
 
     def _ended(
         self, batch: list[tuple[_Prepared, str]], ckeys: list[CacheKey | None], *, failed: bool, key: Hashable = None
