@@ -5,16 +5,21 @@
    and the raw copy rate (the fit's intercept); xxh3's rate on one core (in this process); then
    ``bench/fanout_bench.py --together 1,1,4,4,8,8 --frozen 0``, relaying and ``--no-relay`` alternating
    (``runs`` times each): the slowest receiver's seconds (``RefitResult.seconds``: found → prepared) and the
-   trainer's egress in model copies, per row. The first row of each pair has receivers at their first refit
+   trainer's egress in model copies, per row; the best of the runs is compared (the least disturbed by the other
+   work of a shared machine, as bucket_cost.py's best rounds are), and the cores that other work used meanwhile
+   are printed (the machine's busy time less this run's). The first row of each pair has receivers at their first refit
    after the warm-up (four of them at k = 8); the second has every receiver warm.
 2. **The model of this machine**: one host, its cores a resource (``host_cores``); a read is a CPU copy by the
    reader at the measured raw rate (CMA), no source-side limit; verify is xxh3 on a core at the measured rate;
    one bucket in flight, relay progress polled (the code on this branch); a bucket's serial cost the measured
    refit slope (``bucket_us``: refitflow's own cost and the raw read's, both CPU here).
-3. **Fitted**, on the first rows of each pair: ``fixed_ms`` (any other cost per refit, from the no-relay rows),
-   then ``relay_bucket_us`` (a relayed bucket's extra cost: the relay's status reads, its bookkeeping) with
-   ``first_use_ms`` (a relaying receiver's first refit after the warm-up); grid searches for the smallest worst
-   relative error. **Checked**: every row, the warm ones held out — within 20 %.
+3. **Fitted**, on the first rows of each pair: ``host_cores`` (the cores the refits had, as they used them: the
+   machine is shared, and 8 receivers' copies, hashing and polling threads contend for 2 cores and one memory
+   bus), ``fixed_ms`` (any other cost per refit) and ``first_use_ms`` (a receiver's first refit after the
+   warm-up: it writes its other shadow storage for the first time) from the no-relay rows, then
+   ``relay_bucket_us`` (a relayed bucket's extra cost: the relay's status reads, its bookkeeping) and a relaying
+   receiver's ``first_use_ms`` from the relay rows; grid searches for the smallest worst relative error.
+   **Checked**: every row, the warm ones held out — within 20 %.
 
 What the scenarios then use: ``bucket_us`` = refitflow's own cost (the refit slope less the raw read's: on a
 cluster the transport's round trip is ``latency_us``, overlapped by the window) and ``relay_bucket_us``.
@@ -24,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import pathlib
 import re
-import statistics
+import resource
 import subprocess
 import sys
 import time
@@ -38,7 +44,7 @@ import xxhash
 from _sim_model import Params, simulate
 from _sim_traffic import Classes, Setup, plan_classes
 
-__all__ = ["calibration", "machine"]
+__all__ = ["calibration", "fit_and_check", "machine", "measure_here"]
 
 BENCH = pathlib.Path(__file__).resolve().parent
 TOGETHER = (1, 1, 4, 4, 8, 8)
@@ -53,6 +59,20 @@ def _run(args: list[str], timeout: float = 600) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return done.stdout
+
+
+def _busy() -> tuple[float, float, float]:
+    """(the machine's busy CPU seconds, this process's children's CPU seconds, now)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), ru.ru_utime + ru.ru_stime, time.time()
+
+
+def others(before: tuple[float, float, float]) -> float:
+    """Cores the machine's other work used on average since ``before`` (busy CPU less this run's children's)."""
+    after = _busy()
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / max(after[2] - before[2], 1e-9)
 
 
 def fanout(relay: bool) -> list[tuple[int, float, float]]:
@@ -107,7 +127,7 @@ def predict(make: Callable[[int], Setup], p: Params, cache: pathlib.Path | None,
     out = []
     for i in rows:
         k = TOGETHER[i]
-        fresh = range(max(TOGETHER[:i], default=0), k) if i % 2 == 0 and relay else range(0)
+        fresh = range(max(TOGETHER[:i], default=0), k) if i % 2 == 0 else range(0)
         q = dataclasses.replace(p, first_use_ms=dict.fromkeys(fresh, first_use_ms))
         if (k, relay) not in _PLANNED:
             _PLANNED[(k, relay)] = plan_classes(make(k), relay, cache=cache, log=lambda s: None)
@@ -121,49 +141,84 @@ def _worst(pred: list[tuple[float, float]], measured: list[float]) -> float:
     return max(abs(s / m - 1) for (s, _), m in zip(pred, measured, strict=True))
 
 
-def calibration(make: Callable[[int], Setup], cache: pathlib.Path | None, runs: int = 1) -> dict[str, float]:
-    """Measure, fit, compare (printed); returns the figures the scenarios use (``bucket_us``, ``relay_bucket_us``)."""
+def measure_here(runs: int = 2) -> dict:
+    """Every measurement the calibration uses, made now (JSON-able)."""
     t0, load = time.perf_counter(), os.getloadavg()[0]
-    print(f"\n## calib: measured here, now (load average {load:.2f}, {os.cpu_count()} cores, shared)")
     cost = bucket_cost()
     xxh = xxh3_gbps()
-    measured: Rows = {True: [], False: []}
     raw: dict[bool, list[list[tuple[int, float, float]]]] = {True: [], False: []}
+    busy = _busy()
     for _ in range(runs):  # relaying and not, alternating
         for relay in (True, False):
             raw[relay].append(fanout(relay))
-    for relay, got in raw.items():
-        measured[relay] = [(k, [g[i][1] for g in got], got[0][i][2]) for i, k in enumerate(TOGETHER)]
-    took = time.perf_counter() - t0
+    rows = {str(r): [(k, [g[i][1] for g in got], got[0][i][2]) for i, k in enumerate(TOGETHER)]
+            for r, got in raw.items()}  # fmt: skip
+    return {"cost": cost, "xxh3_gbps": xxh, "others": others(busy), "rows": rows, "runs": runs, "load": load,
+            "load_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0, "when": time.ctime()}  # fmt: skip
+
+
+def calibration(make: Callable[[int], Setup], cache: pathlib.Path | None, runs: int = 2) -> dict[str, float]:
+    """Measure (kept as JSON in ``cache``), fit, compare (printed); returns the figures the scenarios use
+    (``bucket_us``, ``relay_bucket_us``)."""
+    print(f"\n## calib: measured here, now (load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, shared)")
+    m = measure_here(runs)
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / f"calib-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(m))
+    return fit_and_check(make, cache, m)
+
+
+def fit_and_check(make: Callable[[int], Setup], cache: pathlib.Path | None, m: dict) -> dict[str, float]:
+    """Fit the model to ``measure_here``'s figures and compare every row (printed)."""
+    t0, cost, xxh, used = time.perf_counter(), m["cost"], m["xxh3_gbps"], m["others"]
+    measured: Rows = {r == "True": rows for r, rows in m["rows"].items()}
+    best = {r: [min(x[1]) for x in rows] for r, rows in measured.items()}  # the least disturbed of the runs
     print(f"bench/bucket_cost.py: a bucket costs a refit {cost['refit_us']:.0f} us, a raw READ "
           f"{cost['raw_us']:.0f} us, refitflow's own {cost['own_us']:.0f} us; raw copy {cost['copy_gbps']:.2f} GB/s; "
-          f"xxh3 {xxh:.1f} GB/s a core; bench/fanout_bench.py x {runs} each; measured in {took:.0f} s (load "
-          f"average after {os.getloadavg()[0]:.2f})")  # fmt: skip
+          f"xxh3 {xxh:.1f} GB/s a core; bench/fanout_bench.py x {m['runs']} each, alternating: other work used "
+          f"{used:.2f} of the {os.cpu_count()} cores meanwhile; measured in {m['seconds']:.0f} s ({m['when']}, load "
+          f"average {m['load']:.2f} before, {m['load_after']:.2f} after)")  # fmt: skip
     p = machine(cost["copy_gbps"], xxh, cost["refit_us"])
     first, warm = [i for i in range(len(TOGETHER)) if i % 2 == 0], [i for i in range(len(TOGETHER)) if i % 2]
-    med = {r: [statistics.median(m[1]) for m in rows] for r, rows in measured.items()}
-    pick = lambda r, idx: [med[r][i] for i in idx]  # noqa: E731
-    fixed = min((x / 2 for x in range(0, 21)),
-                key=lambda f: _worst(predict(make, dataclasses.replace(p, fixed_ms=f), cache, False, first),
-                                     pick(False, first)))  # fmt: skip
-    p = dataclasses.replace(p, fixed_ms=fixed)
-    grid = itertools.product(range(0, 4001, 100), range(0, 41, 5))
-    relay_us, first_ms = min(grid, key=lambda g: _worst(predict(make, dataclasses.replace(p, relay_bucket_us=g[0]),
-                             cache, True, first, g[1]), pick(True, first)))  # fmt: skip
+    pick = lambda r, idx: [best[r][i] for i in idx]  # noqa: E731
+
+    def err_pull(f: float, cores: float, ms: float) -> float:
+        q = dataclasses.replace(p, fixed_ms=f, host_cores=cores)
+        return _worst(predict(make, q, cache, False, first, ms), pick(False, first))
+
+    grid = itertools.product(range(0, 21, 2), [c / 10 for c in range(2, 21)], range(0, 41, 5))
+    fixed, cores, pull_ms = min(grid, key=lambda g: err_pull(*g))
+    p = dataclasses.replace(p, fixed_ms=float(fixed), host_cores=cores)
+
+    def err(us: float, ms: float) -> float:
+        pred = predict(make, dataclasses.replace(p, relay_bucket_us=us), cache, True, first, ms)
+        return _worst(pred, pick(True, first))
+
+    coarse = min(itertools.product(range(0, 8001, 250), range(0, 61, 5)), key=lambda g: err(*g))
+    fine = itertools.product(range(max(0, coarse[0] - 250), coarse[0] + 251, 50), [coarse[1]])
+    relay_us, first_ms = min(fine, key=lambda g: err(*g))
     p = dataclasses.replace(p, relay_bucket_us=float(relay_us))
-    print(f"fitted on the first rows: fixed_ms {fixed:.1f}, relay_bucket_us {relay_us}, first_use_ms {first_ms}")
+    print(
+        f"fitted on the first rows: host_cores {cores:.1f} (the cores the refits had: other work used {used:.2f}), "
+        f"fixed_ms {fixed:.0f}, first_use_ms {pull_ms} (not relaying) / {first_ms} (relaying), relay_bucket_us "
+        f"{relay_us}"
+    )
     worst = 0.0
     for name, idx in (("first rows (fitted)", first), ("second rows (warm, held out)", warm)):
-        print(f"\n{name}\n\n| relays | together | measured slowest s | runs | predicted s | error | egress copies "
-              "measured / predicted |\n|---|---:|---:|---|---:|---:|---|")  # fmt: skip
+        print(f"\n{name}\n\n| relays | together | measured slowest s (best of the runs) | runs | predicted s | error "
+              "| egress copies measured / predicted |\n|---|---:|---:|---|---:|---:|---|")  # fmt: skip
         for relay in (True, False):
-            pred = predict(make, p, cache, relay, idx, first_ms)
+            pred = predict(make, p, cache, relay, idx, first_ms if relay else pull_ms)
             for i, (s, e) in zip(idx, pred, strict=True):
                 k, runs_s, egress = measured[relay][i]
-                m = med[relay][i]
-                worst = max(worst, abs(s / m - 1))
-                print(f"| {'relay' if relay else 'no relay'} | {k} | {m:.3f} | {', '.join(f'{x:.3f}' for x in runs_s)} "
-                      f"| {s:.3f} | {s / m - 1:+.0%} | {egress:.2f} / {e:.2f} |")  # fmt: skip
+                got = best[relay][i]
+                worst = max(worst, abs(s / got - 1))
+                each = ", ".join(f"{x:.3f}" for x in runs_s)
+                print(f"| {'relay' if relay else 'no relay'} | {k} | {got:.3f} | {each} | {s:.3f} | {s / got - 1:+.0%} "
+                      f"| {egress:.2f} / {e:.2f} |")  # fmt: skip
     verdict = "within" if worst <= 0.20 else "NOT within"
-    print(f"\nworst error {worst:.0%}: {verdict} 20 %; the calibration took {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nworst error {worst:.0%}: {verdict} 20 %; measured in {m['seconds']:.0f} s, fitted and compared in "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
     return {"bucket_us": max(cost["own_us"], 0.0), "relay_bucket_us": float(relay_us)}

@@ -32,6 +32,7 @@ from refitflow.core.fanout import RelayOffer
 from refitflow.planner import Plan, build_plan
 from refitflow.planner.fanout import Geometry, held_boxes
 from refitflow.planner.limits import Limits
+from refitflow.planner.routes import aux_owner
 from refitflow.refit.config import ReceiverConfig
 from refitflow.refit.destination import Destination
 from refitflow.registry.service.fanout import Relays, check_offer
@@ -126,8 +127,8 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
     last = np.full(len(target.relay_params), -1, dtype=np.int64)
     for b in plan.buckets:
         for p in b.pieces:
-            for s in p.scatters:
-                last[target.position[s.param]] = b.index
+            for s in p.scatters:  # an auxiliary assembly (a converted parameter's blocks) completes its parameter
+                last[target.position[aux_owner(s.param)]] = b.index
     offer, layout = None, ""
     if relay:
         held, layout = held_boxes(plan)
