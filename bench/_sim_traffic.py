@@ -279,9 +279,11 @@ def _bounds(bucket_bytes: np.ndarray, count: int) -> np.ndarray:
 
 
 def _source_hash() -> str:
-    """A digest of the planner's and layouts' source: a cached reduction is stale when they change."""
+    """A digest of the planner's, layouts' and this reduction's source: a cached reduction is stale when they change."""
     src = pathlib.Path(rf.__file__).parent
     h = hashlib.sha256()
-    for p in sorted([*src.glob("planner/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/fanout.py")]):
+    mine = pathlib.Path(__file__).resolve()
+    for p in [*sorted([*src.glob("planner/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/fanout.py")]),
+              mine, mine.with_name("_sim_quant.py")]:  # fmt: skip
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
