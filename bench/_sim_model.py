@@ -28,9 +28,9 @@ works through its segments in order:
 - after the last segment: prepare, the engine's vote, finish (``commit_ms``).
 
 Flows take the source GPU's egress, the reader GPU's ingress, each host's NIC (``host_gbps``) and the switch
-(``switch_gbps``) between hosts, max-min fair (``_sim_net``). ``host_cores`` > 0 models a host's CPU as a
-resource too (the calibration box: CMA reads are CPU copies by the reader, ``cpu_copies``; host hashing is
-CPU, ``cpu_verify``; the serial lane is CPU).
+(``switch_gbps``) between hosts, max-min fair in each activity's dominant share (``_sim_net``). ``host_cores``
+> 0 models a host's CPU as a resource too (the calibration box: CMA reads are CPU copies by the reader,
+``cpu_copies``; host hashing is CPU, ``cpu_verify``; the serial lane is CPU).
 """
 
 from __future__ import annotations
