@@ -1,56 +1,79 @@
 """The refit as ``bench/simulate.py`` plays it: trainer, registry and receiver pipelines on the link model.
 
-From the trainer's go (t = 0): every trainer rank hashes its shards (``trainer_digest_gbps``) and publishes
-its manifest (one registry round trip); the registry checks them one after the other (``registry_s``,
-measured); the version is complete. Each receiver is told (half a round trip), fetches what it needs of the
-version — the ``latest`` answer and its plan's part of the digests (``wire_bytes`` through the registry's NIC,
-``registry_gbps``, shared by all) — and decodes it into its digest vector (``fetch_s``, measured), plans
-(``plan_s``: 0 when the plan is cached, as from the second refit on), joins the relays (one round trip) and
-then works through its segments in order:
+From the trainer's go (t = 0): every trainer rank hashes its shards (on the device: ``device_verify_gbps``;
+on the host: ``trainer_digest_gbps``) and publishes its version's record (its layout was sent once; one
+registry round trip); the registry checks the records one after the other against their layouts
+(``registry_s``, measured with the registry's code: ``_sim_costs``); the version is complete (announced before
+its digests with ``announce_early``: receivers that read only the trainer start then, and verify once the
+digests are in). Each receiver is told (half a round trip), fetches what it needs of the version — the
+``latest`` answer and its plan's part of the digests (``wire_bytes``: ``Costs.wire_bytes(part)``, through the
+registry's NIC, ``registry_gbps``, shared by all) — and decodes it into its digest vector (``fetch_s``:
+``Costs.fetch_s(part)``, measured), plans (``plan_s``: 0 once cached), joins the relays (one round trip) and
+works through its segments in order:
 
-- **pull** segment j once segment j - 1 is pulled and j - 2 verified (two buckets in flight): first its
-  serial costs (``bucket_us`` and one ``latency_us`` per bucket, ``relay_bucket_us`` and a latency more per
-  bucket with relayed pieces — the relay's status read after them, its bookkeeping —, ``read_us`` per
-  read), then its trainer bytes (one flow per trainer GPU, all at once), then, once its upstream has
-  verified the segment it needs, its relayed bytes (one flow); a reader that had to wait notices on its
-  next status poll (0.2 ms doubling to 5 ms, each sleep at least ``poll_floor_ms``, then a status read:
-  ``bucket_us`` + ``latency_us``; ``refit/stages/pull.py``);
-- **verify** segment j once pulled and j - 1 verified, at ``verify_gbps`` (not before the digests are in,
-  for a version announced early);
+- **pull**: a serial lane posts segment j — ``bucket_us`` per bucket (refitflow's own cost: stages, hops,
+  completions), ``relay_bucket_us`` more per bucket with relayed pieces, ``read_us`` per read (the transport's
+  cost of a descriptor in a prepared transfer) — while earlier segments' bytes flow: with a ``window`` of W > 1
+  buckets in flight a segment's bytes start one bucket's post (and ``latency_us``) after its post begins, and
+  the lane posts the next segment while they flow (at most two segments in flight); W = 1 (one bucket in
+  flight: the code before issue 51) posts, then reads the trainer's bytes, then the relay's, then the next.
+  A segment's trainer bytes are one flow over every trainer GPU it reads (each GPU's NIC taken in proportion
+  to its share), after the receiver's earlier segments' (peers serve reads in order); relayed bytes one flow
+  from the upstream, likewise in order, once it has verified
+  the segment they need; a reader that waited notices after ``latency_us`` (``relay_push``: progress pushed)
+  or at its next status poll (0.2 ms doubling to 5 ms, each sleep at least ``poll_floor_ms``, then a status
+  read of ``bucket_us`` + ``latency_us``: ``refit/fanout/reading.py`` before issue 51).
+- **verify** segment j once pulled and j - 1 verified, on the device (``device_verify_gbps``: no host copy,
+  no CPU) or on the host (``verify_gbps``); pull runs at most two segments ahead of verify;
 - after the last segment: prepare, the engine's vote, finish (``commit_ms``).
 
-Flows take the source GPU's egress, the reader GPU's ingress, each host's NIC (``host_gbps``) and the
-switch (``switch_gbps``) between hosts, max-min fair (``_sim_net``). ``host_cores`` > 0 models a host's
-CPU as a resource too (the calibration box: CMA reads are CPU copies by the reader, ``cpu_copies``; hashing
-is CPU, ``cpu_verify``; the serial per-bucket costs are CPU).
+Flows take the source GPU's egress, the reader GPU's ingress, each host's NIC (``host_gbps``) and the switch
+(``switch_gbps``) between hosts, max-min fair in each activity's dominant share (``_sim_net``). ``host_cores``
+> 0 models a host's CPU as a resource too (the calibration box: CMA reads are CPU copies by the reader,
+``cpu_copies``; host hashing is CPU, ``cpu_verify``; the serial lane is CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 from _sim_net import Activity, Net
 from _sim_traffic import Classes, Segments, segments, upstreams
 
-__all__ = ["Params", "Result", "simulate"]
+from refitflow.refit.config import ReceiverConfig
+
+__all__ = ["DEVICE_GBPS", "TODAY", "WINDOW", "Params", "Result", "simulate"]
+
+_CFG = ReceiverConfig()
+assert _CFG.bucket_bytes is not None
+WINDOW = max(4, _CFG.budget_bytes // _CFG.bucket_bytes)  # issue 51's pull window with the default limits: 8
+DEVICE_GBPS = {"conservative": 100.0, "optimistic": 1000.0}  # a GPU's digest rate until bench/gpu_check.py measures it
+# the data path of the code before issue 51 (main at ca21faa): one bucket in flight, device bytes hashed on the
+# host (xxh3 through a bounce buffer), relay progress polled with a status read
+TODAY: dict[str, object] = {"window": 1, "device_digests": False, "relay_push": False}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Params:
     gpu_gbps: float = 50.0  # per GPU NIC, each direction, GB/s (10^9 bytes a second)
     egress_limit: bool = True  # sources' NICs limit too (False: CMA on one host, where the reader copies)
-    latency_us: float = 10.0  # one read round (post → completion), per bucket
+    latency_us: float = 10.0  # a read's round trip on the network (post → completion); the window overlaps it
     gpus_per_host: int = 8
     host_gbps: float = 0.0  # per host, each direction (0: no limit)
     switch_gbps: float = 0.0  # all traffic between hosts together (0: no limit)
-    verify_gbps: float = 20.0  # a receiver's digest pass
-    trainer_digest_gbps: float = 10.7  # a trainer rank's digest pass before it publishes
-    bucket_us: float = 350.0  # serial cost of one bucket in the pull stage (thread hop, post, completion)
-    read_us: float = 2.8  # posting cost per read (NIXL descriptor)
-    relay_bucket_us: float = 1900.0  # extra serial cost of a bucket with relayed pieces (status reads, bookkeeping)
+    window: int = WINDOW  # buckets in flight per rank in the pull stage (1: one at a time, the code before issue 51)
+    device_digests: bool = True  # digests and verify of device tensors on the device (no host copy, no CPU)
+    device_verify_gbps: float = DEVICE_GBPS["conservative"]  # a GPU's digest rate (verify and the trainer's pass)
+    verify_gbps: float = 20.0  # host digest rate of a receiver (xxh3 on a core): device_digests False
+    trainer_digest_gbps: float = 10.7  # host digest pass of a trainer rank: device_digests False
+    bucket_us: float = 354.0  # refitflow's own serial cost of a bucket (bench/bucket_cost.py; the calib measures it)
+    read_us: float = 2.8  # the transport's cost of one descriptor (raw NIXL here, docs/benchmarks.md)
+    relay_bucket_us: float = 1900.0  # extra serial cost of a bucket with relayed pieces (fitted by the calib)
+    relay_push: bool = True  # relay progress pushed to its readers (False: polled, a status read per poll)
     poll_floor_ms: float = 1.0  # shortest sleep of the relay poll (asyncio: epoll's whole milliseconds)
     registry_rtt_ms: float = 0.5
     registry_gbps: float = 12.5  # the registry host's NIC (manifests to every receiver)
@@ -61,12 +84,18 @@ class Params:
     fixed_ms: float = 0.0  # any other per-refit cost of a receiver, found → prepared (calibration)
     host_cores: float = 0.0  # >0: hosts' CPUs are a resource (calibration box)
     cpu_copies: bool = False  # reads are CPU copies by the reader (CMA)
-    cpu_verify: bool = False  # verify hashes on the host CPU
-    announce_early: bool = False  # no relays: read before the digests, verify once they are in
+    cpu_verify: bool = False  # host verify takes CPU
+    announce_early: bool = True  # no relays: read before the digests (the publisher's auto mode when all bytes change)
     segments: int = 128  # segments a receiver's buckets are cut into
-    byte_scale: float = 1.0  # bytes on the wire per planned byte (0.5: fp8 published instead of bf16)
-    rotate: bool = False  # receivers that read only the trainer start at different segments (engine e at e / engines)
+    rotate: bool = True  # receivers that read only the trainer start at e / engines of their slice (VllmFleet.init)
     first_use_ms: dict[int, float] = field(default_factory=dict)  # receiver → extra cost before it reads
+
+    @property
+    def digest_gbps(self) -> tuple[float, float]:
+        """(a receiver's verify, a trainer rank's digest pass), GB/s."""
+        if self.device_digests:
+            return self.device_verify_gbps, self.device_verify_gbps
+        return self.verify_gbps, self.trainer_digest_gbps
 
 
 @dataclass
@@ -76,16 +105,25 @@ class Rx:
     seg: Segments
     up: Rx | None = None
     found: float = math.nan
+    post_next: int = 0  # the next segment the lane posts
+    posting: bool = False
+    posted: int = -1
+    left: dict[int, int] = field(default_factory=dict)  # segment in flight → parts not yet done
+    tleft: dict[int, int] = field(default_factory=dict)  # segment in flight → trainer flows not yet done
+    waits: set[int] = field(default_factory=set)  # segments waiting for their upstream
+    relaying: set[int] = field(default_factory=set)  # segments whose relayed bytes flow (or queue)
+    queue: dict[str, deque[Activity]] = field(default_factory=dict)  # flows waiting for the earlier ones, per lane
+    busy: set[str] = field(default_factory=set)  # lanes with a flow running
+    arrived: set[int] = field(default_factory=set)  # segments done, not yet in the pulled prefix
     pulled: int = -1
     verified: int = -1
-    pulling: int = -1
     verifying: int = -1
     prepared: float = math.nan
     committed: float = math.nan
-    waiting: list[tuple[Rx, int]] = field(default_factory=list)
-    waited_since: float = 0.0
+    waiting: list[tuple[Rx, int]] = field(default_factory=list)  # readers waiting for this relay
+    waited_since: dict[int, float] = field(default_factory=dict)
     polling: Activity | None = None
-    serial_s: float = 0.0
+    serial: dict[str, float] = field(default_factory=dict)
     bytes_in: float = 0.0
     bytes_out: float = 0.0
     phase: str = "trainer digests, publish, registry"
@@ -126,19 +164,16 @@ def _poll_duty(p: Params) -> float:
     return status / (status + sum(sleeps) / len(sleeps)) if status > 0 else 0.0
 
 
-def _rotate(seg: Segments, by: int, scale: float) -> Segments:
-    """The same segments, read starting at segment ``by`` (for readers that depend on nobody), their bytes
-    times ``scale`` (a narrower dtype on the wire)."""
-    roll = {k: np.roll(getattr(seg, k), -by, axis=0) for k in ("trainer", "relay", "need", "buckets",
-            "relay_buckets", "reads", "nbytes", "tail")}  # fmt: skip
-    for k in ("trainer", "relay", "nbytes", "tail"):
-        roll[k] = roll[k] * scale
-    return dataclasses.replace(seg, **roll)
+def _rotate(seg: Segments, by: int) -> Segments:
+    """The same segments, read starting at segment ``by`` (for readers that depend on nobody)."""
+    keys = ("trainer", "relay", "need", "buckets", "relay_buckets", "reads", "nbytes", "tail")
+    return dataclasses.replace(seg, **{k: np.roll(getattr(seg, k), -by, axis=0) for k in keys})
 
 
 def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire_bytes: int, engines: int,
              relay: bool) -> Result:  # fmt: skip
-    net, gb, rtt = Net(), 1e9, p.registry_rtt_ms * 1e-3
+    net, gb, rtt, lat = Net(), 1e9, p.registry_rtt_ms * 1e-3, p.latency_us * 1e-6
+    verify_gbps, trainer_gbps = p.digest_gbps
     ups = upstreams(cls.plans, engines, relay)
     order = list(ups)
     rx: list[Rx] = []
@@ -147,8 +182,8 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         pair = cls.pairs.get((r, up[1])) if up is not None else None
         seg = segments(cls.plans[r], pair, cls.plans[up[1]] if up is not None else None, len(cls.trainer_bytes),
                        p.segments)  # fmt: skip
-        rotate = p.rotate and not relay
-        rx.append(Rx(k, e, _rotate(seg, (e * len(seg.nbytes)) // max(1, engines) if rotate else 0, p.byte_scale)))
+        by = (e * len(seg.nbytes)) // max(1, engines) if p.rotate and not relay else 0
+        rx.append(Rx(k, e, _rotate(seg, by)))
     for k, er in enumerate(order):
         up = ups[er]
         rx[k].up = rx[order.index(up)] if up is not None else None
@@ -156,7 +191,7 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
     t_eg = [net.resource(f"trainer {g} egress", p.gpu_gbps * gb if p.egress_limit else 0) for g in range(ntrain)]
     r_in = [net.resource(f"receiver {k} ingress", p.gpu_gbps * gb) for k in range(n)]
     r_out = [net.resource(f"receiver {k} egress", p.gpu_gbps * gb if p.egress_limit else 0) for k in range(n)]
-    r_ver = [net.resource(f"receiver {k} verify", p.verify_gbps * gb) for k in range(n)]
+    r_ver = [net.resource(f"receiver {k} verify", verify_gbps * gb) for k in range(n)]
     hpg = max(1, p.gpus_per_host)
     hosts = -(-ntrain // hpg) + -(-n // hpg)
     h_out = [net.resource(f"host {h} out", p.host_gbps * gb) for h in range(hosts)]
@@ -166,13 +201,30 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
     t_host = [g // hpg for g in range(ntrain)]
     r_host = [-(-ntrain // hpg) + k // hpg for k in range(n)]
     egress = np.zeros(ntrain)
-    complete = float(cls.trainer_bytes.max()) * p.byte_scale / (p.trainer_digest_gbps * gb) + rtt + registry_s
-    digest_ready = complete + rtt / 2 + fetch_s if p.announce_early else 0.0
-    start_at = rtt + registry_s if p.announce_early else complete
+    complete = float(cls.trainer_bytes.max()) / (trainer_gbps * gb) + rtt + registry_s
+    early = p.announce_early and not relay  # relays serve verified bytes: they wait for the digests
+    digest_ready = complete + rtt / 2 + fetch_s if early else 0.0
+    start_at = rtt + registry_s if early else complete
+    host_verify = p.cpu_verify and not p.device_digests
 
-    def mark(x: Rx, phase: str) -> None:
-        x.phases[x.phase] = x.phases.get(x.phase, 0.0) + net.now - x.since
-        x.phase, x.since = phase, net.now
+    def phase_of(x: Rx) -> str:
+        k, last = x.pulled + 1, len(x.seg.nbytes)
+        if k >= last:
+            return "verify of the last segment" if x.verified < last - 1 else "prepare, vote, commit"
+        if x.posted < k:
+            blocked = not x.posting and x.post_next == k and x.verified < k - 2
+            return "verify (pull waits for it)" if blocked else "per-bucket and per-read costs"
+        if k in x.waits:
+            return "waiting for its relay"
+        if k in x.relaying:
+            return "relay reads"
+        return "trainer reads" if x.tleft.get(k, 0) > 0 else "per-bucket and per-read costs"
+
+    def mark(x: Rx, phase: str | None = None) -> None:
+        phase = phase_of(x) if phase is None else phase
+        if phase != x.phase:
+            x.phases[x.phase] = x.phases.get(x.phase, 0.0) + net.now - x.since
+            x.phase, x.since = phase, net.now
 
     def path(src_host: int, dst: int) -> list[tuple[int, float]]:
         uses = [(r_in[dst], 1.0)]
@@ -182,71 +234,130 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
             uses.append((cpu[r_host[dst]], 1.0 / (p.gpu_gbps * gb)))
         return uses
 
-    def try_pull(x: Rx) -> None:
-        j, s = x.pulled + 1, x.seg
-        if x.pulling >= j or j >= len(s.nbytes) or x.verified < j - 2:
+    def try_post(x: Rx) -> None:
+        j, s = x.post_next, x.seg
+        if x.posting or j >= len(s.nbytes) or x.verified < j - 2 or x.pulled < j - (1 if p.window <= 1 else 2):
             return
-        x.pulling = j
-        mark(x, "per-bucket costs")
-        cpu_s = (s.buckets[j] * p.bucket_us + s.relay_buckets[j] * p.relay_bucket_us + s.reads[j] * p.read_us) * 1e-6
-        lat = (s.buckets[j] + s.relay_buckets[j]) * p.latency_us * 1e-6
-        x.serial_s += cpu_s + lat
-        uses = ((cpu[r_host[x.i]], cpu_s / (cpu_s + lat)),) if p.host_cores and cpu_s + lat > 0 else ()
-        net.start(Activity(cpu_s + lat, uses, lambda now: trainer_part(x, j), cap=1.0))
+        x.posting, x.post_next = True, j + 1
+        parts = {"per-bucket costs": s.buckets[j] * p.bucket_us, "relayed buckets": s.relay_buckets[j] *
+                 p.relay_bucket_us, "descriptors": s.reads[j] * p.read_us}  # fmt: skip
+        for k, v in parts.items():
+            x.serial[k] = x.serial.get(k, 0.0) + v * 1e-6
+        cost = sum(parts.values()) * 1e-6
+        x.left[j] = 2  # the post itself (and its last bucket's round trip), and the transfer's start
+        uses = ((cpu[r_host[x.i]], 1.0),) if p.host_cores and cost > 0 else ()
+        if p.window <= 1:  # post, a round trip per bucket, then the bytes: one bucket in flight
+            rounds = (s.buckets[j] + s.relay_buckets[j]) * lat
+            net.start(Activity(cost, uses, lambda now: net.at(now + rounds, lambda t: posted(x, j, True)), cap=1.0))
+        else:
+            first = cost / max(1, int(s.buckets[j]))
+            net.at(net.now + first + lat, lambda t: transfer(x, j))
+            net.start(Activity(cost, uses, lambda now: posted(x, j, False), cap=1.0))
+        mark(x)
 
-    def trainer_part(x: Rx, j: int) -> None:
+    def posted(x: Rx, j: int, then_transfer: bool) -> None:
+        x.posting, x.posted = False, j
+        if then_transfer:
+            transfer(x, j)
+            part_done(x, j)
+        else:
+            net.at(net.now + lat, lambda t: part_done(x, j))
+            try_post(x)
+        mark(x)
+
+    def transfer(x: Rx, j: int) -> None:
+        """Segment j's bytes: the trainer's as one flow over every trainer GPU it reads (each GPU's egress and
+        host NIC taken in proportion to its share: the sources advance together), the relay's as another."""
         gpus = np.bincount(cls.trainer_gpu, weights=x.seg.trainer[j], minlength=ntrain)
-        todo = np.flatnonzero(gpus > 0).tolist()
-        left = [len(todo)]
-
-        def one_done(now: float) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                relay_part(x, j)
-
-        if not todo:
+        todo = np.flatnonzero(gpus > 0)
+        total, relayed = float(gpus.sum()), bool(x.seg.relay[j] > 0)
+        x.left[j] += int(todo.size > 0) + int(relayed)
+        x.tleft[j] = int(bool(todo.size))
+        if todo.size:
+            egress[todo] += gpus[todo]
+            x.bytes_in += total
+            uses: dict[int, float] = {}
+            for g in todo.tolist():
+                for res, w in [(t_eg[g], 1.0), *path(t_host[g], x.i)]:
+                    uses[res] = uses.get(res, 0.0) + w * gpus[g] / total
+            flow(x, "trainer", Activity(total, tuple(uses.items()), lambda now: trainer_done(x, j)))
+        if relayed and (p.window > 1 or not todo.size):  # one bucket in flight: the relay's pieces after the trainer's
             relay_part(x, j)
-            return
-        mark(x, "trainer reads")
-        for g in todo:
-            egress[g] += gpus[g]
-            x.bytes_in += gpus[g]
-            net.start(Activity(float(gpus[g]), tuple([(t_eg[g], 1.0), *path(t_host[g], x.i)]), one_done))
+        part_done(x, j)  # the transfer has started
+
+    def flow(x: Rx, lane: str, act: Activity) -> None:
+        """Start ``act`` once the receiver's earlier flows of ``lane`` are done: a peer serves a reader's reads in
+        the order they were posted (a queue pair), so the window fills the link without delaying bucket j."""
+        x.queue.setdefault(lane, deque()).append(act)
+        if lane not in x.busy:
+            next_flow(x, lane)
+
+    def next_flow(x: Rx, lane: str) -> None:
+        q = x.queue[lane]
+        if q:
+            x.busy.add(lane)
+            net.start(q.popleft())
+        else:
+            x.busy.discard(lane)
+
+    def trainer_done(x: Rx, j: int) -> None:
+        next_flow(x, "trainer")
+        x.tleft[j] = 0
+        if p.window <= 1 and x.seg.relay[j] > 0:
+            relay_part(x, j)
+        part_done(x, j)
+
+    def part_done(x: Rx, j: int) -> None:
+        x.left[j] -= 1
+        if x.left[j] == 0:
+            del x.left[j]
+            x.arrived.add(j)
+            while x.pulled + 1 in x.arrived:
+                x.arrived.remove(x.pulled + 1)
+                x.pulled += 1
+            try_verify(x)
+            try_post(x)
+        mark(x)
 
     def relay_part(x: Rx, j: int) -> None:
-        if x.seg.relay[j] <= 0:
-            pulled(x, j)
-        elif x.up is not None and x.up.verified >= x.seg.need[j]:
+        up = x.up
+        assert up is not None
+        if up.verified >= x.seg.need[j]:
             relay_flow(x, j)
-        else:
-            assert x.up is not None
-            mark(x, "waiting for its relay")
-            x.up.waiting.append((x, j))
-            x.waited_since = net.now
-            if p.host_cores:  # the poll loop's status reads take CPU while it waits
-                x.polling = Activity(1e18, ((cpu[r_host[x.i]], 1.0),), lambda now: None, cap=_poll_duty(p))
-                net.start(x.polling)
+            return
+        x.waits.add(j)
+        up.waiting.append((x, j))
+        x.waited_since[j] = net.now
+        if p.host_cores and not p.relay_push and x.polling is None:  # the poll loop's status reads take CPU
+            x.polling = Activity(1e18, ((cpu[r_host[x.i]], 1.0),), lambda now: None, cap=_poll_duty(p))
+            net.start(x.polling)
+        mark(x)
 
     def relay_flow(x: Rx, j: int) -> None:
         up, b = x.up, float(x.seg.relay[j])
         assert up is not None
-        mark(x, "relay reads")
+        x.waits.discard(j)
+        if not x.waits and x.polling is not None:
+            net.stop(x.polling)
+            x.polling = None
+        x.relaying.add(j)
         up.bytes_out += b
         x.bytes_in += b
-        net.start(Activity(b, tuple([(r_out[up.i], 1.0), *path(r_host[up.i], x.i)]), lambda now: pulled(x, j)))
 
-    def pulled(x: Rx, j: int) -> None:
-        x.pulled = j
-        mark(x, "verify (pull waits for it)" if j < len(x.seg.nbytes) - 1 else "verify of the last segment")
-        try_verify(x)
-        try_pull(x)
+        def done(now: float) -> None:
+            next_flow(x, "relay")
+            x.relaying.discard(j)
+            part_done(x, j)
+
+        flow(x, "relay", Activity(b, tuple([(r_out[up.i], 1.0), *path(r_host[up.i], x.i)]), done))
+        mark(x)
 
     def try_verify(x: Rx) -> None:
         j = x.verified + 1
         if x.verifying >= j or j > x.pulled:
             return
         x.verifying = j
-        uses = [(r_ver[x.i], 1.0)] + ([(cpu[r_host[x.i]], 1.0 / (p.verify_gbps * gb))] if p.cpu_verify else [])
+        uses = [(r_ver[x.i], 1.0)] + ([(cpu[r_host[x.i]], 1.0 / (verify_gbps * gb))] if host_verify else [])
         act = Activity(float(x.seg.nbytes[j]), tuple(uses), lambda t: verified(x, j))
         net.at(max(net.now, digest_ready), lambda now: net.start(act))
 
@@ -255,14 +366,12 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         woken = [w for w in x.waiting if j >= w[0].seg.need[w[1]]]
         x.waiting = [w for w in x.waiting if w not in woken]
         for y, k in woken:
-            delay = _poll_wait(net.now - y.waited_since, p)
-            if y.polling is not None:
-                poll, y.polling = y.polling, None
-                net.at(net.now + delay, lambda now, poll=poll: net.stop(poll))
+            delay = lat if p.relay_push else _poll_wait(net.now - y.waited_since[k], p)
             net.at(net.now + delay, lambda now, y=y, k=k: relay_flow(y, k))
         if j < len(x.seg.nbytes) - 1:
             try_verify(x)
-            try_pull(x)
+            try_post(x)
+            mark(x)
             return
         mark(x, "prepare, vote, commit")
         x.prepared = net.now + p.fixed_ms * 1e-3
@@ -275,13 +384,17 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         x.found = net.now
         mark(x, "plan, join")
         first = p.first_use_ms.get(x.i, 0.0) * 1e-3
-        net.at(net.now + p.plan_s + (rtt if relay else 0.0) + first, lambda now: try_pull(x))
+        net.at(net.now + p.plan_s + (rtt if relay else 0.0) + first, lambda now: start(x))
+
+    def start(x: Rx) -> None:
+        try_post(x)
+        mark(x)
 
     def fetch(x: Rx) -> None:
         mark(x, "fetch, decode")
-        net.start(Activity(float(wire_bytes), ((registry, 1.0),), lambda now: fetched(x)))
+        net.start(Activity(float(wire_bytes), ((registry, 1.0),), lambda now: decode(x)))
 
-    def fetched(x: Rx) -> None:
+    def decode(x: Rx) -> None:
         net.at(net.now + fetch_s, lambda t: found(x))
 
     for x in rx:
@@ -291,15 +404,16 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         net.now = x.committed
         mark(x, "")
     last = max(rx, key=lambda x: (x.committed, x.prepared))  # the engine's slowest rank, not one that waited
+    worst = max(rx, key=lambda x: sum(x.serial.values()))
     bounds = {
         "trainer egress": float(egress.max()) / (p.gpu_gbps * gb),
         "receiver ingress": max(x.bytes_in for x in rx) / (p.gpu_gbps * gb),
         "relay egress": max(x.bytes_out for x in rx) / (p.gpu_gbps * gb),
-        "verify": max(float(x.seg.nbytes.sum()) for x in rx) / (p.verify_gbps * gb),
-        "per-bucket costs": max(x.serial_s for x in rx),
+        "verify": max(float(x.seg.nbytes.sum()) for x in rx) / (verify_gbps * gb),
+        **{f"serial: {k}": v for k, v in worst.serial.items()},
         "registry NIC": wire_bytes * n / (p.registry_gbps * gb),
     }
-    engine = sum(float(pl.bucket_bytes.sum()) for pl in cls.plans) * p.byte_scale
+    engine = sum(float(pl.bucket_bytes.sum()) for pl in cls.plans)
     phases = {k: v for k, v in last.phases.items() if k}
     slowest = max(x.prepared - x.found for x in rx)
     return Result(last.committed, slowest, float(egress.sum()), engine, max(x.bytes_out for x in rx), bounds, phases,

@@ -4,7 +4,9 @@ Every transfer, digest pass or CPU-bound step is an *activity*: an amount of wor
 of a serial lane) that consumes one or more *resources* (a GPU NIC's egress or ingress, a host's
 NIC/PCIe, the switch, a receiver's verify unit, a host's CPU cores) at a cost per unit of work. Rates
 are **max-min fair** (progressive filling): every active activity's rate rises at the same pace until
-a resource it uses is full or it reaches its own cap; those are frozen, the rest keep rising. Rates are
+a resource it uses is full or it reaches its own cap; those are frozen, the rest keep rising. Rates rise in
+each activity's *dominant share* (its largest fraction of a resource's capacity), so a byte flow and a
+CPU-bound step sharing cores get equal shares of them. Rates are
 recomputed whenever an activity starts or ends; between two events every rate is constant, so the next
 event is exact (no time steps). Timers (``at``) schedule plain callbacks: latencies, fixed costs.
 
@@ -81,29 +83,38 @@ class Net:
         heapq.heappush(self.timers, (max(when, self.now), self._serial, callback))
 
     def _share(self) -> None:
-        """Max-min fair rates by progressive filling over every active activity."""
+        """Max-min fair shares by progressive filling over every active activity, in each one's dominant share:
+        an activity's rate rises as its largest fraction of any resource's capacity does, the same for all, so
+        a flow and a CPU-bound step on the same cores get equal parts of them (dominant resource fairness; flows
+        over links of one size: plain max-min fair bytes)."""
         acts = self.active
         n = len(acts)
         if not n:
             return
+        cap_of = np.array(self.capacity, dtype=float)
         ri = np.repeat(np.arange(n), [len(a.res) for a in acts])
-        ci = np.concatenate([a.res for a in acts]) if n else np.zeros(0, dtype=np.int64)
-        cv = np.concatenate([a.cost for a in acts]) if n else np.zeros(0)
-        left = np.array(self.capacity, dtype=float)
+        ci = np.concatenate([a.res for a in acts])
+        cv = np.concatenate([a.cost for a in acts])
+        # per activity: its largest fraction of a resource per unit of rate (0: no finite resource, its cap only)
+        dom = np.zeros(n)
+        np.maximum.at(dom, ri, cv / cap_of[ci])
+        scale = np.where(dom > 0, 1.0 / np.where(dom > 0, dom, 1.0), 1.0)  # rate per unit of share
+        cs = cv * scale[ri]  # each resource's use per unit of share
+        left = cap_of.copy()
         caps = np.array([a.cap for a in acts], dtype=float)
         rate = np.zeros(n)
         live = np.ones(n, dtype=bool)
         while live.any():
             on = live[ri]
-            load = np.bincount(ci[on], weights=cv[on], minlength=len(left))
+            load = np.bincount(ci[on], weights=cs[on], minlength=len(left))
             with np.errstate(divide="ignore", invalid="ignore"):
                 room = np.where(load > 0, left / load, np.inf)
-            step = min(float(room.min(initial=np.inf)), float((caps - rate)[live].min()))
+            step = min(float(room.min(initial=np.inf)), float(((caps - rate) / scale)[live].min()))
             if not math.isfinite(step):
                 raise ValueError("an activity uses no finite resource and has no cap: it would take no time")
-            rate[live] += step
+            rate[live] += step * scale[live]
             left -= step * load
-            full = (load > 0) & (left <= 1e-9 * np.maximum(1.0, np.array(self.capacity)))
+            full = (load > 0) & (left <= 1e-9 * np.maximum(1.0, cap_of))
             frozen = np.zeros(n, dtype=bool)
             if full.any():
                 frozen[ri[on & full[ci]]] = True

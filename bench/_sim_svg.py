@@ -1,5 +1,5 @@
 """A small hand-built SVG for ``bench/simulate.py --svg``: time to all committed against GPU NIC bandwidth
-(log-log), as built and with the what-if changes, beside the published anchors."""
+(log-log), as built (with and without relays) and before issue 51, beside the published anchors."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ __all__ = ["BANDWIDTHS", "plot"]
 
 BANDWIDTHS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0)
 ANCHORS = (  # (seconds, label, colour)
-    (1.3, "Kimi-K2 256→128 GPUs, RDMA WRITE, static schedule: 1.3 s", "#d62728"),
+    (1.3, "Kimi-K2 256→128 GPUs, RDMA WRITE, static schedule, FP8: 1.3 s", "#d62728"),
     (1.93, "NeMo-RL DeepSeek-V3 reshard: 1.93–2.83 s", "#9467bd"),
     (2.83, "", "#9467bd"),
+    (2.84, "PRIME-RL NIXL pull, GLM-5.2: 2.84 s", "#e377c2"),
     (7.53, "vLLM NIXL pull, Kimi-K2 on 48×8 H100: 7.53 s", "#8c564b"),
     (15.0, "checkpoint-engine: 14–16 s", "#7f7f7f"),
 )
-W, H, L, R, T, B = 760, 560, 60, 250, 20, 150
+W, H, L, R, T, B = 760, 640, 60, 250, 20, 230
 Y0, Y1 = 0.3, 300.0
 
 
@@ -32,28 +33,24 @@ def _y(s: float) -> float:
     return T + (1 - (math.log(s) - math.log(Y0)) / (math.log(Y1) - math.log(Y0))) * (H - T - B)
 
 
-def curves(runs: dict[str, Any], p: Any, best: dict[str, object]) -> list[tuple[str, str, list]]:
-    """(label, colour, [(GB/s, seconds)]) per scenario: as built with and without relays, and
-    without relays with every what-if change."""
+def curves(runs: dict[str, Any], p: Any, today: dict[str, object]) -> list[tuple[str, str, list]]:
+    """(label, colour, [(GB/s, seconds)]) per scenario: as built with and without relays (one engine: without),
+    and before issue 51 without relays."""
     out = []
-    colours = {"kimi": ("#1f77b4", "#aec7e8", "#17becf"), "dsv3": ("#2ca02c", "#98df8a", "#bcbd22")}
-    for name, run in runs.items():
-        if name not in colours:
-            continue
-        relay, pull, changed = [], [], []
-        for g in BANDWIDTHS:
-            q = dataclasses.replace(p, gpu_gbps=g)
-            relay.append((g, run.sim(q, True).committed))
-            pull.append((g, run.sim(q, False).committed))
-            changed.append((g, run.sim(q, False, best).committed))
-        out.append((f"{name}: refitflow as built, relays", colours[name][0], relay))
-        out.append((f"{name}: refitflow as built, no relays", colours[name][1], pull))
-        out.append((f"{name}: no relays, every what-if change (fp8 on the wire)", colours[name][2], changed))
+    palette = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#bcbd22", "#8c564b")
+    for c, (name, run) in enumerate(runs.items()):
+        colour = palette[c % len(palette)]
+        modes = [True, False] if run.setup.engines > 1 else [False]
+        for relay in modes:
+            pts = [(g, run.sim(dataclasses.replace(p, gpu_gbps=g), relay).committed) for g in BANDWIDTHS]
+            out.append((f"{name}: as built, {'relays' if relay else 'no relays'}", colour, pts))
+        pts = [(g, run.sim(dataclasses.replace(p, gpu_gbps=g), False, today).committed) for g in BANDWIDTHS]
+        out.append((f"{name}: before issue 51, no relays", colour + "80", pts))
     return out
 
 
-def plot(runs: dict[str, Any], p: Any, path: pathlib.Path, best: dict[str, object]) -> None:
-    lines = curves(runs, p, best)
+def plot(runs: dict[str, Any], p: Any, path: pathlib.Path, today: dict[str, object]) -> None:
+    lines = curves(runs, p, today)
     e = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
          f'<rect width="{W}" height="{H}" fill="white"/>']  # fmt: skip
     for s in (0.3, 1, 3, 10, 30, 100, 300):

@@ -1,15 +1,15 @@
 """Who reads what from whom, decided by refitflow's own code (for ``bench/simulate.py``).
 
-- **Plans**: ``stages.plan.build_plan`` on shape-only publications (``ShardSpec``s with the publisher's
+- **Plans**: ``planner.build_plan`` on shape-only publications (``ShardSpec``s with the publisher's
   tile geometry and zero digests, as ``bench/kimi_plan_bench.py`` builds them) into meta tensors. A plan
   gives, per bucket, the bytes read from each trainer rank and the number of reads. Engines are replicas:
   rank ``r`` of every engine has the same plan, so each rank of one engine is planned once (a *class*)
   and reused by the other engines. Receivers that relay plan with their ``relay_bucket_bytes`` cap, the
   others with the default limits, as ``api.Receiver`` does.
-- **Relays**: each class's offer is ``stages._relay.held_boxes`` of its plan (checked by the registry's
+- **Relays**: each class's offer is ``planner.fanout.held_boxes`` of its plan (checked by the registry's
   ``check_offer``); receivers join ``registry.service.fanout.Relays`` in join order and get their upstream
   from it; which of a reader's pieces its upstream holds, and which of the upstream's tensors each waits
-  for, is ``stages._relay.Geometry`` — the code a receiver runs.
+  for, is ``planner.fanout.Geometry`` — the code a receiver runs.
 
 What is simulated is the result reduced to *segments* (consecutive buckets, about ``1 / segments`` of a
 rank's bytes each): bytes per trainer rank, bytes from the upstream relay and the upstream segment that
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 
 import refitflow as rf
 from refitflow.core.fanout import RelayOffer
@@ -34,8 +33,9 @@ from refitflow.planner import Plan, build_plan
 from refitflow.planner.checks import used_digests
 from refitflow.planner.fanout import Geometry, held_boxes
 from refitflow.planner.limits import Limits
+from refitflow.planner.routes import aux_owner
 from refitflow.refit.config import ReceiverConfig
-from refitflow.refit.destination import ApplyMode, Destination
+from refitflow.refit.destination import Destination
 from refitflow.registry.service.fanout import Relays, check_offer
 
 __all__ = ["Classes", "Pair", "RankPlan", "Setup", "limits_for", "plan_classes", "segments", "upstreams"]
@@ -74,6 +74,7 @@ class RankPlan:
     digest_share: float  # the share of the publication's digests of the shards it reads
     part_digests: int = 0  # the digests its checks read: what it fetches per version (its plan's part)
     layout: str = ""  # relay layout digest ("" when it does not relay)
+    converted: int = 0  # parameters routed "convert" (read in whole blocks, dequantised at commit), not copied
     offer: RelayOffer | None = None
     plan: Plan | None = field(default=None, repr=False)
 
@@ -97,7 +98,7 @@ class Classes:
     trainer_bytes: np.ndarray  # per manifest index: bytes it publishes
     trainer_gpu: np.ndarray  # per manifest index: the trainer GPU serving it
     specs: int  # shard specs in the publication (what the registry validates and every receiver decodes)
-    digest_bytes: int  # base64 block digests in the publication (what every receiver fetches)
+    digest_bytes: int  # base64 block digests in the publication (what every receiver fetched in format 4 alone)
 
     @property
     def digest_share(self) -> float:
@@ -133,8 +134,8 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
     last = np.full(len(target.relay_params), -1, dtype=np.int64)
     for b in plan.buckets:
         for p in b.pieces:
-            for s in p.scatters:
-                last[target.position[s.param]] = b.index
+            for s in p.scatters:  # an auxiliary assembly (a converted parameter's blocks) completes its parameter
+                last[target.position[aux_owner(s.param)]] = b.index
     offer, layout = None, ""
     if relay:
         held, layout = held_boxes(plan)
@@ -147,8 +148,8 @@ def _reduce(rank: int, plan: Plan, dest: Destination, relay: bool, pub: rf.Publi
     part = used_digests(plan)
     return RankPlan(rank, np.array(pb, dtype=np.int64), np.array(ps, dtype=np.int64), np.array(pn, dtype=np.int64),
                     np.array(reads, dtype=np.int64), np.array(bbytes, dtype=np.int64), last, plan.seconds,
-                    plan.ideal_bytes, plan.digest_count / digests, 0 if part is None else len(part), layout, offer,
-                    plan)  # fmt: skip
+                    plan.ideal_bytes, plan.digest_count / digests, 0 if part is None else len(part), layout,
+                    len(plan.route.converted), offer, plan)  # fmt: skip
 
 
 def _pair(reader: RankPlan, up: RankPlan) -> Pair:
@@ -288,17 +289,11 @@ def _bounds(bucket_bytes: np.ndarray, count: int) -> np.ndarray:
 
 
 def _source_hash() -> str:
-    """A digest of the planner's and layouts' source: a cached reduction is stale when they change."""
+    """A digest of the planner's, layouts' and this reduction's source: a cached reduction is stale when they change."""
     src = pathlib.Path(rf.__file__).parent
     h = hashlib.sha256()
-    for p in sorted([*src.glob("stages/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/fanout.py")]):
+    mine = pathlib.Path(__file__).resolve()
+    for p in [*sorted([*src.glob("planner/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/fanout.py")]),
+              mine, mine.with_name("_sim_quant.py")]:  # fmt: skip
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
-
-
-def meta_params(layout: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    return {n: torch.empty(lt.shape, dtype=dtype, device="meta") for n, lt in layout.items()}
-
-
-def meta_landing(layout: dict) -> Destination:
-    return Destination(meta_params(layout), ApplyMode.IN_PLACE, layout)
