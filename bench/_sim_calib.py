@@ -14,8 +14,8 @@
    one bucket in flight, relay progress polled (the code before issue 51: the code it measures since the merge
    with issue 51 keeps a window in flight and reads a relay's status only when it waits — not yet modelled
    here); a bucket's serial cost the measured refit slope (``bucket_us``: refitflow's own cost and the raw
-   read's, both CPU here). ``bucket_cost.py``'s own cost (refit slope less raw slope) can come out negative
-   with the window (the raw READs are posted one at a time); the scenarios then take 0.
+   read's, both CPU here). ``bucket_cost.py``'s own cost is the refit slope less the slope of the same raw READs
+   submitted with the refit's window in flight (against READs posted one at a time it came out negative).
 3. **Fitted**, on the first rows of each pair: ``host_cores`` (the cores the refits had, as they used them: the
    machine is shared, and 8 receivers' copies, hashing and polling threads contend for 2 cores and one memory
    bus), ``fixed_ms`` (any other cost per refit) and ``first_use_ms`` (a receiver's first refit after the
@@ -24,7 +24,7 @@
    receiver's ``first_use_ms`` from the relay rows; grid searches for the smallest worst relative error.
    **Checked**: every row, the warm ones held out — within 20 %.
 
-What the scenarios then use: ``bucket_us`` = refitflow's own cost (the refit slope less the raw read's: on a
+What the scenarios then use: ``bucket_us`` = refitflow's own cost (the refit slope less the windowed raw read's: on a
 cluster the transport's round trip is ``latency_us``, overlapped by the window) and ``relay_bucket_us``.
 """
 
@@ -96,9 +96,10 @@ def bucket_cost() -> dict[str, float]:
     reads = np.array([float(r[1]) for r in table])
     raw = np.array([float(r[3]) for r in table])
     _, intercept = np.polyfit(reads, raw, 1)
-    m = re.search(r"per bucket: refit (-?\d+) us, raw read (-?\d+) us, refitflow's own (-?\d+) us", out)
+    m = re.search(r"per bucket: refit (-?\d+) us; raw reads one at a time (-?\d+) us, windowed (-?\d+) us; "
+                  r"refitflow's own (-?\d+) us", out)  # fmt: skip
     assert m is not None, out
-    return {"refit_us": float(m[1]), "raw_us": float(m[2]), "own_us": float(m[3]),
+    return {"refit_us": float(m[1]), "raw_us": float(m[2]), "win_us": float(m[3]), "own_us": float(m[4]),
             "copy_gbps": size / max(intercept, raw.min() / 2) / 1e9}  # fmt: skip
 
 
@@ -177,7 +178,8 @@ def fit_and_check(make: Callable[[int], Setup], cache: pathlib.Path | None, m: d
     measured: Rows = {r == "True": rows for r, rows in m["rows"].items()}
     best = {r: [min(x[1]) for x in rows] for r, rows in measured.items()}  # the least disturbed of the runs
     print(f"bench/bucket_cost.py: a bucket costs a refit {cost['refit_us']:.0f} us, a raw READ "
-          f"{cost['raw_us']:.0f} us, refitflow's own {cost['own_us']:.0f} us; raw copy {cost['copy_gbps']:.2f} GB/s; "
+          f"{cost['raw_us']:.0f} us (windowed {cost.get('win_us', float('nan')):.0f} us), refitflow's own "
+          f"{cost['own_us']:.0f} us; raw copy {cost['copy_gbps']:.2f} GB/s; "
           f"xxh3 {xxh:.1f} GB/s a core; bench/fanout_bench.py x {m['runs']} each, alternating: other work used "
           f"{used:.2f} of the {os.cpu_count()} cores meanwhile; measured in {m['seconds']:.0f} s ({m['when']}, load "
           f"average {m['load']:.2f} before, {m['load_after']:.2f} after)")  # fmt: skip

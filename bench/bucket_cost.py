@@ -7,9 +7,11 @@ A publisher process (NIXL, xxh3 digests) and this receiver process, as ``bench/n
 ``--size-mb`` is refit with its direct reads cut into about ``--buckets`` buckets (``direct_bucket_bytes``),
 round after round, the bucket counts interleaved; and, in the same rounds, read raw (``NixlTransport.read``
 of the same byte ranges, one call per bucket, prepared once and replayed: what the transport itself costs a
-bucket). Per bucket count it prints the best refit and raw seconds; then the least-squares slopes: seconds a
-bucket costs a refit, a raw read, and refitflow's own cost per bucket (the difference: stages, hops, verify's
-per-bucket work — not the copy, not NIXL's own post and completion). GB/s = 10^9 bytes per second.
+bucket; and the same reads submitted with the refit's window in flight, landed in order: what it costs a bucket
+when buckets overlap). Per bucket count it prints the best refit and raw seconds; then the least-squares slopes:
+seconds a bucket costs a refit, a raw read (one at a time, windowed), and refitflow's own cost per bucket (refit
+minus raw windowed: stages, hops, verify's per-bucket work — not the copy, not NIXL's own post and completion).
+GB/s = 10^9 bytes per second.
 """
 
 from __future__ import annotations
@@ -32,12 +34,24 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from _nixl_peer import Peer
 
 import refitflow as rf
-from refitflow.transports.base import Read, as_bytes
+from refitflow.transports.base import Read, Submitted, as_bytes
 from refitflow.transports.nixl import NixlTransport
 
 
 def slope(x: list[float], y: list[float]) -> float:
     return float(np.polyfit(np.asarray(x, dtype=float), np.asarray(y, dtype=float), 1)[0])
+
+
+async def windowed(raw: NixlTransport, parts: list[list[Read]], k: int, window: int) -> None:
+    """Every part submitted as the refit's pull does — up to ``window`` in flight, landed in order — without a
+    pipeline: what the transport costs a bucket when buckets overlap."""
+    flights: list[Submitted] = []
+    for i, c in enumerate(parts):
+        if len(flights) >= window:
+            await flights.pop(0).wait()
+        flights.append(await raw.submit(c, key=(k, i)))
+    for f in flights:
+        await f.wait()
 
 
 def chunks(reads: list[Read], parts: int) -> list[list[Read]]:
@@ -76,6 +90,7 @@ async def main() -> None:
     registry, identity = rf.Registry(), rf.Identity(model="bench")
     refit_s: dict[int, list[float]] = {k: [] for k in a.buckets}
     raw_s: dict[int, list[float]] = {k: [] for k in a.buckets}
+    win_s: dict[int, list[float]] = {k: [] for k in a.buckets}
     made: dict[int, int] = {}
     version = 1  # the first publication
     async with Peer(spec) as peer:
@@ -106,6 +121,10 @@ async def main() -> None:
                             await raw.read(c, key=(k, i))
                         if rnd:
                             raw_s[k].append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        await windowed(raw, parts[k], k, receivers[k].config.window_buckets)
+                        if rnd:
+                            win_s[k].append(time.perf_counter() - t0)
                         version += 1
                         await registry.publish(await peer.publish(version, version))
                         r = await receivers[k].refit(version)
@@ -117,15 +136,18 @@ async def main() -> None:
                     await receivers[k].__aexit__(None, None, None)
         finally:
             await raw.aclose()
-    print("\n| buckets (refit) | reads (raw) | refit best s | raw best s | refit GB/s |\n|---:|---:|---:|---:|---:|")
+    print("\n| buckets (refit) | reads (raw) | refit best s | raw best s | raw windowed best s | refit GB/s |\n"
+          "|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for k in a.buckets:
-        print(f"| {made[k]} | {len(parts[k])} | {min(refit_s[k]):.4f} | {min(raw_s[k]):.4f} "
+        print(f"| {made[k]} | {len(parts[k])} | {min(refit_s[k]):.4f} | {min(raw_s[k]):.4f} | {min(win_s[k]):.4f} "
               f"| {nbytes / min(refit_s[k]) / 1e9:.2f} |")  # fmt: skip
     ks = [made[k] for k in a.buckets]
     per_refit = slope(ks, [min(refit_s[k]) for k in a.buckets])
     per_raw = slope([len(parts[k]) for k in a.buckets], [min(raw_s[k]) for k in a.buckets])
-    print(f"\nper bucket: refit {per_refit * 1e6:.0f} us, raw read {per_raw * 1e6:.0f} us, "
-          f"refitflow's own {(per_refit - per_raw) * 1e6:.0f} us (slopes of the best times over bucket count)")
+    per_win = slope([len(parts[k]) for k in a.buckets], [min(win_s[k]) for k in a.buckets])
+    print(f"\nper bucket: refit {per_refit * 1e6:.0f} us; raw reads one at a time {per_raw * 1e6:.0f} us, "
+          f"windowed {per_win * 1e6:.0f} us; refitflow's own {(per_refit - per_win) * 1e6:.0f} us (refit - raw "
+          f"windowed: slopes of the best times over bucket count)")  # fmt: skip
 
 
 if __name__ == "__main__":

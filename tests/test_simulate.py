@@ -141,12 +141,13 @@ def test_the_calibration_reads_the_bench_scripts_output(monkeypatch: pytest.Monk
                          *(f"{k:>8} {1.0:>15.2f} {0.0:>10.1f} {0.01:>7.3f} {0.02 * k:>7.3f} {1.0:>10.2f}"
                            for k in _sim_calib.TOGETHER), "load average after: 1.00"])  # fmt: skip
     cost = ("64 fp32 tensors, 67.1 MB, mode in_place\n\n| buckets (refit) | reads (raw) |\n|---:|---:|\n"
-            "| 5 | 4 | 0.0310 | 0.0129 | 2.17 |\n| 91 | 64 | 0.0933 | 0.0549 | 0.72 |\n"
-            "\nper bucket: refit 700 us, raw read 500 us, refitflow's own 200 us (slopes)\n")  # fmt: skip
+            "| 5 | 4 | 0.0310 | 0.0129 | 0.0120 | 2.17 |\n| 91 | 64 | 0.0933 | 0.0549 | 0.0300 | 0.72 |\n"
+            "\nper bucket: refit 700 us; raw reads one at a time 500 us, windowed 300 us; refitflow's own 400 us "
+            "(refit - raw windowed)\n")  # fmt: skip
     monkeypatch.setattr(_sim_calib, "_run", lambda args, timeout=600: fanout if "fanout" in args[0] else cost)
     assert [r[1] for r in _sim_calib.fanout(True)] == pytest.approx([0.02 * k for k in _sim_calib.TOGETHER])
     got = _sim_calib.bucket_cost()
-    assert (got["refit_us"], got["raw_us"], got["own_us"]) == (700.0, 500.0, 200.0)
+    assert (got["refit_us"], got["raw_us"], got["win_us"], got["own_us"]) == (700.0, 500.0, 300.0, 400.0)
     assert got["copy_gbps"] == pytest.approx(67.1e6 / (0.0129 - 4 * 0.0007) / 1e9, rel=1e-6)
 
 
