@@ -154,5 +154,5 @@ class Plan:
 
     def digests(self, pub: Publication) -> np.ndarray:
         """``pub``'s digests of the shards this plan reads, in the order its checks index them (a whole
-        publication; an ``Outline``'s come from the registry: ``stages._checks.version_digests``)."""
+        publication; an ``Outline``'s come from the registry: ``refit.digests.version_digests``)."""
         return digest_vector(pub, self.digest_order, self.digest_count)
