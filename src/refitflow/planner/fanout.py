@@ -3,7 +3,7 @@ relay holds each piece this rank reads.
 
 *Held boxes* (``held_boxes``): a plan's box copies are exactly what this rank will hold of each trainer
 shard — the copies into tensors of the shard's own dtype (no cast, no float8) are what it can serve as a
-relay (``core.relay``). Their layout digest names this rank's layout to the registry.
+relay (``core.fanout``). Their layout digest names this rank's layout to the registry.
 
 *Geometry* (``Geometry``): for one relay layout, where the relay holds each piece of this plan. A piece
 is relayable when the relay's held boxes of its trainer shard tile its box into parts that are each one

@@ -105,7 +105,7 @@ class StagingArena:
 
 
 class StagingArenas:
-    """The receiver's staging (``stages._context.Staging``): one ring per device, shares of one budget."""
+    """The receiver's staging: one ring per device, shares of one budget."""
 
     def __init__(
         self, budget: ByteBudget, devices: Iterable[torch.device | str], *, register: Register | None = None
