@@ -87,6 +87,40 @@ async def test_a_forged_ballot_or_verdict_is_never_counted(tmp_path: Path) -> No
 
 
 @pytest.mark.asyncio
+async def test_a_key_of_another_role_in_the_deployment_cannot_vote(tmp_path: Path) -> None:
+    """Keys per role reach the engine: its vote admits the deployment's rollout keys alone. A trainer's key — the
+    same folder, the same server key — is refused at the handshake, so its forged ballot is never counted."""
+    keys_main([str(tmp_path / "keys"), "--clients", "rank:rollout", "coach:trainer"])
+    server = rf.ServerSecurity(secret_key_file=tmp_path / "keys/server.key_secret",
+                               authorized_dir=tmp_path / "keys/authorized")  # fmt: skip
+    rank = rf.ClientSecurity(secret_key_file=tmp_path / "keys/rank.key_secret",
+                             server_public_file=tmp_path / "keys/server.key")  # fmt: skip
+    coach = rf.ClientSecurity(secret_key_file=tmp_path / "keys/coach.key_secret",
+                              server_public_file=tmp_path / "keys/server.key")  # fmt: skip
+    addrs = free_addresses(2)
+    ranks = [rf.ZmqVote(r, addrs, server_security=server, client_security=rank) for r in range(2)]
+    ctx = zmq.asyncio.Context()
+    try:
+        with anyio.fail_after(30):
+            for r in ranks:
+                r.start()
+            trainer = ctx.socket(zmq.PUSH)
+            trainer.setsockopt(zmq.LINGER, 0)
+            coach.apply(trainer)
+            trainer.connect(addrs[0])
+            await trainer.send(encode_vote("engine", Message(Kind.BALLOT, 1, 1, 0, ballot=Ballot(True, True, 1))))
+            verdict = await ranks[0].vote(Ballot(True, True, 1), 2)  # "rank 1 is ready", from the trainer's key
+            assert verdict.decision is Decision.ABORT, verdict
+            assert "no ballot of ranks [1] had been read" in verdict.reason
+            assert ranks[0].dropped == 0  # refused at the handshake: nothing reached the decoder
+            assert (await ranks[1].vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT  # the rank's key votes
+    finally:
+        ctx.destroy(linger=0)
+        for r in ranks:
+            r.close()
+
+
+@pytest.mark.asyncio
 async def test_forged_refit_and_stop_commands_are_never_obeyed(tmp_path: Path, ident, registry) -> None:
     server, client, intruder = _keys(tmp_path)
     [vote_address, agent_address] = free_addresses(2)

@@ -13,8 +13,9 @@ every peer until one answers. Attempt ids count votes, or are set with ``set_att
 drives the attempts (the controller's command id), which keeps ranks in step even after one of them
 was restarted.
 
-Security: ``server_security`` makes the PULL socket a CURVE server that accepts only the clients in
-its allow-list, ``client_security`` the PUSH sockets CURVE clients (one key set for a deployment,
+Security: ``server_security`` makes the PULL socket a CURVE server that accepts only the rollout keys of
+its allow-list (an engine's ranks; a trainer's or an operator's key of the same deployment cannot vote),
+``client_security`` the PUSH sockets CURVE clients (one key set for a deployment,
 ``refitflow keys``; give both or neither). Without them use loopback or a private network only: a
 process that can reach the PULL socket could vote in a rank's name.
 """
@@ -123,7 +124,7 @@ class ZmqVote(AttemptIds):
         self._auth = None
         try:
             if server_security is not None:
-                self._auth = server_security.authenticator(self._context)
+                self._auth = server_security.authenticator(self._context, only=("rollout",))  # ranks alone vote
             else:
                 check_exposed(addresses[rank], "the engine vote", insecure=insecure)
             self._pull = self._context.socket(zmq.PULL)

@@ -18,7 +18,7 @@ in; a key in two folders is refused.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,8 +85,10 @@ class KeyRoles:
     def __init__(self, keys: Mapping[str, Holder]) -> None:
         self._keys = dict(keys)
 
-    def knows(self, key: str) -> bool:
-        return key in self._keys
+    def knows(self, key: str, roles: Collection[str] | None = None) -> bool:
+        """Whether ``key`` is in the allow-list (holding one of ``roles``, when given; a key of every role does)."""
+        holder = self._keys.get(key)
+        return holder is not None and (roles is None or holder.role == EVERY or holder.role in roles)
 
     @property
     def legacy(self) -> list[Path]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,14 +101,16 @@ class ServerSecurity:
         """The allow-list's keys and their roles (``roles.role_keys``)."""
         return KeyRoles(role_keys(Path(self.authorized_dir)))
 
-    def allow(self, auth: Any) -> KeyRoles:
-        """Make a started ``zmq.auth`` authenticator admit exactly the allow-list's keys (every role's); the roles."""
+    def allow(self, auth: Any, only: Collection[str] | None = None) -> KeyRoles:
+        """Make a started ``zmq.auth`` authenticator admit exactly the allow-list's keys — every role's, or those of
+        the roles ``only`` names (a key of every role, from a folder made before roles, holds each); the roles."""
         roles = self.roles()
-        auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(roles))
+        auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(roles, only))
         return roles
 
-    def authenticator(self, context: zmq.Context) -> Any:
-        """Start (in a thread) the handler that admits only the allow-list's clients on ``context``.
+    def authenticator(self, context: zmq.Context, only: Collection[str] | None = None) -> Any:
+        """Start (in a thread) the handler that admits only the allow-list's clients on ``context`` (of the roles
+        ``only`` names, if given: the engine's vote admits rollout keys alone).
 
         Start it before binding: a CURVE server with no handler admits any client key. Stop it
         (``.stop()``) before terminating the context.
@@ -116,15 +119,15 @@ class ServerSecurity:
 
         auth = ThreadAuthenticator(context)
         auth.start()
-        self.allow(auth)
+        self.allow(auth, only)
         return auth
 
 
 class _Allowed:
     """``zmq.auth``'s credentials provider: a client key is admitted when the allow-list holds it."""
 
-    def __init__(self, roles: KeyRoles) -> None:
-        self._roles = roles
+    def __init__(self, roles: KeyRoles, only: Collection[str] | None) -> None:
+        self._roles, self._only = roles, only
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return self._roles.knows(key.decode())
+        return self._roles.knows(key.decode(), self._only)
