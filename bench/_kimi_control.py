@@ -39,33 +39,9 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from _meter import MOVED, count_zmq_bytes, cpu_seconds
 
 import refitflow as rf
-
-MOVED = [0]  # bytes on this process's asyncio ZMQ sockets (sent and received)
-
-
-def _count_bytes() -> None:
-    import zmq.asyncio
-
-    send, recv = zmq.asyncio.Socket.send, zmq.asyncio.Socket.recv_multipart
-
-    def counted_send(self: Any, data: Any, *a: Any, **kw: Any) -> Any:
-        MOVED[0] += len(data)
-        return send(self, data, *a, **kw)
-
-    async def counted_recv(self: Any, *a: Any, **kw: Any) -> Any:
-        frames = await recv(self, *a, **kw)
-        MOVED[0] += sum(len(f) for f in frames)
-        return frames
-
-    zmq.asyncio.Socket.send = counted_send  # type: ignore[method-assign]
-    zmq.asyncio.Socket.recv_multipart = counted_recv  # type: ignore[method-assign]
-
-
-def _cpu(pid: int) -> float:
-    stat = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _version(pub: rf.Publication, version: int) -> list[rf.Manifest]:
@@ -105,7 +81,7 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
     except ImportError:  # a tree before layouts and parts: every receiver decodes every rank's manifest
         version_digests = None
 
-    _count_bytes()
+    count_zmq_bytes()
     d = kimi_k2(a.layers, a.experts)
     shape, _ = publication(d, a.train_tp, a.train_ep, a.train_pp, a.apart)
     ident = shape.identity
@@ -143,12 +119,13 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
             trainer._request = spy  # type: ignore[method-assign]
             for version in range(1, a.versions + 1):
                 manifests = await asyncio.to_thread(_version, shape, version)
-                cpu0, MOVED[0] = _cpu(registry.pid), 0
+                cpu0, MOVED[0] = cpu_seconds(registry.pid), 0
                 t0 = time.perf_counter()
                 sent.clear()
                 for m in manifests:
                     await trainer.publish(m)
-                row: dict[str, Any] = {"publish_s": time.perf_counter() - t0, "publish_cpu": _cpu(registry.pid) - cpu0,
+                row: dict[str, Any] = {"publish_s": time.perf_counter() - t0,
+                                       "publish_cpu": cpu_seconds(registry.pid) - cpu0,
                                        "publish_bytes": MOVED[0], "receivers": []}  # fmt: skip
                 del manifests
                 frames = [encode({"v": PROTOCOL_VERSION, "id": i, "op": op, **kw}) for i, (op, kw) in enumerate(sent)]
@@ -159,7 +136,7 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
                 row["work"] = time.process_time() - work0
                 del frames
                 for r, client, dest, state in receivers:
-                    cpu0, MOVED[0] = _cpu(registry.pid), 0
+                    cpu0, MOVED[0] = cpu_seconds(registry.pid), 0
                     t0 = time.perf_counter()
                     wait = client.wait_outline if version_digests is not None else client.wait_complete
                     pub = await wait(ident, version, 600)
@@ -175,7 +152,7 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
                     took = fetched + time.perf_counter() - t1
                     assert len(vector) == plan.digest_count
                     row["receivers"].append({"rank": r, "bytes": MOVED[0], "s": took,
-                                             "cpu": _cpu(registry.pid) - cpu0})  # fmt: skip
+                                             "cpu": cpu_seconds(registry.pid) - cpu0})  # fmt: skip
                     if "built" not in state:  # the first refit over: every bucket's checks are made
                         await asyncio.to_thread(lambda p=plan: [b.built() for b in p.buckets])
                         state["built"] = True

@@ -38,6 +38,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _meter import MOVED, count_zmq_bytes, cpu_seconds  # noqa: E402
 from _tree import source_of  # noqa: E402
 
 
@@ -47,34 +48,7 @@ def _peak_rss(pid: int) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
-def _cpu(pid: int) -> float:
-    """CPU seconds used so far by process ``pid``."""
-    stat = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-
-
 FETCHES = 8  # fetches in flight per worker process: a version's manifests (or its first sight's layouts) are MBs
-MOVED = [0]  # bytes this process sent to and received from the registry (every socket here talks to it)
-
-
-def _count_bytes() -> None:
-    """Count every frame this process's asyncio ZMQ sockets send and receive (the registry's traffic, seen
-    from its peers: the same figure for any refitflow tree)."""
-    import zmq.asyncio
-
-    send, recv = zmq.asyncio.Socket.send, zmq.asyncio.Socket.recv_multipart
-
-    def counted_send(self: Any, data: Any, *a: Any, **kw: Any) -> Any:
-        MOVED[0] += len(data)
-        return send(self, data, *a, **kw)
-
-    async def counted_recv(self: Any, *a: Any, **kw: Any) -> Any:
-        frames = await recv(self, *a, **kw)
-        MOVED[0] += sum(len(f) for f in frames)
-        return frames
-
-    zmq.asyncio.Socket.send = counted_send  # type: ignore[method-assign]
-    zmq.asyncio.Socket.recv_multipart = counted_recv  # type: ignore[method-assign]
 
 
 def _names(tensors: int, world: int, rank: int) -> list[str]:
@@ -118,7 +92,7 @@ async def _receivers(address: str, ids: list[int], world: int, tensors: int, ver
     from refitflow.core.wire import PROTOCOL_VERSION
     from refitflow.registry.client.client import RegistryClient
 
-    _count_bytes()
+    count_zmq_bytes()
     ident = rf.Identity(model="scale")
     clients = [RegistryClient(address, request_timeout_s=300) for _ in ids]
     for c in clients:
@@ -227,7 +201,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     """This interpreter's refitflow, registry and clients: the figures of each version."""
     from refitflow.registry.client.client import RegistryClient
 
-    _count_bytes()
+    count_zmq_bytes()
     code = "import sys; from refitflow.cli.registry_cmd import registry_main; sys.exit(registry_main(sys.argv[1:]))"
     flags = ("--bind", "tcp://127.0.0.1:*", "--lease-s", "600", "--open")
     registry = await asyncio.create_subprocess_exec(sys.executable, "-c", code, *flags, stdout=asyncio.subprocess.PIPE)
@@ -251,14 +225,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for version in range(1, args.versions + 1):
                 pending = [_manifest(version, r, args.world, args.tensors, pending=True) for r in range(args.world)]
                 done = [_manifest(version, r, args.world, args.tensors, pending=False) for r in range(args.world)]
-                cpu0, MOVED[0] = _cpu(registry.pid), 0
+                cpu0, MOVED[0] = cpu_seconds(registry.pid), 0
                 t0 = time.perf_counter()
                 for m in pending:
                     await trainer.publish(m)
                 for m in done:
                     await trainer.publish(m)
                 published = time.perf_counter() - t0
-                cpu1, published_bytes = _cpu(registry.pid), MOVED[0]
+                cpu1, published_bytes = cpu_seconds(registry.pid), MOVED[0]
                 for p in pipes:
                     p.send("go")
                 times: dict[str, list[float]] = {}
@@ -272,7 +246,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     for k, got in worker_joins.items():
                         sizes[k].extend(got)
                 took = time.perf_counter() - t0
-                cpu2 = _cpu(registry.pid)
+                cpu2 = cpu_seconds(registry.pid)
                 out["versions"].append({
                     "publish_s": published, "publish_cpu": cpu1 - cpu0, "publish_bytes": published_bytes,
                     "cpu": cpu2 - cpu0, "bytes": moved, "wall": took, "rss": _peak_rss(registry.pid),
