@@ -12,11 +12,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+import anyio
 import torch
 
 from refitflow.core.types import SourceAddress
 
-__all__ = ["Read", "Submitted", "Transport", "as_bytes"]
+__all__ = ["Read", "Submitted", "Transport", "as_bytes", "settle_or_abandon"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,19 @@ class Submitted:
     def abandon(self) -> None:
         """The caller stopped waiting for reads still in progress (``settle`` ran out of time): a transport may
         cut them short. Nothing to do for reads that start only when waited for."""
+
+
+async def settle_or_abandon(flights: Iterable[Submitted], within: float) -> None:
+    """After a failure or a cancellation: wait, shielded, up to ``within`` seconds for every read of ``flights``
+    to end (landed or failed) before their memory is reused or freed; those still in progress then (a peer that
+    stopped answering) are abandoned."""
+    pending = list(flights)
+    with anyio.CancelScope(shield=True), anyio.move_on_after(within):
+        while pending:
+            await pending[0].settle()
+            pending.pop(0)
+    for f in pending:
+        f.abandon()
 
 
 class Transport(ABC):

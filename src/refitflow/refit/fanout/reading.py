@@ -26,7 +26,7 @@ from refitflow.refit.attempt import Attempt, Resources
 from refitflow.refit.fanout.relaying import Upstream
 from refitflow.refit.landing import landed, read, read_pieces, reads_for
 from refitflow.refit.work import Work
-from refitflow.transports.base import Read, as_bytes
+from refitflow.transports.base import Read, as_bytes, settle_or_abandon
 
 __all__ = ["owed_by_upstream", "take_relayed"]
 
@@ -74,10 +74,7 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                 try:
                     await landed(res, attempt, work, posted, anyio.current_time() + res.limits.read_timeout_s)
                 finally:  # a read that failed or ran late ends before the trainer's bytes land in the same place
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s) as scope:
-                        await posted.settle()
-                    if scope.cancelled_caught:
-                        posted.abandon()
+                    await settle_or_abandon([posted], res.limits.read_timeout_s)
                 if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
                     up.fail(f"it left version {v} while being read")
                     break

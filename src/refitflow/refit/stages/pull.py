@@ -31,7 +31,7 @@ from refitflow.refit.fanout.reading import owed_by_upstream, take_relayed
 from refitflow.refit.handoff import first_error, give, take
 from refitflow.refit.landing import landed, submit_pieces
 from refitflow.refit.work import Receive, Send, Work
-from refitflow.transports.base import Submitted
+from refitflow.transports.base import Submitted, settle_or_abandon
 
 __all__ = ["run"]
 
@@ -118,12 +118,5 @@ async def run(
         peers = [m.source.agent for m in attempt.publication.manifests]
         res.transport.reconnect(peers + ([attempt.upstream.offer.source.agent] if attempt.upstream else []))
         raise
-    finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(res.limits.read_timeout_s):
-            for f in flying:  # a failure or a cancellation: what is still landing ends before staging is freed
-                if f.submitted is not None:
-                    await f.submitted.settle()
-                    f.submitted = None
-        for f in flying:  # still in progress past the deadline (a peer that stopped answering): cut them short
-            if f.submitted is not None:
-                f.submitted.abandon()
+    finally:  # a failure or a cancellation: what is still landing ends (or is cut short) before staging is freed
+        await settle_or_abandon([f.submitted for f in flying if f.submitted is not None], res.limits.read_timeout_s)
