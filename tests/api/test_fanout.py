@@ -352,3 +352,56 @@ async def test_offers_of_a_layout_the_registry_holds_travel_compact_and_a_regist
                                             held=offer(3, "a", 0).held[:49], layout="")  # fmt: skip
                 assert await a.relay_join(ident, 3, "a", offer=other) is None  # a layout the registry does not hold
                 assert ["params" in o for o in sent] == [False, True]  # compact refused, then whole
+
+
+
+class JoinAfter:
+    """A registry whose ``relay_join`` waits for ``go`` (``joining`` says one waits): a reader that found its
+    version and planned, held before it joins the version's relays."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry, self.joining, self.go = registry, anyio.Event(), anyio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.registry, name)
+
+    async def relay_join(self, *args: Any, **kwargs: Any) -> Any:
+        self.joining.set()
+        await self.go.wait()
+        return await self.registry.relay_join(*args, **kwargs)
+
+
+@pytest.mark.asyncio
+async def test_a_shadow_relay_that_swaps_storages_relays_the_version_it_serves_until_it_writes_that_storage() -> None:
+    """A relay refitting version v + 1 in shadow mode with ``shadow_commit="swap"`` keeps offering v (its live
+    storage, written again only by the refit of v + 2): a reader that found v before v + 1 was published, and joins
+    v's relays after the relay moved on, reads v from the relay, not the trainer; once the relay refits v + 2 into
+    that storage, v is offered by nobody."""
+    registry, ident = rf.Registry(), rf.Identity(model="fanout")
+    versions = {v: mlp(100 + v) for v in (1, 2, 3)}
+    relay_model, late_models = mlp(1), [mlp(2), mlp(3)]
+    held = [JoinAfter(registry), JoinAfter(registry)]
+    await registry.register_receiver(ident, "holder")  # not done with any version: every one stays held
+    with anyio.fail_after(30):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(relay_model, registry, identity=ident, mode="shadow", shadow_commit="swap",
+                        serve_replicas=True) as relay,
+            rf.Receiver(late_models[0], held[0], identity=ident) as late,
+            rf.Receiver(late_models[1], held[1], identity=ident) as later,
+        ):  # fmt: skip
+            await pub.publish(1, dict(versions[1].named_parameters()))
+            await relay.refit(1)
+            for v, reader, pause in ((1, late, held[0]), (2, later, held[1])):
+                results: list[rf.RefitResult] = []
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_append, results, reader.refit(v))
+                    await pause.joining.wait()  # the reader found version v and planned
+                    await pub.publish(v + 1, dict(versions[v + 1].named_parameters()))
+                    await relay.refit(v + 1)  # the relay moves on (into the storage that held v - 1)
+                    pause.go.set()
+                assert results[0].version == v and same(reader._model, params(versions[v]))
+                assert results[0].relay_bytes == _model_bytes(versions[v])  # all of it from the relay
+            assert same(relay_model, params(versions[3]))
+            assert await registry.relay_join(ident, 1, "a reader") is None  # 1's storage holds 3: nobody offers 1
+            assert await registry.relay_join(ident, 2, "a reader") is not None

@@ -301,3 +301,10 @@ async def test_relays_join_by_geometry_through_either_replica(etcd: Cluster) -> 
             assert await ca.relay_join(ID, 1, "r1", offer=first) is None  # whole, once: etcd carries its geometry
             assert await cb.relay_join(ID, 1, "r2", offer=second) == first  # through b, compact, its upstream r1
             assert ["params" in o for o in sent] == [False]  # b's mirror held the geometry: no second whole offer
+            # a shadow relay that swaps storages keeps offering the version it serves while it refits the next
+            await ca.publish(manifest(2, 0, world=1))
+            await cb.relay_leave(ID, "r2")
+            assert await ca.relay_join(ID, 2, "r1", offer=dataclasses.replace(first, version=2), keep=1) is None
+            assert await cb.relay_join(ID, 1, "r3") == first  # a laggard still reads version 1 from r1
+            assert await ca.relay_join(ID, 2, "r1", offer=dataclasses.replace(first, version=2)) is None
+            assert await cb.relay_join(ID, 1, "r4") is None  # joined again without keep: r1 left version 1

@@ -52,10 +52,12 @@ class Publishing(Protocol):
 
 class RelayRegistry(Protocol):
     async def relay_join(
-        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None,
+        keep: int | None = None,
     ) -> RelayOffer | None:
         """Join ``version``'s relays with ``offer`` (None: a reader that serves nobody); the upstream to read
-        from (None: the trainer). Leaves every other version's relays."""
+        from (None: the trainer). Leaves every other version's relays but ``keep``'s: a version the receiver
+        still serves from a storage this refit leaves alone (a shadow relay that swaps storages)."""
         ...
 
     async def relay_leave(self, identity: Identity, receiver_id: str) -> None:
@@ -220,7 +222,8 @@ class Store(RegistryProtocol, Protocol):
     async def add_relay_source(self, source: SourceAddress) -> None: ...
 
     async def join_relays(
-        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None
+        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None,
+        keep: int | None = None,
     ) -> Relay | None:
         """``relay_join`` by geometry: O(1) in the model's size."""
         ...

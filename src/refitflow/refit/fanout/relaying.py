@@ -98,6 +98,14 @@ class Relaying:
         touched = np.unique(credits.idx)
         self._flags[touched[self._counts[touched] >= self._expected[touched]]] = self._version
 
+    def _kept(self) -> int | None:
+        """The version this relay still serves while it refits the next: a shadow relay that swaps storages keeps
+        the one it holds in the storage this refit leaves alone (written again only by the refit after) — its
+        status says which, or none (-1: that attempt failed). None in place or with copy commits: one storage."""
+        others = [s for s in self.status if s != self._target()]
+        held = int(self.status[others[0]][0]) if others else -1
+        return held if held >= 0 else None
+
     def _offer(self, version: int, held: tuple[HeldBox, ...], layout: str) -> RelayOffer:
         target = self._target()
         params = self._params.get(target)
@@ -126,7 +134,7 @@ class Relaying:
         with anyio.move_on_after(JOIN_TIMEOUT_S):
             try:
                 up = await self.registry.relay_join(self.identity, version, self.receiver_id, layout=layout,
-                                                    offer=offer)  # fmt: skip
+                                                    offer=offer, keep=self._kept())  # fmt: skip
                 self.joined = self.joined or offer is not None
             except RefitError as exc:  # fan-out is an optimisation: read the trainer instead
                 log.info("relays of version %d not joined: %s", version, exc)

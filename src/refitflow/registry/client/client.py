@@ -190,7 +190,8 @@ class RegistryClient(RegistryProtocol):
         return None if found is None else await self._fetched.get(found)
 
     async def relay_join(
-        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None,
+        keep: int | None = None,
     ) -> RelayOffer | None:
         """Join ``version``'s relays (``Registry.relay_join``); the upstream to read from, or None.
 
@@ -208,7 +209,7 @@ class RegistryClient(RegistryProtocol):
                 sent = None if offer is None else offer_to_dict(offer, compact=compact, source_known=source_known)
                 found = await self._request(
                     "relay_join", identity=identity_to_dict(identity), version=version, receiver_id=receiver_id,
-                    layout=layout, offer=sent, layouts=self._layouts.names()[-KNOWN:],
+                    layout=layout, offer=sent, keep=keep, layouts=self._layouts.names()[-KNOWN:],
                     sources=self._layouts.source_ids()[-KNOWN:],
                     max_bytes=(await self.hello()).get("max_message_bytes"),
                 )  # fmt: skip

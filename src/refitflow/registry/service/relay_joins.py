@@ -23,7 +23,8 @@ __all__ = ["RelayJoins", "join_whole"]
 
 
 async def join_whole(
-    store: Store, identity: Identity, version: int, receiver_id: str, layout: str, offer: RelayOffer | None
+    store: Store, identity: Identity, version: int, receiver_id: str, layout: str, offer: RelayOffer | None,
+    keep: int | None = None,
 ) -> RelayOffer | None:
     """``relay_join`` as the protocol has it — a whole offer in, the upstream's whole offer out — by geometry."""
     relay = None
@@ -36,7 +37,7 @@ async def join_whole(
                                                           offer.held))  # fmt: skip
         await store.add_relay_source(offer.source)
         relay = Relay.of(offer)
-    up = await store.join_relays(identity, version, receiver_id, layout, relay)
+    up = await store.join_relays(identity, version, receiver_id, layout, relay, keep)
     return None if up is None else store.offer_of(identity, version, up)
 
 
@@ -61,11 +62,12 @@ class RelayJoins:
         self._relay_layouts.add_source(source)
 
     async def relay_join(
-        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None,
+        keep: int | None = None,
     ) -> RelayOffer | None:
         """Join ``version``'s relays with ``offer`` (None: a reader that serves nobody); the upstream to read
-        from (None: the trainer). Leaves every other version's relays (``registry.relays``)."""
-        return await join_whole(self, identity, version, receiver_id, layout, offer)  # type: ignore[arg-type]
+        from (None: the trainer). Leaves every other version's relays but ``keep``'s (``registry.relays``)."""
+        return await join_whole(self, identity, version, receiver_id, layout, offer, keep)  # type: ignore[arg-type]
 
     def offer_of(self, identity: Identity, version: int, relay: Relay) -> RelayOffer:
         """The whole offer of ``relay`` (the one it was made of, in this process; else made from its geometry)."""
@@ -79,13 +81,15 @@ class RelayJoins:
                           status=relay.status, params=params, held=held, layout=relay.layout)  # fmt: skip
 
     async def join_relays(
-        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None
+        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None,
+        keep: int | None = None,
     ) -> Relay | None:
-        """Join ``version``'s relays by geometry; the upstream (None: the trainer)."""
+        """Join ``version``'s relays by geometry; the upstream (None: the trainer). The receiver's offer of ``keep``
+        (if it made one) stays: it still serves that version from a storage this refit leaves alone."""
         self.check_relay(identity, version, relay)
         model = self._model(identity)
         for v, relays in model.relays.items():
-            if v != version:
+            if v not in (version, keep):
                 relays.leave(receiver_id)
         relays = model.relays.setdefault(version, Relays())
         if relay is not None:

@@ -67,7 +67,8 @@ class RelayOps:
             if relay.receiver != receiver_id:
                 raise ManifestError("a relay offer names the receiver that joins with it")
             await self.registry.add_relay_source(relay.source)
-        up = await self.registry.join_relays(identity, version, receiver_id, arg(msg, "layout", str, ""), relay)
+        keep = arg(msg, "keep", int, None)
+        up = await self.registry.join_relays(identity, version, receiver_id, arg(msg, "layout", str, ""), relay, keep)
         if up is None:
             return None
         source_known = source_id(up.source) in sources

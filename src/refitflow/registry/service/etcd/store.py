@@ -257,9 +257,10 @@ class EtcdStore(Replication, Store):
                                kv.delete(relay + b"/c/", prefix=True)])  # fmt: skip
 
     async def relay_join(
-        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None
+        self, identity: Identity, version: int, receiver_id: str, *, layout: str = "", offer: RelayOffer | None = None,
+        keep: int | None = None,
     ) -> RelayOffer | None:
-        return await join_whole(self, identity, version, receiver_id, layout, offer)
+        return await join_whole(self, identity, version, receiver_id, layout, offer, keep)
 
     async def add_relay_geometry(self, layout: str, geometry: Geometry) -> None:
         await self.mirror.add_relay_geometry(layout, geometry)  # carried to etcd by a join (``join_relays``)
@@ -268,13 +269,14 @@ class EtcdStore(Replication, Store):
         await self.mirror.add_relay_source(source)
 
     async def join_relays(
-        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None
+        self, identity: Identity, version: int, receiver_id: str, layout: str, relay: Relay | None,
+        keep: int | None = None,
     ) -> Relay | None:
         """Write the join by geometry (the geometry and address whole only when etcd has not carried them yet)."""
         self.mirror.check_relay(identity, version, relay)
         key = self.keys.relay(identity, receiver_id)
         doc: dict[str, Any] = {"identity": identity_to_dict(identity), "receiver": receiver_id, "version": version,
-                               "layout": layout, "relay": None}  # fmt: skip
+                               "layout": layout, "relay": None, "keep": keep}  # fmt: skip
         if relay is not None:
             doc["relay"] = relay_to_dict(identity, version, relay, source_known=relay.source in self._carried)
             if relay.layout not in self._carried:

@@ -217,7 +217,9 @@ class Replication:
                 outcome: Any
                 try:
                     relay = await self._relay(doc)
-                    outcome = await self.mirror.join_relays(identity, int(doc["version"]), rid, doc["layout"], relay)
+                    keep = doc.get("keep")  # a join written before keep existed has none
+                    outcome = await self.mirror.join_relays(identity, int(doc["version"]), rid, doc["layout"], relay,
+                                                            None if keep is None else int(keep))  # fmt: skip
                 except (VersionError, ManifestError) as exc:
                     outcome = exc
                 self._joined[(identity, rid)] = (item.mod_revision, outcome)
