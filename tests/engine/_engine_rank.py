@@ -29,7 +29,7 @@ async def _serve(rank: int, votes: list[str], agent: str, behaviour: str) -> Non
             rf.ZmqVote(rank, votes) as channel,
         ):
             await pub.publish(1, dict(trainer.named_parameters()))
-            await rf.EngineAgent(rf.EngineMember(recv, channel, vote_timeout=10), agent).serve()
+            await rf.EngineAgent(rf.EngineMember(recv, channel, vote_timeout=5), agent).serve()
 
 
 def serve_rank(rank: int, votes: list[str], agent: str, behaviour: str) -> None:

@@ -50,10 +50,10 @@ async def _run_at_once(behaviours: dict[str, list[str]], refits: int) -> tuple[l
     results: list[dict[str, rf.EngineResult]] = []
     with tempfile.TemporaryDirectory(prefix="rf-ctl-") as where:
         engines, procs = _start(behaviours, where)
-        controller = rf.Controller(engines, slack_s=10)
+        controller = rf.Controller(engines, slack_s=5)
 
         async def refit() -> None:
-            results.append(await controller.refit(1, timeout=20))
+            results.append(await controller.refit(1, timeout=10))
 
         try:
             with anyio.fail_after(120):
