@@ -11,11 +11,11 @@
    after the warm-up (four of them at k = 8); the second has every receiver warm.
 2. **The model of this machine**: one host, its cores a resource (``host_cores``); a read is a CPU copy by the
    reader at the measured raw rate (CMA), no source-side limit; verify is xxh3 on a core at the measured rate;
-   one bucket in flight, relay progress polled (the code before issue 51: the code it measures since the merge
-   with issue 51 keeps a window in flight and reads a relay's status only when it waits — not yet modelled
-   here); a bucket's serial cost the measured refit slope (``bucket_us``: refitflow's own cost and the raw
-   read's, both CPU here). ``bucket_cost.py``'s own cost is the refit slope less the slope of the same raw READs
-   submitted with the refit's window in flight (against READs posted one at a time it came out negative).
+   the receivers' window of buckets in flight (``WINDOW``: the code's default), relay progress polled while a
+   reader waits (``refit/fanout/reading.py``: 0.2 ms doubling to 5 ms); a bucket's serial cost the measured
+   refit slope (``bucket_us``: refitflow's own cost and the raw read's, both CPU here). ``bucket_cost.py``'s own
+   cost is the refit slope less the slope of the same raw READs submitted with the refit's window in flight
+   (against READs posted one at a time it came out negative).
 3. **Fitted**, on the first rows of each pair: ``host_cores`` (the cores the refits had, as they used them: the
    machine is shared, and 8 receivers' copies, hashing and polling threads contend for 2 cores and one memory
    bus), ``fixed_ms`` (any other cost per refit) and ``first_use_ms`` (a receiver's first refit after the
@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import numpy as np
 import xxhash
-from _sim_model import Params, simulate
+from _sim_model import WINDOW, Params, simulate
 from _sim_traffic import Classes, Setup, plan_classes
 
 __all__ = ["calibration", "fit_and_check", "machine", "measure_here"]
@@ -116,9 +116,9 @@ def _timed(f: Callable[[], object]) -> float:
 
 
 def machine(copy_gbps: float, verify_gbps: float, bucket_us: float) -> Params:
-    """This machine as the model sees it: one bucket in flight, polled relays (the code before issue 51)."""
+    """This machine as the model sees it: the code's window of buckets in flight, relays polled while waited for."""
     return Params(
-        gpu_gbps=copy_gbps, egress_limit=False, latency_us=0.0, gpus_per_host=64, window=1, device_digests=False,
+        gpu_gbps=copy_gbps, egress_limit=False, latency_us=0.0, gpus_per_host=64, window=WINDOW, device_digests=False,
         verify_gbps=verify_gbps, host_cores=float(os.cpu_count() or 2), cpu_copies=True, cpu_verify=True,
         bucket_us=bucket_us, read_us=0.0, relay_push=False, poll_floor_ms=1.0, registry_rtt_ms=0.0, registry_s=0.0,
         fetch_s=0.0, commit_ms=0.0, announce_early=False, rotate=False, segments=1 << 20,

@@ -49,8 +49,8 @@ from refitflow.refit.config import ReceiverConfig
 __all__ = ["DEVICE_GBPS", "TODAY", "WINDOW", "Params", "Result", "simulate"]
 
 _CFG = ReceiverConfig()
-assert _CFG.bucket_bytes is not None
-WINDOW = max(4, _CFG.budget_bytes // _CFG.bucket_bytes)  # issue 51's pull window with the default limits: 8
+assert _CFG.window_buckets is not None
+WINDOW = _CFG.window_buckets  # issue 51's pull window with the default limits (the budget over a bucket: 8)
 DEVICE_GBPS = {"conservative": 100.0, "optimistic": 1000.0}  # a GPU's digest rate until bench/gpu_check.py measures it
 # the data path of the code before issue 51 (main at ca21faa): one bucket in flight, device bytes hashed on the
 # host (xxh3 through a bounce buffer), relay progress polled with a status read
