@@ -6,6 +6,7 @@ heal the next version commits everywhere, bit-exactly."""
 from __future__ import annotations
 
 import pathlib
+import time
 from typing import Any
 
 import anyio
@@ -14,7 +15,12 @@ import pytest
 from tests.hosts._bed import Bed, Role, refit_all
 
 DEADLINE_S = 300
-HEAL_S = 10.0
+CUT_S = 11.0  # every cut outlasts a registry lease (10 s): the cut-off ranks' leases expire before the heal
+
+
+async def outlast(cut_at: float) -> None:
+    """Keep the cable pulled until the cut made at ``cut_at`` (``time.monotonic``) has lasted ``CUT_S``."""
+    await anyio.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))
 
 
 async def committed_everywhere(trainer: Role, ranks: list[Role], version: int) -> None:
@@ -60,12 +66,13 @@ async def test_an_inference_host_cut_off_mid_refit_fails_its_engine_alone_and_co
                 await rank.send({"refit": 2, "timeout": 30, "slow_pull": 2.0})
             assert [await rank.next() for rank in b] == [{"pulling": True}] * 2
             bed.hosts["inf2"].partition()
+            cut_at = time.monotonic()
             assert all(o["committed"] for o in await refit_all(a, 2)), "the engine on the other host"
             for o in await outcomes_of(b):
                 assert not o["committed"] and o["fence"] == "ready", o  # shadow: version 1 serves on
             for rank in b:
                 assert (await rank.ask({"holds": 1}))["holds"]
-            await anyio.sleep(HEAL_S)
+            await outlast(cut_at)
             bed.hosts["inf2"].heal()
             await committed_everywhere(trainer, [*a, *b], 3)
 
@@ -82,11 +89,12 @@ async def test_the_trainer_host_cut_off_mid_refit_fails_every_engine_and_the_nex
                 await rank.send({"refit": 2, "timeout": 30, "slow_pull": 6.0})
             assert [await rank.next() for rank in [*a, *b]] == [{"pulling": True}] * 4
             bed.hosts["trainer"].partition()
+            cut_at = time.monotonic()
             for o in await outcomes_of([*a, *b]):
                 assert not o["committed"] and o["fence"] == "ready", o
             for rank in [*a, *b]:
                 assert (await rank.ask({"holds": 1}))["holds"]
-            await anyio.sleep(HEAL_S)
+            await outlast(cut_at)
             bed.hosts["trainer"].heal()
             await committed_everywhere(trainer, [*a, *b], 3)
 
@@ -128,12 +136,13 @@ async def test_readers_of_a_relay_whose_host_is_cut_off_reroute_to_the_trainer_a
                 await rank.send({"refit": 2, "timeout": 60, "slow_pull": 2.0})
             assert [await rank.next() for rank in b] == [{"pulling": True}] * 2
             bed.hosts["inf1"].partition()  # the relays' host
+            cut_at = time.monotonic()
             outcomes = await outcomes_of(b)
             assert all(o["committed"] and o["version"] == 2 for o in outcomes), outcomes
             for rank in b:
                 assert (await rank.ask({"holds": 2}))["holds"]
             assert (await trainer.ask({"served": True}))["served"] > before  # what the relays owed, rerouted
-            await anyio.sleep(HEAL_S)
+            await outlast(cut_at)
             bed.hosts["inf1"].heal()
             await committed_everywhere(trainer, [*a, *b], 3)
 
@@ -156,12 +165,13 @@ async def test_a_rank_cut_off_after_it_voted_is_in_doubt_nobody_serves_a_split_a
                 await rank.send({"refit": 2, "timeout": 30})
             assert await c[1].next() == {"voted": 2}
             bed.hosts["inf3"].partition()
+            cut_at = time.monotonic()
             zero, one = await outcomes_of(c)
             assert zero["committed"] and zero["version"] == 2, zero
             assert not one["committed"] and one["in_doubt"] is not None and one["fence"] == "updating", one
             assert (await c[0].ask({"holds": 2}))["holds"]
             held = await c[1].ask({"holds": 1})  # the prepared version is not visible; the rank does not serve
             assert held["holds"] and held["committed_version"] == 1 and held["fence"] == "updating", held
-            await anyio.sleep(HEAL_S)
+            await outlast(cut_at)
             bed.hosts["inf3"].heal()
             await committed_everywhere(trainer, c, 3)
