@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from refitflow.core.wire import manifest_to_dict
 from refitflow.registry.client.client import RegistryClient
 from refitflow.registry.service.etcd.keys import CHUNK_BYTES, Keys
 from refitflow.registry.service.etcd.store import EtcdStore
-from tests.faults._util import until
+from tests.faults._util import free_address, until
 from tests.registry._etcd import Cluster, loopback
 from tests.registry.test_registry_client import ID, manifest
 
@@ -308,3 +309,35 @@ async def test_relays_join_by_geometry_through_either_replica(etcd: Cluster) -> 
             assert await cb.relay_join(ID, 1, "r3") == first  # a laggard still reads version 1 from r1
             assert await ca.relay_join(ID, 2, "r1", offer=dataclasses.replace(first, version=2)) is None
             assert await cb.relay_join(ID, 1, "r4") is None  # joined again without keep: r1 left version 1
+
+
+@pytest.mark.asyncio
+async def test_a_replica_restarted_where_its_announcement_port_is_taken_is_heard_again(etcd: Cluster) -> None:
+    """A replica restarted over the same etcd store keeps its incarnation (no restart to its clients) but announces
+    on another port when its usual one (the next after its address) is taken: its clients learn where from its
+    answers and hear its announcements again."""
+    ns, address = uuid.uuid4().hex[:10], free_address()
+    with anyio.fail_after(60):
+        async with RegistryClient(address) as client:
+            async with EtcdStore.open(etcd.url, namespace=ns) as store, rf.Registry.serve(address, registry=store) as a:
+                await client.publish(manifest(1, 0, world=1))
+                await client.wait_complete(ID, 1, 10)  # subscribed where the replica announces
+                first, incarnation = a.pub_address, a.incarnation
+            with socket.socket() as squatter:  # another process took the port meanwhile
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the old connections' TIME_WAIT
+                squatter.bind(("127.0.0.1", int(first.rsplit(":", 1)[1])))
+                squatter.listen()
+                async with (
+                    EtcdStore.open(etcd.url, namespace=ns) as store,
+                    rf.Registry.serve(address, registry=store) as b,
+                ):
+                    assert b.incarnation == incarnation and b.pub_address != first
+                    await client.publish(manifest(2, 0, world=1))
+                    await client.wait_complete(ID, 2, 10)
+                    heard = client.announcements
+                    await client.publish(manifest(3, 0, world=1))
+
+                    async def announced() -> bool:
+                        return client.announcements > heard
+
+                    await until(announced, 10, "an announcement of the restarted replica")

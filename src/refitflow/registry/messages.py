@@ -1,9 +1,10 @@
 """The registry protocol's messages: orjson dicts carrying ``PROTOCOL_VERSION``, and typed errors.
 
 Request (DEALER → ROUTER, one frame): ``{"v", "id", "op", "inc"?, "deadline"?, ...arguments}``.
-Reply (one frame): ``{"v", "id", "inc", "now", "ok": true, "result"}`` or ``{"v", "id", "inc", "now",
-"ok": false, "error", "message", "version", "tensor"}`` where ``error`` names a class of the refitflow
-exception tree, ``inc`` the registry's incarnation (new at every start) and ``now`` its clock.
+Reply (one frame): ``{"v", "id", "inc", "now", "pub", "ok": true, "result"}`` or ``{"v", "id", "inc", "now",
+"pub", "ok": false, "error", "message", "version", "tensor"}`` where ``error`` names a class of the refitflow
+exception tree, ``inc`` the registry's incarnation (new at every start), ``now`` its clock and ``pub`` where
+this process announces.
 Announcement (PUB, two frames): topic ``b"complete|" + identity.key()``, then ``{"v", "identity", "version"}``.
 """
 

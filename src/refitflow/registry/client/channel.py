@@ -113,6 +113,7 @@ class Channel:
         self.seen = seen or Seen()  # the registry's incarnation, from the latest answer of any replica
         self._clock_of: str | None = None  # the incarnation ``_offset`` was learnt in
         self._offset: float | None = None  # this replica's clock minus ours (a lower bound), this incarnation
+        self.pub: str | None = None  # where this replica announces, as its latest answer said
         self.answering = True  # False from a request that went unanswered until the next answer
         self.up: bool | None = None  # the connection as the monitor saw it last (None: not yet seen)
         self.sent: Counter[str] = Counter()  # requests handed to a live connection, per op
@@ -187,7 +188,9 @@ class Channel:
 
     def _learn(self, reply: dict[str, Any]) -> None:
         """The registry's incarnation and clock from any answer, a late one included."""
-        inc, now = reply.get("inc"), reply.get("now")
+        inc, now, pub = reply.get("inc"), reply.get("now"), reply.get("pub")
+        if isinstance(pub, str):
+            self.pub = pub
         if not isinstance(inc, str):
             return
         if inc != self._clock_of:

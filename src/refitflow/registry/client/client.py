@@ -117,7 +117,12 @@ class RegistryClient(RegistryProtocol):
     # -- plumbing ---------------------------------------------------------------------------------
 
     async def hello(self) -> dict[str, Any]:
-        """The registry's ``hello`` (asked again after it restarted)."""
+        """The registry's ``hello`` (asked again after it restarted, or when the replica it came from announces
+        elsewhere now: restarted over a shared store, the same incarnation, another announcement port)."""
+        if self._hello is not None:
+            now = next((c.pub for c in self._channel.channels if c.address == self._hello_via), None)
+            if now is not None and now != self._hello.get("pub"):
+                self._hello = None
         if self._hello is None:
             self._hello = await self._request("hello")
             self._hello_via = self._channel.answered_by.address

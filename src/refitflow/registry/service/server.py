@@ -143,7 +143,8 @@ async def serve(
         if registry.announces:
             registry.on_announce = announce  # type: ignore[attr-defined]
         handler = Handler(registry, hello=hello, limits=limits, announce=announce)
-        service = _Service(router, handler, Gate(limits), server.incarnation, GcPause(freeze_gc), roles)
+        service = _Service(router, handler, Gate(limits), server.incarnation, server.pub_address, GcPause(freeze_gc),
+                           roles)  # fmt: skip
         # plain tasks, not a task group around the yield: the caller's own errors stay unwrapped
         tasks = [
             asyncio.create_task(service.run()),
@@ -178,10 +179,10 @@ def _announcer(pub: zmq.asyncio.Socket) -> Any:
 
 
 class _Service:
-    def __init__(self, router: zmq.asyncio.Socket, handler: Handler, gate: Gate, incarnation: str,
+    def __init__(self, router: zmq.asyncio.Socket, handler: Handler, gate: Gate, incarnation: str, pub_address: str,
                  gc_pause: GcPause, roles: KeyRoles | None) -> None:  # fmt: skip
         self.router, self.handler, self.gate, self.incarnation = router, handler, gate, incarnation
-        self.gc_pause, self.roles = gc_pause, roles
+        self.pub_address, self.gc_pause, self.roles = pub_address, gc_pause, roles
         self._store = handler.registry
 
     def _returning(self) -> None:
@@ -189,7 +190,9 @@ class _Service:
         self._store.hold_releases(self._store.lease_s)
 
     def _stamp(self) -> dict[str, Any]:
-        return {"inc": self.incarnation, "now": time.monotonic()}
+        # ``pub``: where this process announces — a replica restarted over a shared store keeps the incarnation
+        # but may announce elsewhere (its usual port taken): clients re-learn it (``RegistryClient.hello``)
+        return {"inc": self.incarnation, "now": time.monotonic(), "pub": self.pub_address}
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
