@@ -8,6 +8,8 @@ an unknown key never completes the handshake, so nothing it sends reaches the pr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -49,41 +51,47 @@ def _intruders(ctx: zmq.asyncio.Context, kind: int, address: str, tmp_path: Path
     return [plain, unknown]
 
 
+@contextmanager
+def _voting(ranks: list[rf.ZmqVote]) -> Iterator[zmq.asyncio.Context]:
+    """The ranks started, and a context for the intruders' sockets; all of it closed at the end."""
+    ctx = zmq.asyncio.Context()
+    try:
+        for r in ranks:
+            r.start()
+        yield ctx
+    finally:
+        ctx.destroy(linger=0)
+        for r in ranks:
+            r.close()
+
+
 @pytest.mark.asyncio
 async def test_a_forged_ballot_or_verdict_is_never_counted(tmp_path: Path) -> None:
     server, client, intruder = _keys(tmp_path)
     addrs = free_addresses(3)
     ranks = [rf.ZmqVote(r, addrs, server_security=server, client_security=client) for r in range(3)]
-    ctx = zmq.asyncio.Context()
-    try:
-        with anyio.fail_after(30):
-            for r in ranks:
-                r.start()
-            forged_ballot = encode_vote("engine", Message(Kind.BALLOT, 1, 2, 0, ballot=Ballot(True, True, 1)))
-            forged_commit = encode_vote(
-                "engine", Message(Kind.DECISION, 1, 0, 1, verdict=Verdict(1, Decision.COMMIT, 1, "forged"))
-            )
-            for sock in _intruders(ctx, zmq.PUSH, addrs[0], tmp_path, intruder):
-                await sock.send(forged_ballot)  # "rank 2 is ready", to the coordinator
-            for sock in _intruders(ctx, zmq.PUSH, addrs[1], tmp_path, intruder):
-                await sock.send(forged_commit)  # "the engine committed", to rank 1
-            verdicts = {}
+    with _voting(ranks) as ctx, anyio.fail_after(30):
+        forged_ballot = encode_vote("engine", Message(Kind.BALLOT, 1, 2, 0, ballot=Ballot(True, True, 1)))
+        forged_commit = encode_vote(
+            "engine", Message(Kind.DECISION, 1, 0, 1, verdict=Verdict(1, Decision.COMMIT, 1, "forged"))
+        )
+        for sock in _intruders(ctx, zmq.PUSH, addrs[0], tmp_path, intruder):
+            await sock.send(forged_ballot)  # "rank 2 is ready", to the coordinator
+        for sock in _intruders(ctx, zmq.PUSH, addrs[1], tmp_path, intruder):
+            await sock.send(forged_commit)  # "the engine committed", to rank 1
+        verdicts = {}
 
-            async def vote(r: int) -> None:
-                verdicts[r] = await ranks[r].vote(Ballot(True, True, 1), 2)
+        async def vote(r: int) -> None:
+            verdicts[r] = await ranks[r].vote(Ballot(True, True, 1), 2)
 
-            async with anyio.create_task_group() as tg:  # rank 2 never votes
-                tg.start_soon(vote, 0)
-                tg.start_soon(vote, 1)
-            assert {v.decision for v in verdicts.values()} == {Decision.ABORT}, verdicts
-            assert "no ballot of ranks [2] had been read" in verdicts[0].reason
-            assert all(r.dropped == 0 for r in ranks)  # nothing even reached the decoder
-            # the deployment's own keys still work: rank 2 votes late and learns the verdict
-            assert (await ranks[2].vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT
-    finally:
-        ctx.destroy(linger=0)
-        for r in ranks:
-            r.close()
+        async with anyio.create_task_group() as tg:  # rank 2 never votes
+            tg.start_soon(vote, 0)
+            tg.start_soon(vote, 1)
+        assert {v.decision for v in verdicts.values()} == {Decision.ABORT}, verdicts
+        assert "no ballot of ranks [2] had been read" in verdicts[0].reason
+        assert all(r.dropped == 0 for r in ranks)  # nothing even reached the decoder
+        # the deployment's own keys still work: rank 2 votes late and learns the verdict
+        assert (await ranks[2].vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT
 
 
 @pytest.mark.asyncio
@@ -99,25 +107,17 @@ async def test_a_key_of_another_role_in_the_deployment_cannot_vote(tmp_path: Pat
                               server_public_file=tmp_path / "keys/server.key")  # fmt: skip
     addrs = free_addresses(2)
     ranks = [rf.ZmqVote(r, addrs, server_security=server, client_security=rank) for r in range(2)]
-    ctx = zmq.asyncio.Context()
-    try:
-        with anyio.fail_after(30):
-            for r in ranks:
-                r.start()
-            trainer = ctx.socket(zmq.PUSH)
-            trainer.setsockopt(zmq.LINGER, 0)
-            coach.apply(trainer)
-            trainer.connect(addrs[0])
-            await trainer.send(encode_vote("engine", Message(Kind.BALLOT, 1, 1, 0, ballot=Ballot(True, True, 1))))
-            verdict = await ranks[0].vote(Ballot(True, True, 1), 2)  # "rank 1 is ready", from the trainer's key
-            assert verdict.decision is Decision.ABORT, verdict
-            assert "no ballot of ranks [1] had been read" in verdict.reason
-            assert ranks[0].dropped == 0  # refused at the handshake: nothing reached the decoder
-            assert (await ranks[1].vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT  # the rank's key votes
-    finally:
-        ctx.destroy(linger=0)
-        for r in ranks:
-            r.close()
+    with _voting(ranks) as ctx, anyio.fail_after(30):
+        trainer = ctx.socket(zmq.PUSH)
+        trainer.setsockopt(zmq.LINGER, 0)
+        coach.apply(trainer)
+        trainer.connect(addrs[0])
+        await trainer.send(encode_vote("engine", Message(Kind.BALLOT, 1, 1, 0, ballot=Ballot(True, True, 1))))
+        verdict = await ranks[0].vote(Ballot(True, True, 1), 2)  # "rank 1 is ready", from the trainer's key
+        assert verdict.decision is Decision.ABORT, verdict
+        assert "no ballot of ranks [1] had been read" in verdict.reason
+        assert ranks[0].dropped == 0  # refused at the handshake: nothing reached the decoder
+        assert (await ranks[1].vote(Ballot(True, True, 1), 5)).decision is Decision.ABORT  # the rank's key votes
 
 
 @pytest.mark.asyncio
