@@ -72,6 +72,7 @@ class DeviceLane:
         for d in self.devices:
             check_device(d, "a destination parameter")
         self._streams: dict[torch.device, Any] = {}
+        self._of: dict[tuple[torch.device | str, ...], tuple[Any, ...]] = {}  # devices -> their refit streams
 
     @property
     def cuda(self) -> tuple[torch.device, ...]:
@@ -86,18 +87,25 @@ class DeviceLane:
             self._streams[d] = torch.cuda.Stream(device=d)
         return self._streams[d]
 
-    @contextlib.contextmanager
-    def use(self, devices: Iterable[torch.device | str]) -> Iterator[None]:
-        """Make the refit streams of ``devices`` current in this thread (enter it in the thread doing the work)."""
-        with contextlib.ExitStack() as stack:
-            for s in (self.stream(d) for d in devices):
-                if s is not None:
-                    stack.enter_context(torch.cuda.stream(s))
-            yield
+    def streams_of(self, devices: Iterable[torch.device | str]) -> tuple[Any, ...]:
+        """The refit streams of ``devices``' CUDA devices (none on CPU), looked up once per tuple of devices (a
+        bucket's: every bucket asks, every bucket of a plan has the same few)."""
+        key = devices if isinstance(devices, tuple) else tuple(devices)
+        found = self._of.get(key)
+        if found is None:
+            found = self._of[key] = tuple(s for s in map(self.stream, key) if s is not None)
+        return found
+
+    def use(self, devices: Iterable[torch.device | str]) -> contextlib.AbstractContextManager[None]:
+        """Make the refit streams of ``devices`` current in this thread (enter it in the thread doing the work);
+        a null context on CPU."""
+        streams = self.streams_of(devices)
+        return _current(streams) if streams else _NOTHING
 
     def record(self, devices: Iterable[torch.device | str]) -> Marks:
         """Marks after the work issued so far on the refit streams of ``devices``."""
-        return _marks(s for s in (self.stream(d) for d in devices) if s is not None)
+        streams = self.streams_of(devices)
+        return _marks(streams) if streams else ()
 
     async def wait(self, marks: Marks) -> None:
         """Return when the marked work is done (waited in a worker thread; at once when there is none)."""
@@ -111,6 +119,17 @@ class DeviceLane:
         """Return when every kernel queued so far on the destination's CUDA devices is done (any stream)."""
         if self.cuda:
             await anyio.to_thread.run_sync(_synchronize_devices, self.cuda)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _current(streams: tuple[Any, ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for s in streams:
+            stack.enter_context(torch.cuda.stream(s))
+        yield
 
 
 def _marks(streams: Iterable[Any]) -> Marks:

@@ -19,15 +19,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
 
 from refitflow.core.errors import RefitError
 from refitflow.core.types import Identity, Publication
 from refitflow.refit.attempt import STAGES, Attempt, Found, Meter, Resources, Tally
-from refitflow.refit.handoff import first_error
+from refitflow.refit.handoff import Sending, channel, first_error
 from refitflow.refit.stages import allocate, apply, commit, discover, plan, pull, translate, verify
 from refitflow.refit.transaction import Transaction
-from refitflow.refit.work import Work
+from refitflow.refit.work import Receive, Send
 from refitflow.registry.protocol import Discovery
 
 __all__ = ["Outcome", "run_pipeline"]
@@ -79,12 +78,15 @@ async def run_pipeline(
             res.fanout.begin(pub.version)
         return txn
 
-    s_plan, r_plan = anyio.create_memory_object_stream[Work](depth)
-    s_alloc, r_alloc = anyio.create_memory_object_stream[Work](depth)
-    s_pull, r_pull = anyio.create_memory_object_stream[Work](depth)
-    s_tr, r_tr = anyio.create_memory_object_stream[Work](depth)
-    s_app, r_app = anyio.create_memory_object_stream[Work](depth)
-    s_ver, r_ver = anyio.create_memory_object_stream[Work](depth)
+    def pipe() -> tuple[Send, Receive]:
+        return channel(depth)
+
+    s_plan, r_plan = pipe()
+    s_alloc, r_alloc = pipe()
+    s_pull, r_pull = pipe()
+    s_tr, r_tr = pipe()
+    s_app, r_app = pipe()
+    s_ver, r_ver = pipe()
     queues = {"allocate": s_plan, "pull": s_alloc, "translate": s_pull, "apply": s_tr, "verify": s_app}
     res.observer.queues({k: _stats(v) for k, v in (queues | {"commit": s_ver}).items()})
     tally = Tally()
@@ -126,9 +128,5 @@ def _abort(res: Resources, opened: list[Transaction], exc: BaseException) -> Non
         res.ledger.abort(opened[0], reason)
 
 
-def _stats(stream: MemoryObjectSendStream[Any]) -> Callable[[], tuple[int, int]]:
-    def read() -> tuple[int, int]:
-        s = stream.statistics()
-        return s.current_buffer_used, int(s.max_buffer_size)
-
-    return read
+def _stats(stream: Sending[Any]) -> Callable[[], tuple[int, int]]:
+    return stream.statistics

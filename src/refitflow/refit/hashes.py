@@ -86,9 +86,12 @@ def _buffers(res: Resources, work: Work, ch: Checks, keep: np.ndarray | None = N
     return out
 
 
-def _slices(res: Resources, attempt: Attempt, work: Work, ch: Checks) -> list[memoryview] | None:
-    """The whole units' bytes as memoryviews when they all landed on the CPU, else None; cached for the
-    plan's replays like its reads (staging placement is deterministic, shadow targets alternate)."""
+Views = tuple[list[memoryview], list[memoryview]]  # (each whole unit's bytes, each stream's bytes)
+
+
+def _views(res: Resources, attempt: Attempt, work: Work, ch: Checks) -> Views | None:
+    """The bytes of the whole units and of the streams as memoryviews when they all landed on the CPU, else None;
+    cached for the plan's replays like its reads (staging placement is deterministic, shadow targets alternate)."""
     views = attempt.replay.views
     key = slot(work.bucket.index, work.lease, res.destination)
     if key in views:
@@ -97,7 +100,8 @@ def _slices(res: Resources, attempt: Attempt, work: Work, ch: Checks) -> list[me
     with building():  # once per plan and bucket: one view per unit
         mvs = _memory(res, work, ch)
         if mvs is not None:
-            cached = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
+            units = [mvs[k][a:b] for k, a, b in zip(ch.land_of.tolist(), ch.lo.tolist(), ch.hi.tolist(), strict=True)]
+            cached = units, [mvs[s.land][s.lo : s.hi] for s in ch.streams]
     views[key] = cached
     return cached
 
@@ -146,9 +150,10 @@ def _whole_units(
     n = len(ch.want) if at is None else len(at)
     if not n:
         return
-    slices = _slices(res, attempt, work, ch)
+    found = _views(res, attempt, work, ch)
     want = ch.want if at is None else ch.want[at]
-    if slices is not None:
+    if found is not None:
+        slices = found[0]
         chosen = slices if at is None else [slices[i] for i in at.tolist()]
         got = _hash_views(chosen)
     else:  # device bytes: through the host bounce buffer, one landing at a time
@@ -166,13 +171,28 @@ def _complete(st: HashState, want: int, value: int, out: Compare, name: int, tot
     st.verified += total
 
 
-def _streams(ch: Checks, bufs: list[torch.Tensor], st: HashState, out: Compare, keep: np.ndarray | None) -> None:
-    """xxh3 units split over pieces: fed in order; one entered in the middle is never completed."""
+def _stream_bytes(
+    res: Resources, attempt: Attempt, work: Work, ch: Checks, keep: np.ndarray | None
+) -> list[memoryview]:
+    """Each stream's bytes in host memory: the cached views (``_views``), or device bytes copied to the host."""
+    found = _views(res, attempt, work, ch)
+    if found is not None:
+        return found[1]
+    bufs = _buffers(res, work, ch, keep)
+    empty = memoryview(b"")
+    out = []
     for s in ch.streams:
+        data = bufs[s.land][s.lo : s.hi] if keep is None or keep[s.land] else None
+        out.append(empty if data is None else (data if data.device.type == "cpu" else data.cpu()).numpy().data)
+    return out
+
+
+def _streams(ch: Checks, views: list[memoryview], st: HashState, out: Compare, keep: np.ndarray | None) -> None:
+    """xxh3 units split over pieces (``views``: each one's bytes), fed in order; one entered in the middle is never
+    completed."""
+    for s, mv in zip(ch.streams, views, strict=True):
         if keep is not None and not keep[s.land]:
             continue
-        data = bufs[s.land][s.lo : s.hi]
-        mv = (data if data.device.type == "cpu" else data.cpu()).numpy().data
         state = st.open.pop(s.want, None)
         if s.start == 0:
             state = [xxhash.xxh3_64(), 0]
@@ -237,8 +257,8 @@ def check_bucket(res: Resources, attempt: Attempt, work: Work, digests: np.ndarr
         ch = work.bucket.checks
         out = Compare(digests)
         _whole_units(res, attempt, work, ch, out, keep)
-        if ch.streams or ch.mixes:
-            bufs = _buffers(res, work, ch, keep)
-            _streams(ch, bufs, st, out, keep)
-            _mixes(ch, bufs, st, out, keep)
+        if ch.streams:
+            _streams(ch, _stream_bytes(res, attempt, work, ch, keep), st, out, keep)
+        if ch.mixes:
+            _mixes(ch, _buffers(res, work, ch, keep), st, out, keep)
         return out

@@ -48,7 +48,8 @@ class Replay:
     some: dict[Slot, tuple[bytes, list[Read]]] = field(default_factory=dict)
     copies: dict[Slot, list[Pair]] = field(default_factory=dict)  # every staged piece's copies (translate)
     piece_copies: dict[Slot, dict[int, list[Pair]]] = field(default_factory=dict)  # the same, per piece
-    views: dict[Slot, list[memoryview] | None] = field(default_factory=dict)  # whole units' bytes (verify)
+    # whole units' and streams' bytes in host memory (verify)
+    views: dict[Slot, tuple[list[memoryview], list[memoryview]] | None] = field(default_factory=dict)
 
 
 class PlanCache:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from refitflow.planner.records import Bucket
 from refitflow.refit.arena import Lease
 from refitflow.refit.device import Marks
+from refitflow.refit.handoff import Receiving, Sending
 from refitflow.refit.plans import Pair
 
 __all__ = ["Receive", "Send", "Work"]
@@ -37,5 +37,5 @@ class Work:
     verified_through: int = -1  # verify: every unit of the buckets up to this index is verified (relay progress)
 
 
-Receive = MemoryObjectReceiveStream[Work]  # a stage's input
-Send = MemoryObjectSendStream[Work]  # a stage's output
+Receive = Receiving[Work]  # a stage's input
+Send = Sending[Work]  # a stage's output

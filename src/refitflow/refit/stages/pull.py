@@ -28,7 +28,7 @@ from refitflow.planner.delta import PULL
 from refitflow.planner.fanout import RelayPiece
 from refitflow.refit.attempt import Attempt, Meter, Resources
 from refitflow.refit.fanout.reading import owed_by_upstream, take_relayed
-from refitflow.refit.handoff import first_error, give, take
+from refitflow.refit.handoff import Receiving, Sending, channel, first_error, give, take
 from refitflow.refit.landing import landed, submit_pieces
 from refitflow.refit.work import Receive, Send, Work
 from refitflow.transports.base import Submitted, settle_or_abandon
@@ -75,13 +75,12 @@ async def _land(res: Resources, attempt: Attempt, f: _Flight) -> None:
     work.pulled += int(b.checks.piece_bytes[f.pull].sum()) if len(f.pull) < len(b.pieces) else b.nbytes
 
 
-async def run(
-    res: Resources, attempt: Attempt, receive: Receive, send: Send, meter: Meter
-) -> None:
+async def run(res: Resources, attempt: Attempt, receive: Receive, send: Send, meter: Meter) -> None:
     assert res.transport is not None  # a pulling rank has one
     name = res.transport.name
     flying: list[_Flight] = []  # submitted, not yet landed (in order)
-    s_fly, r_fly = anyio.create_memory_object_stream[_Flight](max(0, res.window - 1))
+    fly: tuple[Sending[_Flight], Receiving[_Flight]] = channel(max(0, res.window - 1))
+    s_fly, r_fly = fly
 
     async def submitter() -> None:
         async with receive, s_fly:
