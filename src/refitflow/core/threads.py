@@ -9,6 +9,7 @@ alike.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import sys
@@ -129,20 +130,17 @@ def let_go() -> None:
         _last[0] = time.perf_counter()
 
 
-def waker() -> Callable[[Callable[[], object]], None]:
+def waker() -> Callable[[Callable[[], object]], object]:
     """For the running event loop (asyncio or trio): a function any thread may call to have a callback run soon on
     the loop's thread. It returns at once (unlike ``anyio.from_thread.run_sync``, which waits for the loop): a
     thread posting transfers tells the loop each one's end and goes on."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe  # asked for every read submitted: no sniffio first
+    except RuntimeError:  # no asyncio loop runs in this thread
+        pass
     if sniffio.current_async_library() == "trio":
         import trio
 
         token = trio.lowlevel.current_trio_token()
         return lambda fn: token.run_sync_soon(fn)
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-
-    def call(fn: Callable[[], object]) -> None:
-        loop.call_soon_threadsafe(fn)
-
-    return call
+    raise RuntimeError(f"no event loop refitflow knows runs in this thread ({sniffio.current_async_library()})")

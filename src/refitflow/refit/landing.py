@@ -9,6 +9,7 @@ last time (``plans.Replay``, by ``plans.slot``), so a transport can recognise re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 
 import anyio
@@ -133,10 +134,12 @@ async def submit_pieces(res: Resources, attempt: Attempt, work: Work, pieces: Se
         raise _tagged(exc, attempt) from exc
 
 
-async def landed(res: Resources, attempt: Attempt, work: Work, submitted: Submitted, deadline: float) -> None:
-    """Wait for submitted reads to land, until ``deadline`` (``anyio.current_time``: ``read_timeout_s`` after they
-    were submitted)."""
-    with anyio.move_on_after(deadline - anyio.current_time()) as scope:
+async def landed(res: Resources, attempt: Attempt, work: Work, submitted: Submitted, since: float) -> None:
+    """Wait for submitted reads to land, until ``read_timeout_s`` after they were submitted (``since``, a
+    ``time.perf_counter()``)."""
+    if submitted.landed():  # nothing to wait for (a bucket whose reads ended while the loop handled others)
+        return
+    with anyio.move_on_after(res.limits.read_timeout_s - (time.perf_counter() - since)) as scope:
         try:
             await submitted.wait()
         except TransportError as exc:

@@ -41,6 +41,9 @@ class PreparedReads:
         self._groups: OrderedDict[Hashable, dict[CacheKey, list[_Prepared]]] = OrderedDict()
         # key -> (the very reads list described, peers' epochs, its description), by group
         self._described: OrderedDict[Hashable, dict[Hashable, tuple[Sequence[Read], Any, Described]]] = OrderedDict()
+        # key -> (the very reads list, peers' state, generation, its batch and cache keys): a replay's whole answer
+        self._batches: dict[Hashable, tuple[Sequence[Read], Any, int, Any]] = {}
+        self._generation = 0  # bumped whenever a kept preparation is released: every batch made before is stale
         self._limit = groups
         self.prepared = 0  # preparations made (a replay makes none)
 
@@ -55,6 +58,17 @@ class PreparedReads:
 
     def remember(self, key: Hashable, reads: Sequence[Read], state: Any, described: Described) -> None:
         self._touch(self._described, group_of(key))[key] = (reads, state, described)
+
+    def batch(self, key: Hashable, reads: Sequence[Read], state: Any) -> Any:
+        """The batch ``remember_batch`` kept for this very list object under ``key``, if the peers' state is the
+        same and no kept preparation was released since (else None)."""
+        found = self._batches.get(key)
+        if found is not None and found[0] is reads and found[1] == state and found[2] == self._generation:
+            return found[3]
+        return None
+
+    def remember_batch(self, key: Hashable, reads: Sequence[Read], state: Any, batch: Any) -> None:
+        self._batches[key] = (reads, state, self._generation, batch)
 
     # -- preparations -------------------------------------------------------------------------------------
 
@@ -95,7 +109,7 @@ class PreparedReads:
             kept = self._touch(self._groups, group_of(ckey[0]))
             variants = [*kept.get(ckey, []), prepared]
             for old in variants[:-VARIANTS]:
-                release(old)
+                self._release(old)
             kept[ckey] = variants[-VARIANTS:]
         return prepared
 
@@ -105,15 +119,17 @@ class PreparedReads:
         """Everything prepared and described under ``group``'s keys."""
         for variants in self._groups.pop(group, {}).values():
             for p in variants:
-                release(p)
+                self._release(p)
         self._described.pop(group, None)
+        for key in [k for k in self._batches if group_of(k) == group]:
+            del self._batches[key]
 
     def forget(self, match: Callable[[CacheKey], bool]) -> None:
         """The preparations whose cache key ``match``es (their descriptions stay: they name no NIXL handle)."""
         for kept in self._groups.values():
             for ckey in [k for k in kept if match(k)]:
                 for p in kept.pop(ckey):
-                    release(p)
+                    self._release(p)
 
     def forget_local(self, region: int) -> None:
         """What lands in local ``region`` (deregistered): its preparations and descriptions, and nothing else."""
@@ -121,7 +137,7 @@ class PreparedReads:
             for ckey, variants in list(kept.items()):
                 gone = [p for p in variants if region in p.regions]
                 for p in gone:
-                    release(p)
+                    self._release(p)
                 if gone:
                     left = [p for p in variants if region not in p.regions]
                     if left:
@@ -136,6 +152,11 @@ class PreparedReads:
         for group in list(self._groups):
             self.forget_group(group)
         self._described.clear()
+        self._batches.clear()
+
+    def _release(self, prepared: _Prepared) -> None:
+        self._generation += 1
+        release(prepared)
 
     def _touch(self, table: OrderedDict[Hashable, Any], group: Hashable) -> Any:
         """``table``'s entry for ``group``, made if new, the most recently used; the least recent past the limit

@@ -41,11 +41,10 @@ class _Prepared:
     handles: tuple[Any, ...]  # (local dlist, remote dlist, xfer handle)
     busy: int = 0  # READs of it submitted and not yet ended (a poster thread may still check its handle)
     doomed: bool = False  # released while busy: its handles go once the last READ ended
+    notif: bytes = b""  # tells the owner how many bytes this READ took from it (its ``served_bytes``)
 
-    @property
-    def notif(self) -> bytes:
-        """Tells the owner how many bytes this READ took from it (its ``served_bytes``)."""
-        return SERVED_PREFIX + str(int(self.larr[:, 1].sum()) if len(self.larr) else 0).encode()
+    def __post_init__(self) -> None:
+        self.notif = SERVED_PREFIX + str(int(self.larr[:, 1].sum()) if len(self.larr) else 0).encode()
 
 
 CacheKey = tuple[Hashable, str, str, str, int]  # (read key, peer, local mem, remote mem, stripe)

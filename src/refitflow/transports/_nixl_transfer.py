@@ -74,7 +74,6 @@ async def transfer(batch: list[tuple[_Prepared, str]], count: bool, drop_peer: C
         raise failures[0]
 
 
-
 class Posted(Submitted):
     """A ``submit``ted read: every agent's part handed to its ``Poster``; ``wait`` returns once all ended.
 
@@ -90,7 +89,8 @@ class Posted(Submitted):
         ended: Callable[[bool], None], dropped: Callable[[], bool],
     ) -> None:  # fmt: skip
         super().__init__(transport, reads, key, count)
-        self._event = anyio.Event()
+        self._ended_ = False  # every part ended (``_part_ended``)
+        self._event: anyio.Event | None = None  # made by a waiter that came before the end
         self._failures: list[TransportError] = []
         self._disconnected = False  # a failure's cause was a disconnected peer: worth reading again
         self._drop_peer, self._ended, self._dropped = drop_peer, ended, dropped
@@ -101,14 +101,14 @@ class Posted(Submitted):
         self._pending: set[str] = {peer for _, peer in batch}  # peers with a READ not yet ended
         self._left = len(per_agent)
         if not per_agent:
-            self._event.set()
+            self._ended_ = True
         wake = waker()
         for agent, group in per_agent.items():
             posts = [(p.handles[2], p.notif if count else b"") for p, _ in group]
             posters[agent].submit(posts, self._on_loop(wake, group))
 
     def _on_loop(
-        self, wake: Callable[[Callable[[], object]], None], group: list[tuple[_Prepared, str]]
+        self, wake: Callable[[Callable[[], object]], object], group: list[tuple[_Prepared, str]]
     ) -> Callable[[list[State]], None]:
         """What the poster's thread calls when ``group`` ended: hand its states to the loop."""
         return lambda states: wake(lambda: self._part_ended(group, states))
@@ -127,10 +127,21 @@ class Posted(Submitted):
         self._left -= 1
         if not self._left:
             self._ended(bool(self._failures))
-            self._event.set()
+            self._ended_ = True
+            if self._event is not None:
+                self._event.set()
+
+    def landed(self) -> bool:
+        return self._ended_ and not self._failures
+
+    async def _end(self) -> None:
+        if not self._ended_:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
 
     async def wait(self) -> None:
-        await self._event.wait()
+        await self._end()
         if not self._failures:
             return
         exc = self._failures[0]
@@ -143,7 +154,7 @@ class Posted(Submitted):
                                  f"{again.reason}") from again  # fmt: skip
 
     async def settle(self) -> None:
-        await self._event.wait()
+        await self._end()
 
     def abandon(self) -> None:
         """Nobody waits any longer (a deadline passed while READs were in progress): the peers they read from are

@@ -71,6 +71,11 @@ class Submitted:
     def __init__(self, transport: Transport, reads: Sequence[Read], key: Hashable | None, count: bool) -> None:
         self.transport, self.reads, self.key, self.count = transport, reads, key, count
 
+    def landed(self) -> bool:
+        """Whether every read already landed, so that ``wait`` would return at once (never, here: these read
+        when waited for)."""
+        return False
+
     async def wait(self) -> None:
         await self.transport.read(self.reads, key=self.key, count=self.count)
 

@@ -270,6 +270,10 @@ class NixlTransport(Transport):
         """Every peer's transfer (and stripe) of ``reads``: found prepared under ``key``, or prepared now; each
         agent's peers told a read is coming."""
         self._check_open()
+        state = self._state()
+        if key is not None and (found := self._reads.batch(key, reads, state)) is not None:
+            self._announce(found[0])  # a replay: the very transfers prepared last time, none released since
+            return found
         t0 = time.perf_counter()
         while self._index is None:  # thousands of registrations take milliseconds to sort: off the loop
             infos = {rid: loc.info for rid, loc in self._local.items()}
@@ -279,7 +283,7 @@ class NixlTransport(Transport):
         batch: list[tuple[_Prepared, str]] = []  # every peer's transfer (and stripe), posted together
         ckeys: list[CacheKey | None] = []
         try:
-            for (peer, lmem, rmem), group in (await self._describe(reads, key)).items():
+            for (peer, lmem, rmem), group in (await self._describe(reads, key, state)).items():
                 larr, rarr = group.larr, group.rarr
                 if not self._peers[peer].loaded:
                     self.prep_seconds += time.perf_counter() - t0
@@ -295,22 +299,34 @@ class NixlTransport(Transport):
                         hit = await off_loop(self._reads.prepare, *args)
                     batch.append((hit or self._reads.prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
-            announced: dict[int, set[str]] = {}
-            for p, peer in batch:
-                announced.setdefault(id(p.nx), set()).add(peer)
-            for nx in self._agents:
-                if announced.get(id(nx)):
-                    nx.announce(announced[id(nx)])
+            self._announce(batch)
         except BaseException:
             self._ended(batch, ckeys, failed=True)
             raise
+        if key is not None and state == self._state():  # no peer reconnected meanwhile
+            self._reads.remember_batch(key, reads, state, (batch, ckeys))
         return batch, ckeys
 
-    async def _describe(self, reads: Sequence[Read], key: Hashable | None) -> Described:
-        """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object.
+    def _state(self) -> tuple[tuple[str, int], ...]:
+        """Every peer's connection epoch: a description, a batch, made under another state is stale."""
+        return tuple((a, p.epoch) for a, p in self._peers.items())
+
+    def _announce(self, batch: list[tuple[_Prepared, str]]) -> None:
+        """Tell each agent's peers in ``batch`` that a read is coming."""
+        announced: dict[int, set[str]] = {}
+        for p, peer in batch:
+            announced.setdefault(id(p.nx), set()).add(peer)
+        for nx in self._agents:
+            if announced.get(id(nx)):
+                nx.announce(announced[id(nx)])
+
+    async def _describe(
+        self, reads: Sequence[Read], key: Hashable | None, state: tuple[tuple[str, int], ...]
+    ) -> Described:
+        """The reads as numpy descriptor tables per (peer, memory types); replayed for the same list object and
+        ``state``.
 
         Describing is one Python pass over the reads: many of them are described off the event loop."""
-        state = tuple((a, p.epoch) for a, p in self._peers.items())
         if key is not None:
             found = self._reads.described(key, reads, state)
             if found is not None:

@@ -17,6 +17,8 @@ if the relay left the version meanwhile.
 
 from __future__ import annotations
 
+import time
+
 import anyio
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
@@ -72,7 +74,7 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                 assert res.transport is not None  # a pulling rank has one
                 posted = await res.transport.submit(reads_for(res, attempt, work, planned), count=False)
                 try:
-                    await landed(res, attempt, work, posted, anyio.current_time() + res.limits.read_timeout_s)
+                    await landed(res, attempt, work, posted, time.perf_counter())
                 finally:  # a read that failed or ran late ends before the trainer's bytes land in the same place
                     await settle_or_abandon([posted], res.limits.read_timeout_s)
                 if not strict and not await _status(res, attempt, work, up):  # it moved on while we read

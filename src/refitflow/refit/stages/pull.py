@@ -42,8 +42,7 @@ class _Flight:
     pull: list[int]  # the pieces pulled (the rest a delta refit leaves)
     owed: dict[int, RelayPiece]  # of those, the upstream relay's
     submitted: Submitted | None  # the trainer's part, in flight
-    at: float  # anyio.current_time() when submitted
-    t0: float  # perf_counter then
+    t0: float  # perf_counter when submitted
 
 
 def _writes_directly(work: Work) -> bool:
@@ -60,16 +59,16 @@ async def _submit(res: Resources, attempt: Attempt, work: Work) -> _Flight:
     mine = [k for k in pull if k not in owed]
     if _writes_directly(work):
         attempt.txn.wrote = True
-    at, t0 = anyio.current_time(), time.perf_counter()
+    t0 = time.perf_counter()
     submitted = await submit_pieces(res, attempt, work, mine) if mine else None
-    return _Flight(work, pull, owed, submitted, at, t0)
+    return _Flight(work, pull, owed, submitted, t0)
 
 
 async def _land(res: Resources, attempt: Attempt, f: _Flight) -> None:
     """Wait for a bucket's trainer reads, then read its relayed pieces; count what was pulled."""
     work, b = f.work, f.work.bucket
     if f.submitted is not None:
-        await landed(res, attempt, work, f.submitted, f.at + res.limits.read_timeout_s)
+        await landed(res, attempt, work, f.submitted, f.t0)
     if f.owed:
         await take_relayed(res, attempt, work, f.owed)
     work.pulled += int(b.checks.piece_bytes[f.pull].sum()) if len(f.pull) < len(b.pieces) else b.nbytes
