@@ -81,15 +81,22 @@ class LockedAgent:
         try:
             yield
         except self.errors as exc:
-            reason = "peer disconnected" if isinstance(exc, self.disconnected) else str(exc)
-            raise TransportError(f"nixl {what} failed: {type(exc).__name__}: {reason}") from exc
+            raise self._error(what, exc) from exc
+
+    def _error(self, what: str, exc: BaseException) -> TransportError:
+        reason = "peer disconnected" if isinstance(exc, self.disconnected) else str(exc)
+        return TransportError(f"nixl {what} failed: {type(exc).__name__}: {reason}")
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the agent, under the lock, errors translated."""
-        with self.lock, self.translated(what):
-            if self.cuda is not None:
-                bind_cuda(self.cuda)
-            return fn(*args)
+        """``fn(*args)`` on the agent, under the lock, errors translated (inline, not ``translated``: a poster
+        thread calls this for every READ it posts and checks)."""
+        with self.lock:
+            try:
+                if self.cuda is not None:
+                    bind_cuda(self.cuda)
+                return fn(*args)
+            except self.errors as exc:
+                raise self._error(what, exc) from exc
 
     def post(self, posts: list[tuple[Any, bytes]]) -> list[str | TransportError]:
         """Post each prepared transfer ``(handle, notification)``, one after the other, then check those in

@@ -109,7 +109,7 @@ class Posted(Submitted):
 
     def _on_loop(
         self, wake: Callable[[Callable[[], object]], object], group: list[tuple[_Prepared, str]]
-    ) -> Callable[[list[State]], None]:
+    ) -> Callable[[list[State]], object]:
         """What the poster's thread calls when ``group`` ended: hand its states to the loop."""
         return lambda states: wake(lambda: self._part_ended(group, states))
 
