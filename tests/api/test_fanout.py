@@ -405,3 +405,31 @@ async def test_a_shadow_relay_that_swaps_storages_relays_the_version_it_serves_u
             assert same(relay_model, params(versions[3]))
             assert await registry.relay_join(ident, 1, "a reader") is None  # 1's storage holds 3: nobody offers 1
             assert await registry.relay_join(ident, 2, "a reader") is not None
+
+
+@pytest.mark.asyncio
+async def test_a_reader_replays_the_transfers_it_prepared_for_its_relay_version_after_version() -> None:
+    """Over NIXL: a relayed bucket's reads carry a key, so the reader prepares them once (its first version from
+    that relay) and replays them after — not a preparation per relayed bucket per version."""
+    from refitflow.transports.nixl import NixlTransport
+
+    registry, ident = rf.Registry(), rf.Identity(model="fanout-nixl")
+    trainer, relay_model, reader_model = mlp(100), mlp(1), mlp(2)
+    transports = [NixlTransport() for _ in range(3)]
+    prepared = []
+    with anyio.fail_after(60):
+        async with (
+            rf.Publisher(registry, identity=ident, transport=transports[0]) as pub,
+            rf.Receiver(relay_model, registry, identity=ident, transport=transports[1], serve_replicas=True,
+                        **SMALL) as relay,
+            rf.Receiver(reader_model, registry, identity=ident, transport=transports[2], **SMALL) as reader,
+        ):  # fmt: skip
+            for v in range(1, 4):
+                for p in trainer.parameters():
+                    p.data.add_(1)
+                await pub.publish(v, dict(trainer.named_parameters()))
+                assert (await relay.refit(v)).relay_bytes == 0
+                got = await reader.refit(v)
+                assert got.relay_bytes == _model_bytes(trainer) and same(reader_model, params(trainer))
+                prepared.append(transports[2].prepared)
+    assert prepared[1] == prepared[2] > 0  # version 3 prepared nothing new: relay reads and status read replayed

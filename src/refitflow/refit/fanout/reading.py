@@ -18,6 +18,7 @@ if the relay left the version meanwhile.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 
 import anyio
 
@@ -40,6 +41,14 @@ def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int,
         return {}
     held = up.geometry.buckets[work.bucket.index]
     return {k: held[k] for k in pull if k in held}
+
+
+def _key(attempt: Attempt, work: Work, ready: list[RelayPiece]) -> Hashable:
+    """The read key of a bucket's relayed pieces: the same refit after refit while the plan is (its group, so
+    forgotten with it), so the transport finds the transfers it prepared for them — their descriptors compared
+    as they are, since the relay may be another (``NixlTransport`` prepares anew for another peer or regions)."""
+    lease = -1 if work.lease is None else work.lease.offset
+    return (attempt.plan.serial, "relayed", work.bucket.index, lease, tuple(rp.piece for rp in ready))
 
 
 async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) -> bool:
@@ -72,11 +81,13 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
             if ready:
                 planned = coalesce([r for rp in ready for r in rp.reads])
                 assert res.transport is not None  # a pulling rank has one
-                posted = await res.transport.submit(reads_for(res, attempt, work, planned), count=False)
+                reads = reads_for(res, attempt, work, planned)
+                posted = await res.transport.submit(reads, key=_key(attempt, work, ready), count=False)
                 try:
                     await landed(res, attempt, work, posted, time.perf_counter())
-                finally:  # a read that failed or ran late ends before the trainer's bytes land in the same place
+                except BaseException:  # a read that failed or ran late ends before the trainer's bytes land there
                     await settle_or_abandon([posted], res.limits.read_timeout_s)
+                    raise
                 if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
                     up.fail(f"it left version {v} while being read")
                     break
