@@ -408,28 +408,45 @@ async def test_a_shadow_relay_that_swaps_storages_relays_the_version_it_serves_u
 
 
 @pytest.mark.asyncio
-async def test_a_reader_replays_the_transfers_it_prepared_for_its_relay_version_after_version() -> None:
+async def test_a_reader_replays_the_transfers_it_prepared_for_its_relay_version_after_version(monkeypatch) -> None:
     """Over NIXL: a relayed bucket's reads carry a key, so the reader prepares them once (its first version from
-    that relay) and replays them after — not a preparation per relayed bucket per version."""
+    that relay) and replays them after — not a preparation per relayed bucket per version; and a reader behind
+    its relay submits relayed reads with the trainer's, in the window (``submit_ahead``), once a status read
+    showed them verified."""
+    from refitflow.refit.fanout import reading
+    from refitflow.refit.stages import pull
     from refitflow.transports.nixl import NixlTransport
 
     registry, ident = rf.Registry(), rf.Identity(model="fanout-nixl")
-    trainer, relay_model, reader_model = mlp(100), mlp(1), mlp(2)
+    trainer = {f"layers.{i}.weight": torch.randn(16384) for i in range(8)}  # 64 KiB each
+    relay_dst, reader_dst = ({k: torch.zeros_like(t) for k, t in trainer.items()} for _ in range(2))
     transports = [NixlTransport() for _ in range(3)]
-    prepared = []
+    # a bucket a tensor; a window of 2, so that the submitter is not a whole refit ahead of the first status read
+    small = {"relay_bucket_bytes": 64 * 1024, "direct_bucket_bytes": 64 * 1024, "window_buckets": 2}
+    prepared, ahead = [], []
+
+    async def spied(*args: Any) -> Any:  # a spy, not a mock: the real function, its outcomes counted
+        out = await reading.submit_ahead(*args)
+        ahead.append(out is not None)
+        return out
+
+    monkeypatch.setattr(pull, "submit_ahead", spied)
     with anyio.fail_after(60):
         async with (
             rf.Publisher(registry, identity=ident, transport=transports[0]) as pub,
-            rf.Receiver(relay_model, registry, identity=ident, transport=transports[1], serve_replicas=True,
-                        **SMALL) as relay,
-            rf.Receiver(reader_model, registry, identity=ident, transport=transports[2], **SMALL) as reader,
+            rf.Receiver(relay_dst, registry, identity=ident, transport=transports[1], serve_replicas=True,
+                        **small) as relay,
+            rf.Receiver(reader_dst, registry, identity=ident, transport=transports[2], **small) as reader,
         ):  # fmt: skip
             for v in range(1, 4):
-                for p in trainer.parameters():
-                    p.data.add_(1)
-                await pub.publish(v, dict(trainer.named_parameters()))
+                for t in trainer.values():
+                    t.add_(1)
+                await pub.publish(v, trainer)
                 assert (await relay.refit(v)).relay_bytes == 0
+                ahead.clear()
                 got = await reader.refit(v)
-                assert got.relay_bytes == _model_bytes(trainer) and same(reader_model, params(trainer))
+                assert got.relay_bytes == 8 * 16384 * 4 and got.rerouted_bytes == 0
+                assert all(torch.equal(reader_dst[k], t) for k, t in trainer.items())
+                assert len(ahead) == 8 and not ahead[0] and all(ahead[3:])  # the first waits for a status read
                 prepared.append(transports[2].prepared)
     assert prepared[1] == prepared[2] > 0  # version 3 prepared nothing new: relay reads and status read replayed

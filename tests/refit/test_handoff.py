@@ -4,6 +4,7 @@ read as the end of input — on the asyncio fast path and on the anyio ``Event``
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from refitflow.refit.handoff import channel, give, take
@@ -57,13 +58,13 @@ async def test_a_sender_waits_while_the_channel_holds_size_items(make, size: int
         async with anyio.create_task_group() as tg:
             tg.start_soon(producer)
             while send.statistics()[0] < size + 1:  # every slot, and the item it waits to hand over
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             for _ in range(5):
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             assert given == size and send.statistics() == (size + 1, size)
             assert await take(receive) == 0
             while given < size + 1:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             assert await take(receive) == 1
             tg.cancel_scope.cancel()
 
@@ -86,7 +87,7 @@ async def test_a_receiver_that_closed_breaks_its_waiting_sender(make) -> None:
 
     async def closer() -> None:
         while not send.statistics()[0]:
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         await receive.aclose()
 
     with anyio.fail_after(5):
@@ -109,7 +110,7 @@ async def test_a_stage_waiting_on_a_sender_that_fails_is_broken_not_ended(make) 
     async def upstream() -> None:
         async with send:
             await waiting.wait()
-            await anyio.sleep(0)  # the stage is waiting in take
+            await anyio.lowlevel.checkpoint()  # the stage is waiting in take
             raise RuntimeError("stage failed")
 
     async def downstream() -> None:

@@ -3,7 +3,10 @@
 A relay's piece is read only once the relay's status says every tensor it lies in is verified for this
 version. The status is read into the probe only when the last one read does not show that yet: a tensor's
 flag, once it names this version, stays so until the relay begins another version — so a reader behind its
-relay reads bucket after bucket with no status read between them, not one (or two) per bucket. If the relay
+relay reads bucket after bucket with no status read between them, not one (or two) per bucket; and when the last
+status read already shows a bucket's relayed pieces verified, pull submits their reads with the bucket's trainer
+reads (``submit_ahead``), many buckets in flight, instead of reading them one bucket at a time as each lands
+(``take_relayed``: a thread's round trip a bucket). If the relay
 failed, made no progress for ``relay_wait_s``, or moved on (its status no longer names this version), the
 pieces still owed are read from the trainer (*rerouted*) and the relay is not read again in this attempt.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import anyio
 
@@ -29,9 +33,9 @@ from refitflow.refit.attempt import Attempt, Resources
 from refitflow.refit.fanout.relaying import Upstream
 from refitflow.refit.landing import landed, read, read_pieces, reads_for
 from refitflow.refit.work import Work
-from refitflow.transports.base import Read, as_bytes, settle_or_abandon
+from refitflow.transports.base import Read, Submitted, as_bytes, settle_or_abandon
 
-__all__ = ["owed_by_upstream", "take_relayed"]
+__all__ = ["Ahead", "land_ahead", "owed_by_upstream", "submit_ahead", "take_relayed"]
 
 
 def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int, RelayPiece]:
@@ -41,6 +45,64 @@ def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int,
         return {}
     held = up.geometry.buckets[work.bucket.index]
     return {k: held[k] for k in pull if k in held}
+
+
+@dataclass(eq=False, slots=True)
+class Ahead:
+    """A bucket's relayed pieces submitted with its trainer reads (``submit_ahead``), in flight."""
+
+    posted: Submitted
+    ready: list[RelayPiece]
+
+
+def _ready(attempt: Attempt, up: Upstream, owed: dict[int, RelayPiece]) -> list[RelayPiece]:
+    """The ``owed`` pieces the relay's last status read shows verified for this version."""
+    flags, v = up.probe.numpy()[1:], attempt.version
+    return [rp for rp in owed.values() if (flags[rp.params] == v).all()]
+
+
+async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> Ahead | None:
+    """Submit the reads of a bucket's ``owed`` pieces now, beside its trainer reads — in the pull's window, not one
+    bucket at a time as it lands — when the relay's last status read already shows every one of them verified
+    (a reader behind its relay: the common case) and a relay's bytes are verified like any read
+    (``verify="strict"``); else None (``take_relayed`` reads them as the bucket lands, waiting for the relay)."""
+    up = attempt.upstream
+    if not owed or up is None or up.failed is not None or res.limits.verify != "strict":
+        return None
+    ready = _ready(attempt, up, owed)
+    if len(ready) < len(owed):
+        return None
+    assert res.transport is not None  # a pulling rank has one
+    reads = reads_for(res, attempt, work, coalesce([r for rp in ready for r in rp.reads]))
+    try:
+        posted = await res.transport.submit(reads, key=_key(attempt, work, ready), count=False)
+    except TransportError as exc:
+        up.fail(f"{type(exc).__name__}: {exc}")
+        return None
+    return Ahead(posted, ready)
+
+
+async def land_ahead(res: Resources, attempt: Attempt, work: Work, ahead: Ahead, owed: dict[int, RelayPiece],
+                     since: float) -> None:  # fmt: skip
+    """Wait for relayed reads ``submit_ahead`` submitted (``since``: when); what they could not deliver is left in
+    ``owed`` for ``take_relayed`` (which reads it from the trainer: the relay is failed)."""
+    up = attempt.upstream
+    assert up is not None  # ahead of a relay
+    try:
+        await landed(res, attempt, work, ahead.posted, since)
+    except (TransportError, RefitTimeoutError) as exc:
+        await settle_or_abandon([ahead.posted], res.limits.read_timeout_s)
+        up.fail(f"{type(exc).__name__}: {exc}")
+        return
+    _took(work, owed, ahead.ready)
+
+
+def _took(work: Work, owed: dict[int, RelayPiece], ready: list[RelayPiece]) -> None:
+    """``ready`` pieces landed from the relay: no longer owed."""
+    for rp in ready:
+        del owed[rp.piece]
+        work.relayed.append(rp.piece)
+    work.relay_bytes += int(work.bucket.checks.piece_bytes[[rp.piece for rp in ready]].sum())
 
 
 def _key(attempt: Attempt, work: Work, ready: list[RelayPiece]) -> Hashable:
@@ -65,19 +127,18 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
     up = attempt.upstream
     assert up is not None  # owed pieces come from it
     v = attempt.version
-    flags = up.probe.numpy()[1:]
     piece_bytes = work.bucket.checks.piece_bytes
     strict = res.limits.verify == "strict"
     deadline = anyio.current_time() + res.limits.relay_wait_s
     delay = 2e-4
     while owed and up.failed is None:
         try:
-            ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]  # the last status read
+            ready = _ready(attempt, up, owed)  # the last status read
             if not ready:
                 if not await _status(res, attempt, work, up):
                     up.fail(f"it no longer holds version {v}")
                     break
-                ready = [rp for rp in owed.values() if (flags[rp.params] == v).all()]
+                ready = _ready(attempt, up, owed)
             if ready:
                 planned = coalesce([r for rp in ready for r in rp.reads])
                 assert res.transport is not None  # a pulling rank has one
@@ -91,10 +152,7 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                 if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
                     up.fail(f"it left version {v} while being read")
                     break
-                for rp in ready:
-                    del owed[rp.piece]
-                    work.relayed.append(rp.piece)
-                work.relay_bytes += int(piece_bytes[[rp.piece for rp in ready]].sum())
+                _took(work, owed, ready)
                 deadline, delay = anyio.current_time() + res.limits.relay_wait_s, 2e-4
                 continue
         except (TransportError, RefitTimeoutError) as exc:

@@ -5,8 +5,10 @@ leaves (``Work.actions``, ``planner/delta.py``) and pieces the attempt's upstrea
 (``fanout.reading``: read once the relay has verified them; what it cannot deliver is read from the trainer).
 
 Two tasks: one *submits* each bucket's trainer reads as it comes (``landing.submit_pieces``: the transport
-posts them and returns at once) and hands it on; the other waits for the buckets in order — each until
-``read_timeout_s`` after it was submitted —, takes the relayed pieces, and sends each bucket on. At most
+posts them and returns at once) — and its relayed reads with them when the relay's last status already shows
+them verified (``fanout.reading.submit_ahead``) — and hands it on; the other waits for the buckets in order —
+each until ``read_timeout_s`` after it was submitted —, takes the relayed pieces still owed (waiting for the
+relay), and sends each bucket on. At most
 ``Resources.window`` buckets are in flight between the two; staged buckets are bounded by the staging budget
 too (allocate), direct ones by the window alone. A transport that posts from a thread of its own (NIXL) thus
 keeps reading while the loop verifies and applies, and the loop is woken per bucket that ended, not per hop.
@@ -27,7 +29,7 @@ from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.planner.delta import PULL
 from refitflow.planner.fanout import RelayPiece
 from refitflow.refit.attempt import Attempt, Meter, Resources
-from refitflow.refit.fanout.reading import owed_by_upstream, take_relayed
+from refitflow.refit.fanout.reading import Ahead, land_ahead, owed_by_upstream, submit_ahead, take_relayed
 from refitflow.refit.handoff import Receiving, Sending, channel, first_error, give, take
 from refitflow.refit.landing import landed, submit_pieces
 from refitflow.refit.work import Receive, Send, Work
@@ -42,6 +44,7 @@ class _Flight:
     pull: list[int]  # the pieces pulled (the rest a delta refit leaves)
     owed: dict[int, RelayPiece]  # of those, the upstream relay's
     submitted: Submitted | None  # the trainer's part, in flight
+    ahead: Ahead | None  # the relay's part, in flight when the relay had it verified already
     t0: float  # perf_counter when submitted
 
 
@@ -61,7 +64,8 @@ async def _submit(res: Resources, attempt: Attempt, work: Work) -> _Flight:
         attempt.txn.wrote = True
     t0 = time.perf_counter()
     submitted = await submit_pieces(res, attempt, work, mine) if mine else None
-    return _Flight(work, pull, owed, submitted, t0)
+    ahead = await submit_ahead(res, attempt, work, owed) if owed else None
+    return _Flight(work, pull, owed, submitted, ahead, t0)
 
 
 async def _land(res: Resources, attempt: Attempt, f: _Flight) -> None:
@@ -69,6 +73,8 @@ async def _land(res: Resources, attempt: Attempt, f: _Flight) -> None:
     work, b = f.work, f.work.bucket
     if f.submitted is not None:
         await landed(res, attempt, work, f.submitted, f.t0)
+    if f.ahead is not None:
+        await land_ahead(res, attempt, work, f.ahead, f.owed, f.t0)
     if f.owed:
         await take_relayed(res, attempt, work, f.owed)
     work.pulled += int(b.checks.piece_bytes[f.pull].sum()) if len(f.pull) < len(b.pieces) else b.nbytes
@@ -117,4 +123,5 @@ async def run(res: Resources, attempt: Attempt, receive: Receive, send: Send, me
         res.transport.reconnect(peers + ([attempt.upstream.offer.source.agent] if attempt.upstream else []))
         raise
     finally:  # a failure or a cancellation: what is still landing ends (or is cut short) before staging is freed
-        await settle_or_abandon([f.submitted for f in flying if f.submitted is not None], res.limits.read_timeout_s)
+        posted = [s for f in flying for s in (f.submitted, f.ahead.posted if f.ahead else None) if s is not None]
+        await settle_or_abandon(posted, res.limits.read_timeout_s)
