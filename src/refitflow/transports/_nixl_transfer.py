@@ -89,7 +89,7 @@ class Posted(Submitted):
         ended: Callable[[bool], None], dropped: Callable[[], bool],
     ) -> None:  # fmt: skip
         super().__init__(transport, reads, key, count)
-        self._ended_ = False  # every part ended (``_part_ended``)
+        self._done = False  # every part ended (``_part_ended``)
         self._event: anyio.Event | None = None  # made by a waiter that came before the end
         self._failures: list[TransportError] = []
         self._disconnected = False  # a failure's cause was a disconnected peer: worth reading again
@@ -101,7 +101,7 @@ class Posted(Submitted):
         self._pending: set[str] = {peer for _, peer in batch}  # peers with a READ not yet ended
         self._left = len(per_agent)
         if not per_agent:
-            self._ended_ = True
+            self._done = True
         wake = waker()
         for agent, group in per_agent.items():
             posts = [(p.handles[2], p.notif if count else b"") for p, _ in group]
@@ -127,15 +127,15 @@ class Posted(Submitted):
         self._left -= 1
         if not self._left:
             self._ended(bool(self._failures))
-            self._ended_ = True
+            self._done = True
             if self._event is not None:
                 self._event.set()
 
     def landed(self) -> bool:
-        return self._ended_ and not self._failures
+        return self._done and not self._failures
 
     async def _end(self) -> None:
-        if not self._ended_:
+        if not self._done:
             if self._event is None:
                 self._event = anyio.Event()
             await self._event.wait()

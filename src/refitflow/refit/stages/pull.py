@@ -8,10 +8,10 @@ Two tasks: one *submits* each bucket's trainer reads as it comes (``landing.subm
 posts them and returns at once) — and its relayed reads with them when the relay's last status already shows
 them verified (``fanout.reading.submit_ahead``) — and hands it on; the other waits for the buckets in order —
 each until ``read_timeout_s`` after it was submitted —, takes the relayed pieces still owed (waiting for the
-relay), and sends each bucket on. At most
-``Resources.window`` buckets are in flight between the two; staged buckets are bounded by the staging budget
-too (allocate), direct ones by the window alone. A transport that posts from a thread of its own (NIXL) thus
-keeps reading while the loop verifies and applies, and the loop is woken per bucket that ended, not per hop.
+relay), and sends each bucket on. At most ``Resources.window`` buckets are in flight between the two; staged
+buckets are bounded by the staging budget too (allocate), direct ones by the window alone. A transport that
+posts from a thread of its own (NIXL) thus keeps reading while the loop verifies and applies, and the loop is
+woken per bucket that ended, not per hop.
 On the way out (a failure, a cancellation) every read still in flight is waited for, under a shield and a
 deadline, before the stage ends: nothing lands in staging the abort frees; and the stages after it are not told
 the input ended (they are cancelled with the refit), so nothing downstream mistakes a failure for the end.
