@@ -94,40 +94,54 @@ class PrometheusMetrics(NullObserver):
         self._served = _ServedCollector()
         r.register(self._queues)
         r.register(self._served)
-        for stage in STAGES:  # known label values exist from the start
-            for metric in (self.items, self.bytes, self.in_flight, self.duration):
-                metric.labels(stage=stage)
+        # known label values exist from the start; their children are kept: every bucket reports to every stage
+        # (``labels()`` takes a lock and builds a key each call: ~10 µs a stage a bucket, against ~2 µs)
+        self._stages = {stage: self._children(stage) for stage in STAGES}
         for outcome in OUTCOMES:
             self.refits.labels(outcome=outcome)
         for kind in FRAME_KINDS:
             self.frames_refused.labels(kind=kind)
         for kind in BYTE_KINDS:
             self.refit_bytes_.labels(kind=kind)
-        for transport in TRANSPORTS:
-            self.transport_bytes.labels(transport=transport)
-            self.read_latency.labels(transport=transport)
+        self._transports = {t: (self.transport_bytes.labels(transport=t), self.read_latency.labels(transport=t))
+                            for t in TRANSPORTS}  # fmt: skip
         self.fence.state("ready")
         self._server: Any = None
 
     # Observer
+    def _children(self, stage: str) -> tuple[Counter, Counter, Gauge, Histogram]:
+        return (self.items.labels(stage=stage), self.bytes.labels(stage=stage), self.in_flight.labels(stage=stage),
+                self.duration.labels(stage=stage))  # fmt: skip
+
+    def _stage(self, stage: str) -> tuple[Counter, Counter, Gauge, Histogram]:
+        found = self._stages.get(stage)
+        if found is None:  # a stage refitflow does not name (a host's own): made on first use
+            found = self._stages[stage] = self._children(stage)
+        return found
+
     def stage_enter(self, stage: str) -> None:
-        self.in_flight.labels(stage=stage).inc()
+        self._stage(stage)[2].inc()
 
     def stage_item(self, stage: str, nbytes: int, seconds: float) -> None:
-        self.items.labels(stage=stage).inc()
-        self.bytes.labels(stage=stage).inc(nbytes)
-        self.duration.labels(stage=stage).observe(seconds)
-        self.in_flight.labels(stage=stage).dec()
+        items, nbytes_, in_flight, duration = self._stage(stage)
+        items.inc()
+        nbytes_.inc(nbytes)
+        duration.observe(seconds)
+        in_flight.dec()
 
     def transport_read(self, transport: str, nbytes: int, seconds: float) -> None:
-        self.transport_bytes.labels(transport=transport).inc(nbytes)
-        self.read_latency.labels(transport=transport).observe(seconds)
+        found = self._transports.get(transport)
+        if found is None:
+            found = (self.transport_bytes.labels(transport=transport), self.read_latency.labels(transport=transport))
+            self._transports[transport] = found
+        found[0].inc(nbytes)
+        found[1].observe(seconds)
 
     def queues(self, queues: Mapping[str, QueueStats]) -> None:
         self._queues.queues = dict(queues)
         if not queues:
-            for stage in STAGES:  # items abandoned by an aborted refit are no longer in flight
-                self.in_flight.labels(stage=stage).set(0)
+            for children in self._stages.values():  # items abandoned by an aborted refit are no longer in flight
+                children[2].set(0)
 
     def fence_state(self, state: str) -> None:
         self.fence.state(state)
