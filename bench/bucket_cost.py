@@ -1,7 +1,7 @@
 """What one bucket costs a refit beyond its bytes: the slope of refit time over bucket count, same bytes.
 
     python bench/bucket_cost.py [--size-mb 64] [--tensors 64] [--buckets 4 64 256 1024] [--rounds 5]
-                                [--mode in_place] [--verify strict]
+                                [--mode in_place] [--verify strict] [--metrics]
 
 A publisher process (NIXL, xxh3 digests) and this receiver process, as ``bench/nixl_ratio.py``. The same
 ``--size-mb`` is refit with its direct reads cut into about ``--buckets`` buckets (``direct_bucket_bytes``),
@@ -11,7 +11,8 @@ bucket; and the same reads submitted with the refit's window in flight, landed i
 when buckets overlap). Per bucket count it prints the best refit and raw seconds; then the least-squares slopes:
 seconds a bucket costs a refit, a raw read (one at a time, windowed), and refitflow's own cost per bucket (refit
 minus raw windowed: stages, hops, verify's per-bucket work — not the copy, not NIXL's own post and completion).
-GB/s = 10^9 bytes per second.
+``--metrics``: the receivers report to a ``PrometheusMetrics`` each (as a server that exports metrics does), not
+to the null observer. GB/s = 10^9 bytes per second.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from _nixl_peer import Peer
 
 import refitflow as rf
+from refitflow.metrics.prometheus import PrometheusMetrics
 from refitflow.transports.base import Read, Submitted, as_bytes
 from refitflow.transports.nixl import NixlTransport
 
@@ -80,12 +82,14 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mode", default="in_place")
     ap.add_argument("--verify", default="strict")
+    ap.add_argument("--metrics", action="store_true", help="receivers report to PrometheusMetrics")
     a = ap.parse_args()
     numel = int(a.size_mb * 2**20 / 4 / a.tensors)
     spec = {"tensors": a.tensors, "numel": numel, "model": "bench"}
     dst = {f"layers.{i}.weight": torch.zeros(numel + i % 7) for i in range(a.tensors)}
     nbytes = sum(t.nbytes for t in dst.values())
-    print(f"{a.tensors} fp32 tensors, {nbytes / 1e6:.1f} MB, mode {a.mode}, verify {a.verify}; "
+    print(f"{a.tensors} fp32 tensors, {nbytes / 1e6:.1f} MB, mode {a.mode}, verify {a.verify}, "
+          f"{'Prometheus metrics' if a.metrics else 'no metrics'}; "
           f"buckets {a.buckets}, best of {a.rounds}")  # fmt: skip
     registry, identity = rf.Registry(), rf.Identity(model="bench")
     refit_s: dict[int, list[float]] = {k: [] for k in a.buckets}
@@ -106,9 +110,10 @@ async def main() -> None:
             receivers = {}
             for k in a.buckets:
                 size = max(64, -(-nbytes // k))
+                observer = {"observer": PrometheusMetrics()} if a.metrics else {}
                 receivers[k] = rf.Receiver(dst, registry, identity=identity, transport=NixlTransport(), mode=a.mode,
                                            verify=a.verify, direct_bucket_bytes=size, max_direct_buckets=1 << 20,
-                                           receiver_id=f"rx-{k}")  # fmt: skip
+                                           receiver_id=f"rx-{k}", **observer)  # fmt: skip
             for k in a.buckets:
                 await receivers[k].__aenter__()
             try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -47,18 +47,10 @@ class _State(Generic[T]):
 
     async def wait(self, side: str) -> None:
         """Wait until the other side wakes this one (``side``: "sender" or "receiver")."""
-        if self.loop is not None:
-            future = self.loop.create_future()
-            setattr(self, side, future)
-            try:
-                await future
-            finally:
-                setattr(self, side, None)
-            return
-        event = anyio.Event()
-        setattr(self, side, event)
+        waiter: Any = self.loop.create_future() if self.loop is not None else anyio.Event()
+        setattr(self, side, waiter)
         try:
-            await event.wait()
+            await (waiter if self.loop is not None else waiter.wait())
         finally:
             setattr(self, side, None)
 
@@ -79,11 +71,14 @@ class _End(Generic[T]):
     def __init__(self, st: _State[T]) -> None:
         self._st = st
 
-    async def __aenter__(self) -> _End[T]:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.close() if exc_type is None else self.abort()
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
     async def aclose(self) -> None:
         self.close()
