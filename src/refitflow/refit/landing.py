@@ -105,10 +105,9 @@ async def _pieces_reads(
 ) -> tuple[list[Read], Hashable]:
     """The transport reads of some of a bucket's pieces, and their key (the same objects refit after refit)."""
     b = work.bucket
-    if len(pieces) == len(b.pieces):
-        lease = -1 if work.lease is None else work.lease.offset
-        return await _all_reads(res, attempt, work), (attempt.plan.serial, b.index, lease)
     key = slot(b.index, work.lease, res.destination)
+    if len(pieces) == len(b.pieces):  # keyed by slot: a shadow receiver's two storages are two lists of reads
+        return await _all_reads(res, attempt, work), (attempt.plan.serial, *key)
     picked = np.asarray(pieces, dtype=np.int64).tobytes()
     cached = attempt.replay.some.get(key)  # the last part of this bucket: a frozen part repeats refit after refit
     if cached is None or cached[0] != picked:

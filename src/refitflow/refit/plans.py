@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,10 @@ class Replay:
     piece_copies: dict[Slot, dict[int, list[Pair]]] = field(default_factory=dict)  # the same, per piece
     # whole units' and streams' bytes in host memory (verify)
     views: dict[Slot, tuple[list[memoryview], list[memoryview]] | None] = field(default_factory=dict)
+    # relayed pieces' reads, by slot and pieces, for the relay ``relay`` names (agent, address, regions, layout)
+    relayed: dict[tuple[Slot, tuple[int, ...]], list[Read]] = field(default_factory=dict)
+    relay: Any = None
+    relay_upstream: Any = None  # the attempt's upstream ``relay`` was last checked for (once an attempt)
 
 
 class PlanCache:

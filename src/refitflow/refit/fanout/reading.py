@@ -32,6 +32,7 @@ from refitflow.planner.reads import coalesce
 from refitflow.refit.attempt import Attempt, Resources
 from refitflow.refit.fanout.relaying import Upstream
 from refitflow.refit.landing import landed, read, read_pieces, reads_for
+from refitflow.refit.plans import slot
 from refitflow.refit.work import Work
 from refitflow.transports.base import Read, Submitted, as_bytes, settle_or_abandon
 
@@ -73,9 +74,9 @@ async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[
     if len(ready) < len(owed):
         return None
     assert res.transport is not None  # a pulling rank has one
-    reads = reads_for(res, attempt, work, coalesce([r for rp in ready for r in rp.reads]))
     try:
-        posted = await res.transport.submit(reads, key=_key(attempt, work, ready), count=False)
+        posted = await res.transport.submit(_reads(res, attempt, work, ready), key=_key(res, attempt, work, ready),
+                                            count=False)  # fmt: skip
     except TransportError as exc:
         up.fail(f"{type(exc).__name__}: {exc}")
         return None
@@ -105,12 +106,32 @@ def _took(work: Work, owed: dict[int, RelayPiece], ready: list[RelayPiece]) -> N
     work.relay_bytes += int(work.bucket.checks.piece_bytes[[rp.piece for rp in ready]].sum())
 
 
-def _key(attempt: Attempt, work: Work, ready: list[RelayPiece]) -> Hashable:
+def _reads(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]) -> list[Read]:
+    """The reads of ``ready`` pieces from the relay: the very list object as last version while the relay is the same
+    one (agent, address, regions, layout: checked once an attempt), so the transport replays its description and
+    preparation of them instead of describing them again for every relayed bucket of every version."""
+    up, replay = attempt.upstream, attempt.replay
+    assert up is not None  # relayed pieces come from it
+    if replay.relay_upstream is not up:
+        offer = up.offer
+        relay = (offer.source.agent, offer.source.metadata, offer.layout, tuple(p.region for p in offer.params))
+        if replay.relay != relay:
+            replay.relayed.clear()
+            replay.relay = relay
+        replay.relay_upstream = up
+    key = (slot(work.bucket.index, work.lease, res.destination), tuple(rp.piece for rp in ready))
+    reads = replay.relayed.get(key)
+    if reads is None:
+        reads = replay.relayed[key] = reads_for(res, attempt, work, coalesce([r for rp in ready for r in rp.reads]))
+    return reads
+
+
+def _key(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]) -> Hashable:
     """The read key of a bucket's relayed pieces: the same refit after refit while the plan is (its group, so
     forgotten with it), so the transport finds the transfers it prepared for them — their descriptors compared
     as they are, since the relay may be another (``NixlTransport`` prepares anew for another peer or regions)."""
-    lease = -1 if work.lease is None else work.lease.offset
-    return (attempt.plan.serial, "relayed", work.bucket.index, lease, tuple(rp.piece for rp in ready))
+    return (attempt.plan.serial, "relayed", *slot(work.bucket.index, work.lease, res.destination),
+            tuple(rp.piece for rp in ready))  # fmt: skip
 
 
 async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) -> bool:
@@ -140,10 +161,9 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                     break
                 ready = _ready(attempt, up, owed)
             if ready:
-                planned = coalesce([r for rp in ready for r in rp.reads])
                 assert res.transport is not None  # a pulling rank has one
-                reads = reads_for(res, attempt, work, planned)
-                posted = await res.transport.submit(reads, key=_key(attempt, work, ready), count=False)
+                posted = await res.transport.submit(_reads(res, attempt, work, ready),
+                                                    key=_key(res, attempt, work, ready), count=False)  # fmt: skip
                 try:
                     await landed(res, attempt, work, posted, time.perf_counter())
                 except BaseException:  # a read that failed or ran late ends before the trainer's bytes land there

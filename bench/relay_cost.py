@@ -1,0 +1,103 @@
+"""What a relayed bucket costs a reader beyond its bytes: the slope of refit time over bucket count, relay against
+trainer, same bytes, same reader.
+
+    python bench/relay_cost.py [--size-mb 64] [--tensors 2048] [--buckets 4 64 256 1024] [--rounds 5]
+
+For each bucket count: a publisher process (NIXL, xxh3 digests), and in this process a relay (a shadow receiver
+that serves replicas) and a reader, both cutting the same bytes into about that many buckets. Versions alternate:
+the reader refits first — nobody relays the version yet, it reads the trainer — or the relay does and the reader
+then reads every byte from it (already verified: the reader is behind its relay, as in a fleet's steady state).
+Per bucket count it prints the reader's best seconds each way; then the least-squares slopes over bucket count
+and their difference: **a relayed bucket's own cost** (status reads, the relay's bookkeeping, the reads of another
+agent's memory — what the simulator calls ``relay_bucket_us``). Strict verify on both paths. The tensors are
+smaller than the smallest bucket, so buckets hold whole tensors and every piece is relayable (the run stops if a
+byte came from elsewhere: with tensors cut into buckets, a reader's piece that straddles two of its relay's is read
+from the trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # a benchmark script, like the CLI, may set the environment
+os.environ.setdefault("UCX_LOG_LEVEL", "error")
+
+import anyio
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "transports"))
+
+from _nixl_peer import Peer
+
+import refitflow as rf
+from refitflow.transports.nixl import NixlTransport
+
+
+def slope(x: list[int], y: list[float]) -> float:
+    return float(np.polyfit(np.asarray(x, dtype=float), np.asarray(y, dtype=float), 1)[0])
+
+
+async def one_count(k: int, a: argparse.Namespace) -> tuple[int, float, float]:
+    """(buckets, the reader's best seconds from the trainer, from the relay) for about ``k`` buckets."""
+    numel = int(a.size_mb * 2**20 / 4 / a.tensors)
+    spec = {"tensors": a.tensors, "numel": numel, "model": "bench"}
+    shapes = {f"layers.{i}.weight": numel + i % 7 for i in range(a.tensors)}
+    nbytes = sum(shapes.values()) * 4
+    size = max(64, -(-nbytes // k))
+    buckets = {"direct_bucket_bytes": size, "relay_bucket_bytes": size, "max_direct_buckets": 1 << 20}
+    registry, identity = rf.Registry(), rf.Identity(model="bench")
+    trainer_s: list[float] = []
+    relay_s: list[float] = []
+    made = 0
+    async with Peer(spec) as peer:
+        relay = rf.Receiver({n: torch.zeros(s) for n, s in shapes.items()}, registry, identity=identity,
+                            transport=NixlTransport(), mode="shadow", serve_replicas=True, receiver_id="relay",
+                            **buckets)  # fmt: skip
+        reader = rf.Receiver({n: torch.zeros(s) for n, s in shapes.items()}, registry, identity=identity,
+                             transport=NixlTransport(), mode="shadow", receiver_id="reader", **buckets)  # fmt: skip
+        async with relay, reader:
+            for v in range(1, 2 * (a.rounds + 1) + 1):  # the first two versions prepare (plans, descriptors)
+                await registry.publish(await peer.publish(v, v))
+                if v % 2:
+                    r = await reader.refit(v)
+                    assert r.relay_bytes == 0, r
+                    await relay.refit(v)
+                    out = trainer_s
+                else:
+                    await relay.refit(v)
+                    r = await reader.refit(v)
+                    assert r.relay_bytes == r.nbytes and not r.rerouted_bytes, r  # every byte from the relay
+                    out = relay_s
+                made = r.stages["pull"].items
+                if v > 2:
+                    out.append(r.seconds)
+    return made, min(trainer_s), min(relay_s)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=float, default=64)
+    ap.add_argument("--tensors", type=int, default=2048)
+    ap.add_argument("--buckets", type=int, nargs="+", default=[4, 64, 256, 1024])
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    print(f"{a.tensors} fp32 tensors, {a.size_mb:g} MiB, strict verify; buckets {a.buckets}, best of {a.rounds}; "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    rows = [await one_count(k, a) for k in a.buckets]
+    print("\n| buckets | from the trainer, best s | from the relay, best s |\n|---:|---:|---:|")
+    for made, t, r in rows:
+        print(f"| {made} | {t:.4f} | {r:.4f} |")
+    ks = [made for made, _, _ in rows]
+    per_trainer = slope(ks, [t for _, t, _ in rows])
+    per_relay = slope(ks, [r for _, _, r in rows])
+    print(f"\nper bucket: from the trainer {per_trainer * 1e6:.0f} us, from the relay {per_relay * 1e6:.0f} us; "
+          f"a relayed bucket's own {(per_relay - per_trainer) * 1e6:.0f} us (slopes of the best times over bucket "
+          "count)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    anyio.run(main)
