@@ -111,7 +111,8 @@ async def main() -> None:
             for k in a.buckets:
                 size = max(64, -(-nbytes // k))
                 observer = {"observer": PrometheusMetrics()} if a.metrics else {}
-                receivers[k] = rf.Receiver(dst, registry, identity=identity, transport=NixlTransport(), mode=a.mode,
+                own = {n: torch.zeros_like(t) for n, t in dst.items()}  # a shadow receiver swaps its storages
+                receivers[k] = rf.Receiver(own, registry, identity=identity, transport=NixlTransport(), mode=a.mode,
                                            verify=a.verify, direct_bucket_bytes=size, max_direct_buckets=1 << 20,
                                            receiver_id=f"rx-{k}", **observer)  # fmt: skip
             for k in a.buckets:
