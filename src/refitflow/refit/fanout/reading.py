@@ -74,9 +74,9 @@ async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[
     if len(ready) < len(owed):
         return None
     assert res.transport is not None  # a pulling rank has one
+    reads, key = _reads(res, attempt, work, ready)
     try:
-        posted = await res.transport.submit(_reads(res, attempt, work, ready), key=_key(res, attempt, work, ready),
-                                            count=False)  # fmt: skip
+        posted = await res.transport.submit(reads, key=key, count=False)
     except TransportError as exc:
         up.fail(f"{type(exc).__name__}: {exc}")
         return None
@@ -106,10 +106,13 @@ def _took(work: Work, owed: dict[int, RelayPiece], ready: list[RelayPiece]) -> N
     work.relay_bytes += int(work.bucket.checks.piece_bytes[[rp.piece for rp in ready]].sum())
 
 
-def _reads(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]) -> list[Read]:
-    """The reads of ``ready`` pieces from the relay: the very list object as last version while the relay is the same
-    one (agent, address, regions, layout: checked once an attempt), so the transport replays its description and
-    preparation of them instead of describing them again for every relayed bucket of every version."""
+def _reads(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]) -> tuple[list[Read], Hashable]:
+    """The reads of ``ready`` pieces from the relay, and their read key. The reads are the very list object as last
+    version while the relay is the same one (agent, address, regions, layout: checked once an attempt), so the
+    transport replays its description and preparation of them instead of describing them again for every relayed
+    bucket of every version. The key is the same refit after refit while the plan is (its group, so forgotten with
+    it); the transport compares the descriptors as they are, since the relay may be another (it prepares anew for
+    another peer or regions)."""
     up, replay = attempt.upstream, attempt.replay
     assert up is not None  # relayed pieces come from it
     if replay.relay_upstream is not up:
@@ -119,19 +122,12 @@ def _reads(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]
             replay.relayed.clear()
             replay.relay = relay
         replay.relay_upstream = up
-    key = (slot(work.bucket.index, work.lease, res.destination), tuple(rp.piece for rp in ready))
-    reads = replay.relayed.get(key)
+    where, pieces = slot(work.bucket.index, work.lease, res.destination), tuple(rp.piece for rp in ready)
+    reads = replay.relayed.get((where, pieces))
     if reads is None:
-        reads = replay.relayed[key] = reads_for(res, attempt, work, coalesce([r for rp in ready for r in rp.reads]))
-    return reads
-
-
-def _key(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]) -> Hashable:
-    """The read key of a bucket's relayed pieces: the same refit after refit while the plan is (its group, so
-    forgotten with it), so the transport finds the transfers it prepared for them — their descriptors compared
-    as they are, since the relay may be another (``NixlTransport`` prepares anew for another peer or regions)."""
-    return (attempt.plan.serial, "relayed", *slot(work.bucket.index, work.lease, res.destination),
-            tuple(rp.piece for rp in ready))  # fmt: skip
+        planned = coalesce([r for rp in ready for r in rp.reads])
+        reads = replay.relayed[where, pieces] = reads_for(res, attempt, work, planned)
+    return reads, (attempt.plan.serial, "relayed", *where, pieces)
 
 
 async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) -> bool:
@@ -162,8 +158,8 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
                 ready = _ready(attempt, up, owed)
             if ready:
                 assert res.transport is not None  # a pulling rank has one
-                posted = await res.transport.submit(_reads(res, attempt, work, ready),
-                                                    key=_key(res, attempt, work, ready), count=False)  # fmt: skip
+                reads, key = _reads(res, attempt, work, ready)
+                posted = await res.transport.submit(reads, key=key, count=False)
                 try:
                     await landed(res, attempt, work, posted, time.perf_counter())
                 except BaseException:  # a read that failed or ran late ends before the trainer's bytes land there
