@@ -33,7 +33,6 @@ READING = b"rf-reading"  # a reader about to read: its owner keeps progressing o
 BUSY_INTERVAL_S = 5e-4  # the progress thread's period while peers read from the agent
 BUSY_HOLD_S = 0.25  # ... and for this long after the last notification, before it backs off
 ANNOUNCE_EVERY_S = 0.05  # a peer is told reads are coming at most this often (well inside BUSY_HOLD_S)
-SETTLE_S = 2e-3  # a READ still in progress once posted is checked this long in the posting thread
 
 
 def load_nixl() -> Any:
@@ -97,45 +96,6 @@ class LockedAgent:
                 return fn(*args)
             except self.errors as exc:
                 raise self._error(what, exc) from exc
-
-    def post(self, posts: list[tuple[Any, bytes]]) -> list[str | TransportError]:
-        """Post each prepared transfer ``(handle, notification)``, one after the other, then check those in
-        progress every 10–200 µs for up to ``SETTLE_S`` in this (worker) thread; each one's state, or
-        the error its post raised (the others are still posted).
-
-        A small READ (with or without a notification) often comes back ``PROC`` and is done
-        within a millisecond; an event loop's sleep lasts at least 1 ms (epoll's timeout is in
-        whole milliseconds), which cost a 1 MiB read ≈ 1.2 ms on top of its copy."""
-        states: list[str | TransportError] = []
-        for handle, notif in posts:
-            try:
-                states.append(str(self.call("transfer", self.agent.transfer, handle, notif)))
-            except TransportError as exc:
-                states.append(exc)
-        deadline = time.monotonic() + SETTLE_S
-        delay = 1e-5
-        while "PROC" in states and time.monotonic() < deadline:
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-4)
-            for i, (handle, _) in enumerate(posts):
-                if states[i] == "PROC":
-                    try:
-                        states[i] = self.try_state(handle) or "PROC"
-                    except TransportError as exc:
-                        states[i] = exc
-        return states
-
-    def try_state(self, handle: Any) -> str | None:
-        """``check_xfer_state`` if the agent is free now, else None (never blocks the caller)."""
-        if not self.lock.acquire(blocking=False):
-            return None
-        try:
-            with self.translated("check_xfer_state"):
-                if self.cuda is not None:
-                    bind_cuda(self.cuda)
-                return str(self.agent.check_xfer_state(handle))
-        finally:
-            self.lock.release()
 
     def start_progress(self) -> None:
         if self._thread is None and not self._stop.is_set():

@@ -1,11 +1,9 @@
-"""Posting prepared READs and waiting for them to end, for ``NixlTransport``: ``read`` and ``submit``.
+"""Posted READs, for ``NixlTransport`` (``submit``, and ``read``, which waits for what it submitted).
 
-``transfer`` (``read``): one worker thread per agent posts that agent's READs one after the other (one thread
-hop for all of a bucket's peers: a bucket of a TP-sharded trainer reads from each trainer rank) and checks those
-in progress briefly (``LockedAgent.post``); any still pending is polled from the event loop with growing sleeps
-(no spinning). ``Posted`` (``submit``): each agent's ``Poster`` thread posts the batch and says when it ended;
-the loop is not waiting meanwhile. Either way a peer whose READ fails does not keep the others from being posted
-and waited for.
+Each agent's ``Poster`` thread posts its part of the batch (one thread hop for all of a bucket's peers: a bucket
+of a TP-sharded trainer reads from each trainer rank) and says when it ended; the loop is not waiting meanwhile.
+A peer whose READ fails does not keep the others from being posted and waited for. Every READ is checked until
+it ends, even once nobody waits for it (``abandon``): see ``_nixl_flights``.
 """
 
 from __future__ import annotations
@@ -13,65 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 import anyio
-import anyio.to_thread
 
 from refitflow.core.errors import TransportError
 from refitflow.core.threads import waker
+from refitflow.transports._nixl_flights import Flights
 from refitflow.transports._nixl_poster import Poster, State
 from refitflow.transports._nixl_prepared import ended, submitted
 from refitflow.transports._nixl_state import _Prepared
 from refitflow.transports.base import Read, Submitted, Transport
 
-__all__ = ["Posted", "transfer"]
-
-
-async def transfer(batch: list[tuple[_Prepared, str]], count: bool, drop_peer: Callable[[str], None]) -> None:
-    """Post every READ of ``batch`` ((prepared, peer) pairs), with its served-bytes notification when
-    ``count``, and wait until each has ended; ``drop_peer`` a peer found disconnected, or one with a READ still
-    in progress when the wait is cancelled (a read deadline: after a partition heals, its UCX endpoint may be
-    dead, and the next read must connect afresh). Raises the first failure, once every READ posted has ended."""
-    per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
-    for p, peer in batch:
-        per_agent.setdefault(id(p.nx), []).append((p, peer))
-    failures: list[TransportError] = []
-
-    async def agent_reads(group: list[tuple[_Prepared, str]]) -> None:
-        nx = group[0][0].nx
-        posts = [(p.handles[2], p.notif if count else b"") for p, _ in group]
-        states = await anyio.to_thread.run_sync(nx.post, posts)
-        for (p, peer), state in zip(group, states, strict=True):
-            try:
-                delay = 1e-3
-                while state == "PROC":
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, 0.002)
-                    state = nx.try_state(p.handles[2]) or "PROC"
-                if isinstance(state, TransportError):
-                    raise state
-                if state != "DONE":
-                    raise TransportError(f"nixl READ from {peer!r} ended in state {state}")
-            except TransportError as exc:
-                if isinstance(exc.__cause__, nx.disconnected):
-                    drop_peer(peer)
-                failures.append(exc)
-            except BaseException:  # cancelled (a read deadline) with this READ still in progress
-                stuck.update(peer for (_, peer), s in zip(group, states, strict=True) if s == "PROC")
-                raise
-
-    stuck: set[str] = set()
-    groups = list(per_agent.values())
-    try:
-        if len(groups) == 1:
-            await agent_reads(groups[0])
-        else:
-            async with anyio.create_task_group() as tg:
-                for group in groups:
-                    tg.start_soon(agent_reads, group)
-    finally:
-        for peer in stuck:  # a peer that stopped answering: its connection may be dead after the network heals
-            drop_peer(peer)
-    if failures:
-        raise failures[0]
+__all__ = ["Posted"]
 
 
 class Posted(Submitted):
@@ -79,13 +28,13 @@ class Posted(Submitted):
 
     ``ended(failed)`` runs on the loop once every part ended (``failed``: whether any READ failed): the
     transport releases what it prepared for the read alone, or forgets what it cached for a failed one. A
-    failure whose cause is a disconnected peer drops that peer (``drop_peer``) and, as ``read`` does, the reads
-    are tried once more over a new connection (``transport.read``); so are they when any connection was dropped
-    after they were submitted (``dropped()``: another read found a peer dead and dropped it under this one)."""
+    failure whose cause is a disconnected peer drops that peer (``Flights.drop``) and, as ``read`` does, the
+    reads are tried once more over a new connection (``transport.read``); so are they when any connection was
+    dropped after they were submitted (``dropped()``: another read found a peer dead and dropped it)."""
 
     def __init__(
         self, transport: Transport, reads: Sequence[Read], key: Hashable | None, count: bool,
-        batch: list[tuple[_Prepared, str]], posters: dict[int, Poster], drop_peer: Callable[[str], None],
+        batch: list[tuple[_Prepared, str]], posters: dict[int, Poster], flights: Flights,
         ended: Callable[[bool], None], dropped: Callable[[], bool],
     ) -> None:  # fmt: skip
         super().__init__(transport, reads, key, count)
@@ -93,15 +42,15 @@ class Posted(Submitted):
         self._event: anyio.Event | None = None  # made by a waiter that came before the end
         self._failures: list[TransportError] = []
         self._disconnected = False  # a failure's cause was a disconnected peer: worth reading again
-        self._drop_peer, self._ended, self._dropped = drop_peer, ended, dropped
+        self._flights, self._ended, self._dropped = flights, ended, dropped
         per_agent: dict[int, list[tuple[_Prepared, str]]] = {}
         for p, peer in batch:
             per_agent.setdefault(id(p.nx), []).append((p, peer))
             submitted(p)
-        self._pending: set[str] = {peer for _, peer in batch}  # peers with a READ not yet ended
-        self._left = len(per_agent)
+        self._open = list(per_agent.values())  # the agents' parts not yet ended
         if not per_agent:
             self._done = True
+        flights.began(peer for _, peer in batch)
         wake = waker()
         for agent, group in per_agent.items():
             posts = [(p.handles[2], p.notif if count else b"") for p, _ in group]
@@ -114,18 +63,18 @@ class Posted(Submitted):
         return lambda states: wake(lambda: self._part_ended(group, states))
 
     def _part_ended(self, group: list[tuple[_Prepared, str]], states: list[State]) -> None:
+        self._open.remove(group)
+        self._flights.ended([peer for _, peer in group], None if self._open else self)
         for (p, peer), state in zip(group, states, strict=True):
             ended(p)
-            self._pending.discard(peer)
             if isinstance(state, TransportError):
                 if isinstance(state.__cause__, p.nx.disconnected):
-                    self._drop_peer(peer)
+                    self._flights.drop(peer)
                     self._disconnected = True
                 self._failures.append(state)
             elif state != "DONE":
                 self._failures.append(TransportError(f"nixl READ from {peer!r} ended in state {state}"))
-        self._left -= 1
-        if not self._left:
+        if not self._open:
             self._ended(bool(self._failures))
             self._done = True
             if self._event is not None:
@@ -134,14 +83,12 @@ class Posted(Submitted):
     def landed(self) -> bool:
         return self._done and not self._failures
 
-    async def _end(self) -> None:
-        if not self._done:
-            if self._event is None:
-                self._event = anyio.Event()
-            await self._event.wait()
+    def failure(self) -> TransportError | None:
+        """Once ended: the first failure, if any."""
+        return self._failures[0] if self._failures else None
 
     async def wait(self) -> None:
-        await self._end()
+        await self.settle()
         if not self._failures:
             return
         exc = self._failures[0]
@@ -154,11 +101,13 @@ class Posted(Submitted):
                                  f"{again.reason}") from again  # fmt: skip
 
     async def settle(self) -> None:
-        await self._end()
+        if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
 
     def abandon(self) -> None:
-        """Nobody waits any longer (a deadline passed while READs were in progress): the peers they read from are
-        dropped — their READs then end with an error, and the next read connects afresh (after a partition
-        heals, UCX's endpoint to a live peer may be dead), as ``transfer`` does for a read cancelled mid-way."""
-        for peer in sorted(self._pending):
-            self._drop_peer(peer)
+        """Nobody waits any longer (a deadline passed while READs were in progress): they stay checked until they
+        end, their memory is not reused before (``NixlTransport.quiesce``), and their peers are dropped then."""
+        if not self._done:
+            self._flights.abandon(self, (peer for group in self._open for _, peer in group))

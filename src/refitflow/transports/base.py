@@ -83,14 +83,15 @@ class Submitted:
         """Nothing was posted before ``wait``: nothing can still be landing."""
 
     def abandon(self) -> None:
-        """The caller stopped waiting for reads still in progress (``settle`` ran out of time): a transport may
-        cut them short. Nothing to do for reads that start only when waited for."""
+        """The caller stopped waiting for reads still in progress (``settle`` ran out of time). The transport
+        keeps them until they end — their bytes may land late — and ``Transport.quiesce`` waits for that.
+        Nothing to do for reads that start only when waited for."""
 
 
 async def settle_or_abandon(flights: Iterable[Submitted], within: float) -> None:
     """After a failure or a cancellation: wait, shielded, up to ``within`` seconds for every read of ``flights``
-    to end (landed or failed) before their memory is reused or freed; those still in progress then (a peer that
-    stopped answering) are abandoned."""
+    to end (landed or failed); those still in progress then (a peer that stopped answering) are abandoned: the
+    transport sees them to their end, and memory they land in is reused only after ``Transport.quiesce``."""
     pending = list(flights)
     with anyio.CancelScope(shield=True), anyio.move_on_after(within):
         while pending:
@@ -144,6 +145,12 @@ class Transport(ABC):
         transport that posts from a thread of its own completes them in batches. By default the reads start
         when waited for."""
         return Submitted(self, reads, key, count)
+
+    async def quiesce(self, within: float) -> None:
+        """Wait until every read abandoned so far (``Submitted.abandon``, or a ``read`` cancelled) has ended: until
+        then its bytes may still land where it was aimed. ``TransportError`` after ``within`` seconds. A refit
+        quiesces before it writes where an abandoned read may land. By default nothing outlives its wait."""
+        return None
 
     def reconnect(self, peers: Iterable[str]) -> None:
         """Forget the connections to ``peers`` (their addresses stay): the next read of each connects afresh. A

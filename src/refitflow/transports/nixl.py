@@ -45,11 +45,12 @@ from refitflow.transports._nixl_descs import (
     stripe,
     unpack_address,
 )
+from refitflow.transports._nixl_flights import Flights
 from refitflow.transports._nixl_poster import Poster
 from refitflow.transports._nixl_prepared import PreparedReads, release
 from refitflow.transports._nixl_state import CacheKey, _Local, _Peer, _Prepared
-from refitflow.transports._nixl_transfer import Posted, transfer
-from refitflow.transports.base import Read, Submitted, Transport
+from refitflow.transports._nixl_transfer import Posted
+from refitflow.transports.base import Read, Transport
 
 __all__ = ["NixlTransport"]
 
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 _EPOCHS = itertools.count(1)
 _MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
 CONNECT_TRIES = 4  # add_remote_agent attempts when UCX cannot connect (0.1 + 0.2 + 0.4 s between them)
+IDLE_WAIT_S = 30.0  # a peer's connection is replaced once its READs in flight ended: waited for this long
 
 
 class NixlTransport(Transport):
@@ -84,6 +86,7 @@ class NixlTransport(Transport):
         self._drops = 0  # peer connections dropped so far: a read that fails after one may have failed for it
         self._reads = PreparedReads(cache_groups)  # described and prepared reads by key, kept per group
         self._posters: dict[int, Poster] = {}  # id(agent) -> its poster thread (``submit``), made on first use
+        self._flights = Flights(self._remove_peer)  # READs in flight per peer (see ``_nixl_flights``)
         self._closed = False
         self.prep_seconds = 0.0  # time spent describing reads and preparing descriptors
 
@@ -193,12 +196,15 @@ class NixlTransport(Transport):
     def reconnect(self, peers: Iterable[str]) -> None:
         for agent in peers:
             if agent in self._peers:
-                self._drop_peer(agent)
+                self._flights.drop(agent)
 
-    def _drop_peer(self, agent: str) -> None:
-        """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh. READs of it
-        still in flight (another bucket's) fail then, not always as disconnected (``NIXL_ERR_NOT_FOUND``: the
-        remote agent is gone): ``read`` and ``Posted`` read again any read that failed after a drop."""
+    async def quiesce(self, within: float) -> None:
+        await self._flights.quiesce(within)
+
+    def _remove_peer(self, agent: str) -> None:
+        """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh. Called only
+        with none of its READs in flight (``Flights.drop``): NIXL could no longer check them, and UCX would still
+        land them."""
         self._drops += 1
         self._forget(lambda k: k[1] == agent)
         peer = self._peers.get(agent)
@@ -231,15 +237,16 @@ class NixlTransport(Transport):
                                      f"{again.reason}") from again  # fmt: skip
 
     async def _read(self, reads: Sequence[Read], *, key: Hashable | None, count: bool) -> None:
-        batch, ckeys = await self._batch(reads, key)
+        posted = await self.submit(reads, key=key, count=count)
         try:
-            await transfer(batch, count, self._drop_peer)
-        except BaseException:
-            self._ended(batch, ckeys, failed=True)
+            await posted.settle()
+        except BaseException:  # cancelled (a read deadline): the READs still in progress are checked to their end
+            posted.abandon()
             raise
-        self._ended(batch, ckeys, failed=False, key=key)
+        if (exc := posted.failure()) is not None:
+            raise exc
 
-    async def submit(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> Submitted:
+    async def submit(self, reads: Sequence[Read], *, key: Hashable | None = None, count: bool = True) -> Posted:
         """Prepare (or find prepared) and hand the reads to each agent's poster thread; return at once. The bytes
         land while the caller goes on; ``await submitted.wait()`` returns once they have (see ``Posted``)."""
         batch, ckeys = await self._batch(reads, key)
@@ -249,7 +256,7 @@ class NixlTransport(Transport):
         ended = lambda failed: self._ended(batch, ckeys, failed=failed, key=key)  # noqa: E731
         drops = self._drops
         dropped = lambda: self._drops != drops  # noqa: E731  (a connection dropped since: a failure may be that)
-        return Posted(self, reads, key, count, batch, self._posters, self._drop_peer, ended, dropped)
+        return Posted(self, reads, key, count, batch, self._posters, self._flights, ended, dropped)
 
     def _ended(
         self, batch: list[tuple[_Prepared, str]], ckeys: list[CacheKey | None], *, failed: bool, key: Hashable = None
@@ -271,7 +278,7 @@ class NixlTransport(Transport):
         agent's peers told a read is coming."""
         self._check_open()
         state = self._state()
-        if key is not None and (found := self._reads.batch(key, reads, state)) is not None:
+        if key is not None and not self._flights.dropping() and (found := self._reads.batch(key, reads, state)):
             self._announce(found[0])  # a replay: the very transfers prepared last time, none released since
             return found
         t0 = time.perf_counter()
@@ -285,7 +292,8 @@ class NixlTransport(Transport):
         try:
             for (peer, lmem, rmem), group in (await self._describe(reads, key, state)).items():
                 larr, rarr = group.larr, group.rarr
-                if not self._peers[peer].loaded:
+                if not self._peers[peer].loaded or self._flights.dropping(peer):
+                    await self._flights.idle(peer, IDLE_WAIT_S)  # what NIXL still checks of it ends first
                     self.prep_seconds += time.perf_counter() - t0
                     await self._load(peer)  # connection set-up, not counted as descriptor preparation
                     t0 = time.perf_counter()
@@ -374,7 +382,7 @@ class NixlTransport(Transport):
         self._posters.clear()
         self._reads.clear()
         for agent in list(self._peers):
-            self._drop_peer(agent)
+            self._remove_peer(agent)  # every READ ended (or its poster stopped): the agents go next
         for region in list(self._local):
             try:
                 self.deregister(region)

@@ -180,5 +180,7 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
         await anyio.sleep(delay)
         delay = min(delay * 2, 5e-3)
     if owed:
+        assert res.transport is not None  # a pulling rank has one
+        await res.transport.quiesce(res.limits.read_timeout_s)  # a relay's abandoned read lands there no more
         await read_pieces(res, attempt, work, sorted(owed))
         work.rerouted += int(piece_bytes[sorted(owed)].sum())

@@ -13,8 +13,12 @@ buckets are bounded by the staging budget too (allocate), direct ones by the win
 posts from a thread of its own (NIXL) thus keeps reading while the loop verifies and applies, and the loop is
 woken per bucket that ended, not per hop.
 On the way out (a failure, a cancellation) every read still in flight is waited for, under a shield and a
-deadline, before the stage ends: nothing lands in staging the abort frees; and the stages after it are not told
-the input ended (they are cancelled with the refit), so nothing downstream mistakes a failure for the end.
+deadline, before the stage ends, and the stages after it are not told the input ended (they are cancelled with
+the refit), so nothing downstream mistakes a failure for the end. A read still in flight at that deadline (a
+peer that stopped answering) is abandoned, not cut short — NIXL cannot cancel a READ on the wire, and its bytes
+land whenever the peer answers —, so the next attempt's pull first waits for it to end (``Transport.quiesce``)
+before it reads into the same parameters and staging; within ``read_timeout_s``, else it fails (typed, nothing
+written: the rank serves what it served) and the one after waits again.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ async def run(res: Resources, attempt: Attempt, receive: Receive, send: Send, me
 
     try:
         try:
+            # a read an earlier attempt abandoned may still land where this one's bytes go: it ends first
+            await res.transport.quiesce(res.limits.read_timeout_s)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(submitter)
                 tg.start_soon(lander)
