@@ -65,6 +65,10 @@ class Flights:
         for peer in peers:
             self.drop(peer)
 
+    def abandoned(self) -> list[object]:
+        """The abandoned flights still in progress."""
+        return list(self._abandoned)
+
     def busy(self, peer: str) -> bool:
         """Whether ``peer`` has READs in flight or a drop waiting for them."""
         return self._count[peer] > 0 or peer in self._dropping

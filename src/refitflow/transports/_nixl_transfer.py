@@ -63,7 +63,7 @@ class Posted(Submitted):
         return lambda states: wake(lambda: self._part_ended(group, states))
 
     def _part_ended(self, group: list[tuple[_Prepared, str]], states: list[State]) -> None:
-        self._open.remove(group)
+        self._open = [g for g in self._open if g is not group]  # by identity: preparations hold arrays
         self._flights.ended([peer for _, peer in group], None if self._open else self)
         for (p, peer), state in zip(group, states, strict=True):
             ended(p)

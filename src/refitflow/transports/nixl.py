@@ -15,6 +15,10 @@ peers only ever see the first agent, the only one with a progress thread. End to
 verification it did not pay on 2 cores (``bench/nixl_ratio.py --agents 2``: raw READs faster, refits
 not — hashing needs the second core), so the default stays one agent.
 
+A peer that stops answering (its host unplugged, a network partition) fails its READs within ``dead_peer_s``
+(5 s; over TCP: ``_nixl_agent.dead_peer_config``) rather than leaving them in progress: a READ on the wire
+cannot be cancelled, and the memory it lands in takes no other bytes until it ended (``_nixl_flights``).
+
 Registered tensors are referenced for as long as they are registered: NIXL over cma does not
 enforce remote deregistration, so memory a peer may still read must not be freed and reused.
 """
@@ -59,6 +63,7 @@ log = logging.getLogger(__name__)
 _EPOCHS = itertools.count(1)
 _MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
 CONNECT_TRIES = 4  # add_remote_agent attempts when UCX cannot connect (0.1 + 0.2 + 0.4 s between them)
+_LINGERING: list[Any] = []  # what abandoned READs may still land in, after their transport closed
 IDLE_WAIT_S = 30.0  # a peer's connection is replaced once its READs in flight ended: waited for this long
 
 
@@ -67,13 +72,14 @@ class NixlTransport(Transport):
 
     def __init__(
         self, *, agent_name: str | None = None, num_agents: int = 1, progress_interval_s: float = 0.005,
-        cache_groups: int = 16,
+        cache_groups: int = 16, dead_peer_s: float = 5.0,
     ) -> None:  # fmt: skip
         if num_agents < 1:
             raise ConfigError(f"num_agents must be at least 1, got {num_agents}")
         name = agent_name or f"refitflow-{uuid.uuid4().hex[:12]}"
         self._agents = [
-            LockedAgent(name if i == 0 else f"{name}-stripe{i}", progress_interval_s=progress_interval_s)
+            LockedAgent(name if i == 0 else f"{name}-stripe{i}", progress_interval_s=progress_interval_s,
+                        dead_peer_s=dead_peer_s)
             for i in range(num_agents)
         ]
         self._nx = self._agents[0]  # the one peers know: owner of the address, progressed by a thread
@@ -377,6 +383,10 @@ class NixlTransport(Transport):
         if self._closed:
             return
         self._nx.stop_progress()
+        if lingering := self._flights.abandoned():  # may land after the agents are gone: their memory stays
+            log.warning("nixl: closing with %d abandoned read(s) in progress; the memory they land in is kept",
+                        len(lingering))  # fmt: skip
+            _LINGERING.append((lingering, [loc.tensor for loc in self._local.values()]))
         for poster in self._posters.values():
             poster.close()  # what was submitted ends first
         self._posters.clear()
