@@ -144,8 +144,13 @@ def test_the_calibration_reads_the_bench_scripts_output(monkeypatch: pytest.Monk
             "| 5 | 4 | 0.0310 | 0.0129 | 0.0120 | 2.17 |\n| 91 | 64 | 0.0933 | 0.0549 | 0.0300 | 0.72 |\n"
             "\nper bucket: refit 700 us; raw reads one at a time 500 us, windowed 300 us; refitflow's own 400 us "
             "(refit - raw windowed)\n")  # fmt: skip
-    monkeypatch.setattr(_sim_calib, "_run", lambda args, timeout=600: fanout if "fanout" in args[0] else cost)
+    relay = ("2048 fp32 tensors, 64 MiB, strict verify\n\n| buckets | from the trainer, best s | from the relay, "
+             "best s |\n|---:|---:|---:|\n| 4 | 0.0300 | 0.0310 |\n\nper bucket: from the trainer 124 us, from the "
+             "relay 147 us; a relayed bucket's own 23 us (slopes of the best times over bucket count)\n")  # fmt: skip
+    outputs = {"fanout_bench.py": fanout, "bucket_cost.py": cost, "relay_cost.py": relay}
+    monkeypatch.setattr(_sim_calib, "_run", lambda args, timeout=600: outputs[pathlib.Path(args[0]).name])
     assert [r[1] for r in _sim_calib.fanout(True)] == pytest.approx([0.02 * k for k in _sim_calib.TOGETHER])
+    assert _sim_calib.relay_cost() == 23.0
     got = _sim_calib.bucket_cost()
     assert (got["refit_us"], got["raw_us"], got["win_us"], got["own_us"]) == (700.0, 500.0, 300.0, 400.0)
     assert got["copy_gbps"] == pytest.approx(67.1e6 / (0.0129 - 4 * 0.0007) / 1e9, rel=1e-6)
