@@ -11,8 +11,8 @@ Per bucket count it prints the reader's best seconds each way; then the least-sq
 and their difference: **a relayed bucket's own cost** (status reads, the relay's bookkeeping, the reads of another
 agent's memory — what the simulator calls ``relay_bucket_us``). Strict verify on both paths. The tensors are
 smaller than the smallest bucket, so buckets hold whole tensors and every piece is relayable (the run stops if a
-byte came from elsewhere: with tensors cut into buckets, a reader's piece that straddles two of its relay's is read
-from the trainer).
+byte came from elsewhere: a 1-D tensor cut between two buckets has its one digest block completed across pieces,
+and such pieces are read from the trainer — ``planner/fanout.py``).
 """
 
 from __future__ import annotations
