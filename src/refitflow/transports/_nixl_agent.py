@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,23 +53,23 @@ def bind_cuda(device: int) -> None:
     torch.cuda.current_stream(device).query()  # a runtime call under a device guard binds the context
 
 
-def dead_peer_config(seconds: float) -> str:
+def dead_peer_config(seconds: float | None) -> str:
     """UCX settings (NIXL's ``engine_config``) under which a TCP connection to a peer that stopped answering —
     unplugged, its host gone, a network partition — fails within about ``seconds``: unacknowledged data for
     that long (``TCP_USER_TIMEOUT``), or an idle connection's keepalive probes unanswered. UCX's own defaults
     left a READ posted into a partition in progress indefinitely (measured on simulated hosts: none had ended
     after 100 s), and a READ on the wire cannot be cancelled: its memory would wait as long
-    (``_nixl_flights``). A setting the user gave in the environment (``UCX_TCP_*``) is left to it. RDMA
-    transports have their own (``UCX_RC_TIMEOUT``, ``UCX_RC_RETRY_COUNT``)."""
+    (``_nixl_flights``). They take precedence over ``UCX_TCP_*`` in the environment; None: none (UCX's
+    settings, the environment's). RDMA transports have their own (``UCX_RC_TIMEOUT``, ``UCX_RC_RETRY_COUNT``)."""
+    if seconds is None:
+        return ""
     whole = max(2, round(seconds))
     idle = whole // 2
-    wanted = {"TCP_USER_TIMEOUT": f"{whole}s", "TCP_KEEPIDLE": f"{idle}s", "TCP_KEEPINTVL": "1s",
-              "TCP_KEEPCNT": str(max(1, whole - idle))}  # fmt: skip
-    return ",".join(f"{k}={v}" for k, v in wanted.items() if f"UCX_{k}" not in os.environ)
+    return f"TCP_USER_TIMEOUT={whole}s,TCP_KEEPIDLE={idle}s,TCP_KEEPINTVL=1s,TCP_KEEPCNT={max(1, whole - idle)}"
 
 
 class LockedAgent:
-    def __init__(self, name: str, *, progress_interval_s: float = 0.005, dead_peer_s: float = 5.0) -> None:
+    def __init__(self, name: str, *, progress_interval_s: float = 0.005, dead_peer_s: float | None = 5.0) -> None:
         nixl = load_nixl()
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -90,7 +89,8 @@ class LockedAgent:
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
         with self.translated("agent creation"):
             self.agent = nixl_agent(name, config)
-            self.agent.create_backend("UCX", {"engine_config": dead_peer_config(dead_peer_s)})
+            ucx = dead_peer_config(dead_peer_s)
+            self.agent.create_backend("UCX", {"engine_config": ucx} if ucx else {})
 
     @contextlib.contextmanager
     def translated(self, what: str) -> Iterator[None]:

@@ -7,7 +7,8 @@ off the event loop. A read ``key`` (a cached plan's bucket) keeps its prepared d
 and transfer handle until its group (the plan) is forgotten (``_nixl_prepared``): a replay compares
 the new descriptor arrays with the cached ones (cheap numpy equality) and only reposts the handle. A
 peer whose metadata changed invalidates what was prepared against it; a local deregistration what lands
-in that region. ``submit`` hands a read to each agent's poster thread (``_nixl_poster``) and returns.
+in that region (peers: ``_nixl_peers``). ``submit`` hands a read to each agent's poster thread (``_nixl_poster``)
+and returns.
 
 ``num_agents > 1`` stripes each read across that many agents of this process, one thread each
 (NIXL-NOTES: ≈1.7× one agent over cma; bench/nixl_bench.py here: 1.4×, 256 MiB, 2 shared cores);
@@ -16,8 +17,9 @@ verification it did not pay on 2 cores (``bench/nixl_ratio.py --agents 2``: raw 
 not — hashing needs the second core), so the default stays one agent.
 
 A peer that stops answering (its host unplugged, a network partition) fails its READs within ``dead_peer_s``
-(5 s; over TCP: ``_nixl_agent.dead_peer_config``) rather than leaving them in progress: a READ on the wire
-cannot be cancelled, and the memory it lands in takes no other bytes until it ended (``_nixl_flights``).
+(5 s; over TCP: ``_nixl_agent.dead_peer_config``; None leaves it to UCX and its ``UCX_TCP_*`` variables) rather
+than leaving them in progress: a READ on the wire cannot be cancelled, and the memory it lands in takes no other
+bytes until it ended (``_nixl_flights``).
 
 Registered tensors are referenced for as long as they are registered: NIXL over cma does not
 enforce remote deregistration, so memory a peer may still read must not be freed and reused.
@@ -32,8 +34,6 @@ import uuid
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import torch
 
 from refitflow.core.errors import ConfigError, TransportError
@@ -47,12 +47,11 @@ from refitflow.transports._nixl_descs import (
     describe,
     pack_address,
     stripe,
-    unpack_address,
 )
-from refitflow.transports._nixl_flights import Flights
+from refitflow.transports._nixl_peers import Peers
 from refitflow.transports._nixl_poster import Poster
 from refitflow.transports._nixl_prepared import PreparedReads, release
-from refitflow.transports._nixl_state import CacheKey, _Local, _Peer, _Prepared
+from refitflow.transports._nixl_state import CacheKey, _Local, _Prepared
 from refitflow.transports._nixl_transfer import Posted
 from refitflow.transports.base import Read, Transport
 
@@ -60,11 +59,8 @@ __all__ = ["NixlTransport"]
 
 log = logging.getLogger(__name__)
 
-_EPOCHS = itertools.count(1)
 _MIN_STRIPE = 4 << 20  # smallest part of a read worth its own agent
-CONNECT_TRIES = 4  # add_remote_agent attempts when UCX cannot connect (0.1 + 0.2 + 0.4 s between them)
 _LINGERING: list[Any] = []  # what abandoned READs may still land in, after their transport closed
-IDLE_WAIT_S = 30.0  # a peer's connection is replaced once its READs in flight ended: waited for this long
 
 
 class NixlTransport(Transport):
@@ -72,7 +68,7 @@ class NixlTransport(Transport):
 
     def __init__(
         self, *, agent_name: str | None = None, num_agents: int = 1, progress_interval_s: float = 0.005,
-        cache_groups: int = 16, dead_peer_s: float = 5.0,
+        cache_groups: int = 16, dead_peer_s: float | None = 5.0,
     ) -> None:  # fmt: skip
         if num_agents < 1:
             raise ConfigError(f"num_agents must be at least 1, got {num_agents}")
@@ -88,11 +84,9 @@ class NixlTransport(Transport):
         self._ids = itertools.count()
         self._index: LocalIndex | None = None
         self._address: SourceAddress | None = None
-        self._peers: dict[str, _Peer] = {}
-        self._drops = 0  # peer connections dropped so far: a read that fails after one may have failed for it
         self._reads = PreparedReads(cache_groups)  # described and prepared reads by key, kept per group
         self._posters: dict[int, Poster] = {}  # id(agent) -> its poster thread (``submit``), made on first use
-        self._flights = Flights(self._remove_peer)  # READs in flight per peer (see ``_nixl_flights``)
+        self._peers = Peers(self._agents, self._forget)  # addresses, connections, READs in flight
         self._closed = False
         self.prep_seconds = 0.0  # time spent describing reads and preparing descriptors
 
@@ -169,58 +163,13 @@ class NixlTransport(Transport):
         self._check_open()
         if source.transport != self.name:
             raise TransportError(f"nixl cannot reach a {source.transport!r} source")
-        peer = self._peers.get(source.agent)
-        if peer is not None and peer.address == source.metadata:
-            return
-        regions, md = unpack_address(source.metadata)
-        self._forget(lambda k: k[1] == source.agent)  # prepared against the old snapshot
-        self._peers[source.agent] = _Peer(source.metadata, regions, next(_EPOCHS), md)
-
-    async def _load(self, agent: str) -> None:
-        """Give NIXL the peer's metadata (a refresh if it knew an older snapshot): ~10 ms, so off the loop.
-
-        A connection UCX cannot make (``NIXL_ERR_BACKEND``: "destination is unreachable" in the first moments
-        after a network partition healed, or a refused connection to a process that died) is tried again,
-        ``CONNECT_TRIES`` times in all over 0.7 s (the caller's read deadline bounds it); a peer NIXL knows to be
-        gone (``NIXL_ERR_REMOTE_DISCONNECT``) is not."""
-        peer = self._peers[agent]
-        for nx in self._agents:
-            for attempt in range(CONNECT_TRIES):
-                try:
-                    name = await anyio.to_thread.run_sync(nx.call, "add_remote_agent", nx.agent.add_remote_agent,
-                                                          peer.md)  # fmt: skip
-                    break
-                except TransportError as exc:
-                    if attempt + 1 == CONNECT_TRIES or isinstance(exc.__cause__, nx.disconnected):
-                        raise
-                    await anyio.sleep(0.1 * 2**attempt)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != agent:
-                raise TransportError(f"address of {agent!r} carries the metadata of agent {name!r}")
-        peer.loaded = True
+        self._peers.connect(source)
 
     def reconnect(self, peers: Iterable[str]) -> None:
-        for agent in peers:
-            if agent in self._peers:
-                self._flights.drop(agent)
+        self._peers.reconnect(peers)
 
     async def quiesce(self, within: float) -> None:
-        await self._flights.quiesce(within)
-
-    def _remove_peer(self, agent: str) -> None:
-        """Forget NIXL's connection to ``agent`` (its address stays): the next read connects afresh. Called only
-        with none of its READs in flight (``Flights.drop``): NIXL could no longer check them, and UCX would still
-        land them."""
-        self._drops += 1
-        self._forget(lambda k: k[1] == agent)
-        peer = self._peers.get(agent)
-        for nx in self._agents if peer is not None and peer.loaded else []:
-            try:
-                nx.call("remove_remote_agent", nx.agent.remove_remote_agent, agent)
-            except TransportError:
-                pass  # already unusable
-        if peer is not None:
-            peer.loaded = False
+        await self._peers.flights.quiesce(within)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -229,11 +178,11 @@ class NixlTransport(Transport):
         more, connecting afresh: after a network partition healed, UCX's endpoint to a live peer may be dead
         (its keepalive gave up during the partition) while a new one connects; a peer that is really gone
         fails the second try at once."""
-        drops = self._drops
+        drops = self._peers.drops
         try:
             await self._read(reads, key=key, count=count)
         except TransportError as exc:
-            if not isinstance(exc.__cause__, self._nx.disconnected) and self._drops == drops:
+            if not isinstance(exc.__cause__, self._nx.disconnected) and self._peers.drops == drops:
                 raise  # neither disconnected nor a connection dropped under it
             log.info("nixl: a peer was disconnected (%s); reading again over a new connection", exc)
             try:
@@ -260,9 +209,9 @@ class NixlTransport(Transport):
             if id(p.nx) not in self._posters:
                 self._posters[id(p.nx)] = Poster(p.nx)
         ended = lambda failed: self._ended(batch, ckeys, failed=failed, key=key)  # noqa: E731
-        drops = self._drops
-        dropped = lambda: self._drops != drops  # noqa: E731  (a connection dropped since: a failure may be that)
-        return Posted(self, reads, key, count, batch, self._posters, self._flights, ended, dropped)
+        drops = self._peers.drops
+        dropped = lambda: self._peers.drops != drops  # noqa: E731  (a connection dropped since: a failure may be that)
+        return Posted(self, reads, key, count, batch, self._posters, self._peers.flights, ended, dropped)
 
     def _ended(
         self, batch: list[tuple[_Prepared, str]], ckeys: list[CacheKey | None], *, failed: bool, key: Hashable = None
@@ -283,8 +232,8 @@ class NixlTransport(Transport):
         """Every peer's transfer (and stripe) of ``reads``: found prepared under ``key``, or prepared now; each
         agent's peers told a read is coming."""
         self._check_open()
-        state = self._state()
-        if key is not None and not self._flights.dropping() and (found := self._reads.batch(key, reads, state)):
+        state = self._peers.state()
+        if key is not None and not self._peers.flights.dropping() and (found := self._reads.batch(key, reads, state)):
             self._announce(found[0])  # a replay: the very transfers prepared last time, none released since
             return found
         t0 = time.perf_counter()
@@ -298,15 +247,14 @@ class NixlTransport(Transport):
         try:
             for (peer, lmem, rmem), group in (await self._describe(reads, key, state)).items():
                 larr, rarr = group.larr, group.rarr
-                if not self._peers[peer].loaded or self._flights.dropping(peer):
-                    await self._flights.idle(peer, IDLE_WAIT_S)  # what NIXL still checks of it ends first
+                if not self._peers.known[peer].loaded or self._peers.flights.dropping(peer):
                     self.prep_seconds += time.perf_counter() - t0
-                    await self._load(peer)  # connection set-up, not counted as descriptor preparation
+                    await self._peers.ready(peer)  # connection set-up, not counted as descriptor preparation
                     t0 = time.perf_counter()
                 for i, (la, ra) in enumerate(stripe(larr, rarr, len(self._agents), _MIN_STRIPE)):
                     ck = None if key is None else (key, peer, lmem, rmem, i)
                     ckeys.append(ck)
-                    epoch = self._peers[peer].epoch
+                    epoch = self._peers.known[peer].epoch
                     args = (ck, self._agents[i], peer, lmem, rmem, la, ra, epoch, group.regions)
                     hit = self._reads.lookup(ck, epoch, la, ra)
                     if hit is None and len(la) > 256:  # thousands of descriptors take milliseconds: off the loop
@@ -317,13 +265,9 @@ class NixlTransport(Transport):
         except BaseException:
             self._ended(batch, ckeys, failed=True)
             raise
-        if key is not None and state == self._state():  # no peer reconnected meanwhile
+        if key is not None and state == self._peers.state():  # no peer reconnected meanwhile
             self._reads.remember_batch(key, reads, state, (batch, ckeys))
         return batch, ckeys
-
-    def _state(self) -> tuple[tuple[str, int], ...]:
-        """Every peer's connection epoch: a description, a batch, made under another state is stale."""
-        return tuple((a, p.epoch) for a, p in self._peers.items())
 
     def _announce(self, batch: list[tuple[_Prepared, str]]) -> None:
         """Tell each agent's peers in ``batch`` that a read is coming."""
@@ -345,7 +289,7 @@ class NixlTransport(Transport):
             found = self._reads.described(key, reads, state)
             if found is not None:
                 return found
-        regions = {agent: peer.regions for agent, peer in self._peers.items()}
+        regions = self._peers.regions()
         assert self._index is not None  # built by _batch first
         todo = [r for r in reads if r.nbytes]
         if len(todo) > 256:
@@ -383,7 +327,7 @@ class NixlTransport(Transport):
         if self._closed:
             return
         self._nx.stop_progress()
-        if lingering := self._flights.abandoned():  # may land after the agents are gone: their memory stays
+        if lingering := self._peers.flights.abandoned():  # may land after the agents are gone: their memory stays
             log.warning("nixl: closing with %d abandoned read(s) in progress; the memory they land in is kept",
                         len(lingering))  # fmt: skip
             _LINGERING.append((lingering, [loc.tensor for loc in self._local.values()]))
@@ -391,8 +335,8 @@ class NixlTransport(Transport):
             poster.close()  # what was submitted ends first
         self._posters.clear()
         self._reads.clear()
-        for agent in list(self._peers):
-            self._remove_peer(agent)  # every READ ended (or its poster stopped): the agents go next
+        for agent in list(self._peers.known):
+            self._peers.remove(agent)  # every READ ended (or its poster stopped): the agents go next
         for region in list(self._local):
             try:
                 self.deregister(region)
