@@ -411,8 +411,9 @@ async def test_a_shadow_relay_that_swaps_storages_relays_the_version_it_serves_u
 async def test_a_reader_replays_the_transfers_it_prepared_for_its_relay_version_after_version(monkeypatch) -> None:
     """Over NIXL: a relayed bucket's reads carry a key, so the reader prepares them once (its first version from
     that relay) and replays them after — not a preparation per relayed bucket per version; and a reader behind
-    its relay submits relayed reads with the trainer's, in the window (``submit_ahead``), once a status read
-    showed them verified."""
+    its relay submits relayed reads with the trainer's, in the window (``submit_ahead``), every bucket of them:
+    the submitter waits for the relay's status to show a bucket verified, rather than leaving it to be read as
+    it lands."""
     from refitflow.refit.fanout import reading
     from refitflow.refit.stages import pull
     from refitflow.transports.nixl import NixlTransport
@@ -447,6 +448,6 @@ async def test_a_reader_replays_the_transfers_it_prepared_for_its_relay_version_
                 got = await reader.refit(v)
                 assert got.relay_bytes == 8 * 16384 * 4 and got.rerouted_bytes == 0
                 assert all(torch.equal(reader_dst[k], t) for k, t in trainer.items())
-                assert len(ahead) == 8 and not ahead[0] and all(ahead[3:])  # the first waits for a status read
+                assert ahead == [True] * 8  # the first too: the submitter read the relay's status first
                 prepared.append(transports[2].prepared)
     assert prepared[1] == prepared[2] > 0  # version 3 prepared nothing new: relay reads and status read replayed

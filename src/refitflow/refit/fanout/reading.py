@@ -3,12 +3,14 @@
 A relay's piece is read only once the relay's status says every tensor it lies in is verified for this
 version. The status is read into the probe only when the last one read does not show that yet: a tensor's
 flag, once it names this version, stays so until the relay begins another version — so a reader behind its
-relay reads bucket after bucket with no status read between them, not one (or two) per bucket; and when the last
-status read already shows a bucket's relayed pieces verified, pull submits their reads with the bucket's trainer
-reads (``submit_ahead``), many buckets in flight, instead of reading them one bucket at a time as each lands
-(``take_relayed``: a thread's round trip a bucket). If the relay
-failed, made no progress for ``relay_wait_s``, or moved on (its status no longer names this version), the
-pieces still owed are read from the trainer (*rerouted*) and the relay is not read again in this attempt.
+relay reads bucket after bucket with no status read between them, not one (or two) per bucket. Under
+``verify="strict"`` pull's submitter waits, bucket by bucket, until the status shows a bucket's relayed pieces
+verified and submits their reads with the bucket's trainer reads (``submit_ahead``): many buckets in flight, a
+reader close behind its relay included — instead of reading them one bucket at a time as each lands
+(``take_relayed``: two thread round trips a bucket, which a chain of readers on shared cores paid hop after
+hop; it remains for other verify modes). If the relay failed, made no progress for ``relay_wait_s``, or moved on
+(its status no longer names this version), the pieces still owed are read from the trainer (*rerouted*) and
+the relay is not read again in this attempt.
 
 A relay that began another version while a reader took its bytes (in place, its storage changes) sends bytes
 that are not this version's: under ``verify="strict"`` (a relay serves only such readers' bytes verified, and
@@ -54,6 +56,7 @@ class Ahead:
 
     posted: Submitted
     ready: list[RelayPiece]
+    since: float  # perf_counter when submitted: its read deadline runs from there
 
 
 def _ready(attempt: Attempt, up: Upstream, owed: dict[int, RelayPiece]) -> list[RelayPiece]:
@@ -63,34 +66,66 @@ def _ready(attempt: Attempt, up: Upstream, owed: dict[int, RelayPiece]) -> list[
 
 
 async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[int, RelayPiece]) -> Ahead | None:
-    """Submit the reads of a bucket's ``owed`` pieces now, beside its trainer reads — in the pull's window, not one
-    bucket at a time as it lands — when the relay's last status read already shows every one of them verified
-    (a reader behind its relay: the common case) and a relay's bytes are verified like any read
-    (``verify="strict"``); else None (``take_relayed`` reads them as the bucket lands, waiting for the relay)."""
+    """Submit the reads of a bucket's ``owed`` pieces beside its trainer reads — in the pull's window, not one
+    bucket at a time as it lands — once the relay's status shows every one of them verified (read again, with
+    backoff, while it does not: the submitter waits for the relay, the buckets already submitted land meanwhile),
+    when a relay's bytes are verified like any read (``verify="strict"``). None when it cannot (another verify
+    mode: ``take_relayed`` reads them as the bucket lands; or the relay failed, left the version or made no
+    progress within ``relay_wait_s``: failed, and ``take_relayed`` reads them from the trainer)."""
     up = attempt.upstream
     if not owed or up is None or up.failed is not None or res.limits.verify != "strict":
         return None
-    ready = _ready(attempt, up, owed)
-    if len(ready) < len(owed):
+    ready = await _verified(res, attempt, work, up, owed)
+    if ready is None:
         return None
     assert res.transport is not None  # a pulling rank has one
     reads, key = _reads(res, attempt, work, ready)
+    since = time.perf_counter()
     try:
         posted = await res.transport.submit(reads, key=key, count=False)
     except TransportError as exc:
         up.fail(f"{type(exc).__name__}: {exc}")
         return None
-    return Ahead(posted, ready)
+    return Ahead(posted, ready, since)
 
 
-async def land_ahead(res: Resources, attempt: Attempt, work: Work, ahead: Ahead, owed: dict[int, RelayPiece],
-                     since: float) -> None:  # fmt: skip
-    """Wait for relayed reads ``submit_ahead`` submitted (``since``: when); what they could not deliver is left in
-    ``owed`` for ``take_relayed`` (which reads it from the trainer: the relay is failed)."""
+async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream,
+                    owed: dict[int, RelayPiece]) -> list[RelayPiece] | None:  # fmt: skip
+    """Every ``owed`` piece, once the relay's status shows it verified (the last status read, else read again
+    with sleeps of 0.2 ms doubling to 5 ms); None, the relay failed, if it left the version, a status read failed
+    or no piece became verified for ``relay_wait_s``."""
+    v = attempt.version
+    deadline, delay, seen = anyio.current_time() + res.limits.relay_wait_s, 2e-4, -1
+    while True:
+        ready = _ready(attempt, up, owed)
+        if len(ready) == len(owed):
+            return ready
+        try:
+            if not await _status(res, attempt, work, up):
+                up.fail(f"it no longer holds version {v}")
+                return None
+        except (TransportError, RefitTimeoutError) as exc:
+            up.fail(f"{type(exc).__name__}: {exc}")
+            return None
+        ready = _ready(attempt, up, owed)
+        if len(ready) == len(owed):
+            return ready
+        if len(ready) > seen:  # progress: the relay is alive
+            deadline, seen = anyio.current_time() + res.limits.relay_wait_s, len(ready)
+        elif anyio.current_time() >= deadline:
+            up.fail(f"no progress within relay_wait_s={res.limits.relay_wait_s} s")
+            return None
+        await anyio.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+
+
+async def land_ahead(res: Resources, attempt: Attempt, work: Work, ahead: Ahead, owed: dict[int, RelayPiece]) -> None:
+    """Wait for relayed reads ``submit_ahead`` submitted; what they could not deliver is left in ``owed`` for
+    ``take_relayed`` (which reads it from the trainer: the relay is failed)."""
     up = attempt.upstream
     assert up is not None  # ahead of a relay
     try:
-        await landed(res, attempt, work, ahead.posted, since)
+        await landed(res, attempt, work, ahead.posted, ahead.since)
     except (TransportError, RefitTimeoutError) as exc:
         await settle_or_abandon([ahead.posted], res.limits.read_timeout_s)
         up.fail(f"{type(exc).__name__}: {exc}")

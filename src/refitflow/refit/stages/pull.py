@@ -5,13 +5,13 @@ leaves (``Work.actions``, ``planner/delta.py``) and pieces the attempt's upstrea
 (``fanout.reading``: read once the relay has verified them; what it cannot deliver is read from the trainer).
 
 Two tasks: one *submits* each bucket's trainer reads as it comes (``landing.submit_pieces``: the transport
-posts them and returns at once) — and its relayed reads with them when the relay's last status already shows
-them verified (``fanout.reading.submit_ahead``) — and hands it on; the other waits for the buckets in order —
-each until ``read_timeout_s`` after it was submitted —, takes the relayed pieces still owed (waiting for the
-relay), and sends each bucket on. At most ``Resources.window`` buckets are in flight between the two; staged
-buckets are bounded by the staging budget too (allocate), direct ones by the window alone. A transport that
-posts from a thread of its own (NIXL) thus keeps reading while the loop verifies and applies, and the loop is
-woken per bucket that ended, not per hop.
+posts them and returns at once) — and its relayed reads with them once the relay's status shows them verified
+(``fanout.reading.submit_ahead``, strict verify: the submitter waits for the relay) — and hands it on; the other
+waits for the buckets in order — each until ``read_timeout_s`` after it was submitted —, takes the relayed
+pieces still owed (another verify mode, or a relay that failed), and sends each bucket on. At most
+``Resources.window`` buckets are in flight between the two; staged buckets are bounded by the staging budget too
+(allocate), direct ones by the window alone. A transport that posts from a thread of its own (NIXL) thus keeps
+reading while the loop verifies and applies, and the loop is woken per bucket that ended, not per hop.
 On the way out (a failure, a cancellation) every read still in flight is waited for, under a shield and a
 deadline, before the stage ends, and the stages after it are not told the input ended (they are cancelled with
 the refit), so nothing downstream mistakes a failure for the end. A read still in flight at that deadline (a
@@ -78,7 +78,7 @@ async def _land(res: Resources, attempt: Attempt, f: _Flight) -> None:
     if f.submitted is not None:
         await landed(res, attempt, work, f.submitted, f.t0)
     if f.ahead is not None:
-        await land_ahead(res, attempt, work, f.ahead, f.owed, f.t0)
+        await land_ahead(res, attempt, work, f.ahead, f.owed)
     if f.owed:
         await take_relayed(res, attempt, work, f.owed)
     work.pulled += int(b.checks.piece_bytes[f.pull].sum()) if len(f.pull) < len(b.pieces) else b.nbytes
