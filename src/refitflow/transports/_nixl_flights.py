@@ -9,7 +9,7 @@ given to other bytes meanwhile (``tests/transports/test_nixl_orphans.py`` shows 
 - a peer is dropped (to connect afresh) only when none of its READs is in flight; until then the drop waits
   (``drop``), and a read of that peer waits for it (``idle``: the drop happens, then the read connects anew);
 - a READ nobody waits for any longer (``abandon``: its deadline passed) stays checked by its poster until it
-  ends — landed, or failed when UCX gives the connection up (≈ 18 s into a partition, measured over TCP) —
+  ends — landed, or failed when UCX gives the connection up (``dead_peer_s`` into a partition over TCP) —
   and its memory is not reused before: ``quiesce`` waits for every abandoned READ to end.
 """
 

@@ -51,10 +51,14 @@ class Peers:
     def regions(self) -> dict[str, dict[int, RegionInfo]]:
         return {agent: peer.regions for agent, peer in self.known.items()}
 
+    def usable(self, agent: str) -> bool:
+        """Whether every agent has ``agent`` loaded and no drop of it waits (a read may go at once)."""
+        return self.known[agent].loaded and not self.flights.dropping(agent)
+
     async def ready(self, agent: str) -> None:
         """Make sure every agent has ``agent`` loaded (after a drop the drop happens first: what NIXL still
         checks of it ends before, ``IDLE_WAIT_S`` at most)."""
-        if not self.known[agent].loaded or self.flights.dropping(agent):
+        if not self.usable(agent):
             await self.flights.idle(agent, IDLE_WAIT_S)
         if not self.known[agent].loaded:
             await self._load(agent)

@@ -247,7 +247,7 @@ class NixlTransport(Transport):
         try:
             for (peer, lmem, rmem), group in (await self._describe(reads, key, state)).items():
                 larr, rarr = group.larr, group.rarr
-                if not self._peers.known[peer].loaded or self._peers.flights.dropping(peer):
+                if not self._peers.usable(peer):
                     self.prep_seconds += time.perf_counter() - t0
                     await self._peers.ready(peer)  # connection set-up, not counted as descriptor preparation
                     t0 = time.perf_counter()

@@ -75,7 +75,7 @@ async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[
     up = attempt.upstream
     if not owed or up is None or up.failed is not None or res.limits.verify != "strict":
         return None
-    ready = await _verified(res, attempt, work, up, owed)
+    ready = await _verified(res, attempt, work, up, owed, every=True)
     if ready is None:
         return None
     assert res.transport is not None  # a pulling rank has one
@@ -89,27 +89,25 @@ async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[
     return Ahead(posted, ready, since)
 
 
-async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream,
-                    owed: dict[int, RelayPiece]) -> list[RelayPiece] | None:  # fmt: skip
-    """Every ``owed`` piece, once the relay's status shows it verified (the last status read, else read again
-    with sleeps of 0.2 ms doubling to 5 ms); None, the relay failed, if it left the version, a status read failed
-    or no piece became verified for ``relay_wait_s``."""
-    v = attempt.version
-    deadline, delay, seen = anyio.current_time() + res.limits.relay_wait_s, 2e-4, -1
-    while True:
-        ready = _ready(attempt, up, owed)
-        if len(ready) == len(owed):
-            return ready
+async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream, owed: dict[int, RelayPiece],
+                    *, every: bool) -> list[RelayPiece] | None:  # fmt: skip
+    """The ``owed`` pieces the relay's status shows verified — all of them (``every``), else at least one — from
+    the last status read, else reading it again with sleeps of 0.2 ms doubling to 5 ms; None, the relay failed, if
+    it left the version, a status read failed or no more pieces became verified for ``relay_wait_s``."""
+    need = len(owed) if every else 1
+    ready = _ready(attempt, up, owed)
+    deadline, delay, seen = anyio.current_time() + res.limits.relay_wait_s, 2e-4, len(ready)
+    while len(ready) < need:
         try:
             if not await _status(res, attempt, work, up):
-                up.fail(f"it no longer holds version {v}")
+                up.fail(f"it no longer holds version {attempt.version}")
                 return None
         except (TransportError, RefitTimeoutError) as exc:
             up.fail(f"{type(exc).__name__}: {exc}")
             return None
         ready = _ready(attempt, up, owed)
-        if len(ready) == len(owed):
-            return ready
+        if len(ready) >= need:
+            break
         if len(ready) > seen:  # progress: the relay is alive
             deadline, seen = anyio.current_time() + res.limits.relay_wait_s, len(ready)
         elif anyio.current_time() >= deadline:
@@ -117,6 +115,7 @@ async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream,
             return None
         await anyio.sleep(delay)
         delay = min(delay * 2, 5e-3)
+    return ready
 
 
 async def land_ahead(res: Resources, attempt: Attempt, work: Work, ahead: Ahead, owed: dict[int, RelayPiece]) -> None:
@@ -178,42 +177,28 @@ async def take_relayed(res: Resources, attempt: Attempt, work: Work, owed: dict[
     """Read ``owed`` pieces from the upstream relay as it verifies them; reroute what it cannot deliver."""
     up = attempt.upstream
     assert up is not None  # owed pieces come from it
-    v = attempt.version
     piece_bytes = work.bucket.checks.piece_bytes
     strict = res.limits.verify == "strict"
-    deadline = anyio.current_time() + res.limits.relay_wait_s
-    delay = 2e-4
     while owed and up.failed is None:
+        ready = await _verified(res, attempt, work, up, owed, every=False)
+        if ready is None:
+            break
+        assert res.transport is not None  # a pulling rank has one
         try:
-            ready = _ready(attempt, up, owed)  # the last status read
-            if not ready:
-                if not await _status(res, attempt, work, up):
-                    up.fail(f"it no longer holds version {v}")
-                    break
-                ready = _ready(attempt, up, owed)
-            if ready:
-                assert res.transport is not None  # a pulling rank has one
-                reads, key = _reads(res, attempt, work, ready)
-                posted = await res.transport.submit(reads, key=key, count=False)
-                try:
-                    await landed(res, attempt, work, posted, time.perf_counter())
-                except BaseException:  # a read that failed or ran late ends before the trainer's bytes land there
-                    await settle_or_abandon([posted], res.limits.read_timeout_s)
-                    raise
-                if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
-                    up.fail(f"it left version {v} while being read")
-                    break
-                _took(work, owed, ready)
-                deadline, delay = anyio.current_time() + res.limits.relay_wait_s, 2e-4
-                continue
+            reads, key = _reads(res, attempt, work, ready)
+            posted = await res.transport.submit(reads, key=key, count=False)
+            try:
+                await landed(res, attempt, work, posted, time.perf_counter())
+            except BaseException:  # a read that failed or ran late ends before the trainer's bytes land there
+                await settle_or_abandon([posted], res.limits.read_timeout_s)
+                raise
+            if not strict and not await _status(res, attempt, work, up):  # it moved on while we read
+                up.fail(f"it left version {attempt.version} while being read")
+                break
         except (TransportError, RefitTimeoutError) as exc:
             up.fail(f"{type(exc).__name__}: {exc}")
             break
-        if anyio.current_time() >= deadline:
-            up.fail(f"no progress within relay_wait_s={res.limits.relay_wait_s} s")
-            break
-        await anyio.sleep(delay)
-        delay = min(delay * 2, 5e-3)
+        _took(work, owed, ready)
     if owed:
         assert res.transport is not None  # a pulling rank has one
         await res.transport.quiesce(res.limits.read_timeout_s)  # a relay's abandoned read lands there no more
