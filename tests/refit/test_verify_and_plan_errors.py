@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 import pytest
 import torch
@@ -111,3 +113,34 @@ def test_coverage_check_lists_missing_and_duplicated_first_20() -> None:
     with pytest.raises(rf.CoverageError) as info2:
         many.check()
     assert "missing 40:" in str(info2.value) and "q19" in str(info2.value) and "q20" not in str(info2.value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["in_place", "shadow"])
+async def test_shards_moved_under_a_cached_layout_digest_fail_the_refit_typed_and_the_next_version_commits(
+    ident, registry, mode: str
+) -> None:
+    """A whole publication's digests are taken before the check that its shards are where the cached plan put
+    them (that check runs beside the first reads): a publisher that keeps its layout digest while moving its
+    shards fails the refit with that check's ``ManifestError`` — never an ``IntegrityError`` from comparing
+    other shards' digests, never a commit — and the next good version commits."""
+    trainer, server = mlp(1), mlp(2)
+    with anyio.fail_after(20):
+        async with (
+            rf.Publisher(registry, identity=ident) as pub,
+            rf.Receiver(server, registry, identity=ident, mode=mode) as recv,
+        ):
+            good = await pub.publish(1, dict(trainer.named_parameters()))
+            await recv.refit(1)
+            shards = tuple(reversed(good.shards))  # moved; the layout digest (the plan cache's key) kept
+            moved = dataclasses.replace(good, version=2, shards=shards, revision="", layout_digest=good.layout_digest)
+            await registry.publish(moved)
+            with pytest.raises(rf.ManifestError, match="not where, or not what"):
+                await recv.refit(2)
+            assert recv.status.committed_version == 1
+            assert recv.fence.state == ("ready" if mode == "shadow" else "fenced")
+            with torch.no_grad():
+                trainer[0].weight.mul_(2)
+            await pub.publish(3, dict(trainer.named_parameters()))
+            result = await recv.refit(3)
+            assert result.version == 3 and recv.fence.state == "ready" and same(server, params(trainer))

@@ -23,7 +23,7 @@ import xxhash
 from refitflow.core.digests import Tiling, Units, units_array
 from refitflow.core.errors import ManifestError
 from refitflow.core.threads import breathe
-from refitflow.core.types import TILING_FIELDS, Manifest, Publication
+from refitflow.core.types import TILING_FIELDS, Manifest, Publication, digests_of
 from refitflow.layouts.boxes import Box, volume
 
 __all__ = [
@@ -35,12 +35,14 @@ __all__ = [
     "Stream",
     "build_checks",
     "build_credits",
+    "check_placed",
     "digest_vector",
     "every_shard",
     "used_digests",
 ]  # fmt: skip
 
 _PLACE = operator.attrgetter("name", *TILING_FIELDS)  # a shard's name and its digest geometry (TILING_KEY after it)
+NOT_PLACED = "the publication's shards are not where, or not what, its layout digest says"
 
 
 @dataclass(slots=True, unsafe_hash=True)  # a plan record: see planner/records.py
@@ -156,24 +158,40 @@ def every_shard(pub: Publication) -> tuple[list[tuple[int, int, tuple[Any, ...]]
     return order, sum(spec.tiling.count for m in pub.manifests for spec in m.shards)
 
 
-def digest_vector(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]], count: int) -> np.ndarray:
+def digest_vector(
+    pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]], count: int, *, placed: bool = True
+) -> np.ndarray:
     """The digests of the shards in ``order`` (``DigestIndex.order``: a plan's), ``count`` of them, as native
     uint64, decoded once per version. A publication whose shards are not where its layout put them when
     the plan was built, or not of the same digest geometry, is refused (``ManifestError``): a publisher's
-    layout digest (the plan cache's key) is its word, not a proof."""
+    layout digest (the plan cache's key) is its word, not a proof. ``placed=False`` leaves that check to
+    ``check_placed`` (a refit runs it beside its first reads: nothing is compared or committed before it passed)."""
     mans = pub.manifests
     try:
         specs = [mans[s].shards[p] for s, p, _ in order]
     except IndexError:
-        specs = []
-    if list(map(_PLACE, specs)) != [place for _, _, place in order]:
-        raise ManifestError(
-            "the publication's shards are not where, or not what, its layout digest says", version=pub.version
-        )
-    raw = b"".join([s.digest_bytes for s in specs])
+        specs = None
+    if specs is None or (placed and not _placed(specs, order)):
+        raise ManifestError(NOT_PLACED, version=pub.version)
+    raw = digests_of(specs)
     if len(raw) != 8 * count:
         raise ManifestError("the publication's digests do not fit its layout digest", version=pub.version)
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+def check_placed(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> None:
+    """``digest_vector``'s check of where the shards are, on its own (``ManifestError``)."""
+    mans = pub.manifests
+    try:
+        specs = [mans[s].shards[p] for s, p, _ in order]
+    except IndexError:
+        specs = None
+    if specs is None or not _placed(specs, order):
+        raise ManifestError(NOT_PLACED, version=pub.version)
+
+
+def _placed(specs: list[Any], order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> bool:
+    return list(map(_PLACE, specs)) == [place for _, _, place in order]
 
 
 def used_digests(plan: Any) -> np.ndarray | None:

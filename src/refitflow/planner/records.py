@@ -152,7 +152,8 @@ class Plan:
     # (planner.delta.delta_index), this rank's relay boxes and each relay layout's geometry (planner.fanout)
     derived: dict[Hashable, object] = field(default_factory=dict, compare=False, repr=False)
 
-    def digests(self, pub: Publication) -> np.ndarray:
+    def digests(self, pub: Publication, *, placed: bool = True) -> np.ndarray:
         """``pub``'s digests of the shards this plan reads, in the order its checks index them (a whole
-        publication; an ``Outline``'s come from the registry: ``refit.digests.version_digests``)."""
-        return digest_vector(pub, self.digest_order, self.digest_count)
+        publication; an ``Outline``'s come from the registry: ``refit.digests.version_digests``); ``placed=False``:
+        where the shards are is left to ``check_placed`` (``planner.checks.digest_vector``)."""
+        return digest_vector(pub, self.digest_order, self.digest_count, placed=placed)

@@ -7,6 +7,8 @@ applied to (``registry.client.fetched``), as ``planner.checks.digest_vector`` ch
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from refitflow.core.records import Outline
@@ -18,10 +20,11 @@ from refitflow.planner.records import Plan
 __all__ = ["version_digests"]
 
 
-async def version_digests(plan: Plan, pub: Publication) -> np.ndarray:
-    """``pub``'s digests of the shards ``plan`` reads, in the order its checks index them (native uint64)."""
+async def version_digests(plan: Plan, pub: Publication, *, placed: bool = True) -> np.ndarray:
+    """``pub``'s digests of the shards ``plan`` reads, in the order its checks index them (native uint64);
+    ``placed=False``: a whole publication's are taken without checking where its shards are (``Placing``)."""
     if not isinstance(pub, Outline):
-        return await off_loop(plan.digests, pub)
+        return await off_loop(functools.partial(plan.digests, pub, placed=placed))
     used: np.ndarray | None = plan.derived.get("used")  # type: ignore[assignment]
     if used is None and all(b.is_built for b in plan.buckets):
         used = await off_loop(used_digests, plan)

@@ -102,6 +102,7 @@ async def run_pipeline(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(task("plan", plan.run, res, attempt, s_plan))
+                tg.start_soon(_guarded, "plan", version, plan.check_placed(attempt))
                 tg.start_soon(task("allocate", allocate.run, res, r_plan, s_alloc))
                 tg.start_soon(task("pull", pull.run, res, attempt, r_alloc, s_pull))
                 tg.start_soon(task("translate", translate.run, res, attempt, r_pull, s_tr))

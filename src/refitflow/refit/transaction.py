@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from refitflow.core.errors import AlreadyCommittedError, VersionError
-from refitflow.refit.coverage import CoverageTracker
+from refitflow.refit.coverage import CoverageIndex, CoverageTracker
 from refitflow.refit.destination import ApplyMode, Destination
 from refitflow.refit.fence import Fence, FenceState
 from refitflow.refit.held import Holding
@@ -51,6 +51,7 @@ class Ledger:
         self.committed_revision: str | None = None
         self.open: Transaction | None = None
         self.first_failure: str | None = None  # the first failure since the last commit
+        self._coverage: tuple[dict[str, int], CoverageIndex] | None = None  # expected counts, indexed once
 
     def begin(self, version: int, revision: str) -> Transaction:
         if self.open is not None:
@@ -63,7 +64,7 @@ class Ledger:
         txn = Transaction(
             version=version,
             revision=revision,
-            coverage=CoverageTracker(self.destination.expected),
+            coverage=CoverageTracker(self._coverage_index()),
             fence_before=self.fence.state,
             fence_reason_before=self.fence.reason,
         )
@@ -71,6 +72,12 @@ class Ledger:
         if self.destination.mode is ApplyMode.IN_PLACE:
             self.fence.set(FenceState.UPDATING, f"writing version {version} in place")
         return txn
+
+    def _coverage_index(self) -> CoverageIndex:
+        expected = self.destination.expected  # set once, when a destination is made
+        if self._coverage is None or self._coverage[0] is not expected:
+            self._coverage = (expected, CoverageIndex(expected))
+        return self._coverage[1]
 
     def prepare(self, txn: Transaction) -> None:
         """Everything verified, nothing visible yet."""

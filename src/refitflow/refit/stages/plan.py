@@ -12,15 +12,17 @@ import time
 
 import numpy as np
 
+from refitflow.core.records import Outline
 from refitflow.core.threads import off_loop
+from refitflow.planner import checks
 from refitflow.planner.delta import Skips, decide, delta_index
 from refitflow.planner.records import Bucket, Plan
-from refitflow.refit.attempt import Attempt, Found, Meter, Resources
+from refitflow.refit.attempt import Attempt, Found, Meter, Placing, Resources
 from refitflow.refit.digests import version_digests
 from refitflow.refit.handoff import give
 from refitflow.refit.work import Send, Work
 
-__all__ = ["run", "start"]
+__all__ = ["check_placed", "run", "start"]
 
 
 async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
@@ -30,16 +32,27 @@ async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
     t0 = time.perf_counter()
     pub, txn = found.publication, found.txn
     plan, replay = await res.plans.get(pub, res.destination, res.limits)
-    digests = skips = upstream = None
+    digests = skips = upstream = placing = None
     if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
-        digests = await version_digests(plan, pub)
+        if not isinstance(pub, Outline):  # where its shards are is checked beside the first reads
+            placing = Placing()
+        digests = await version_digests(plan, pub, placed=placing is None)
         txn.holding = (plan.digest_geometry, digests)
         if res.limits.skip_unchanged:
             skips = await _skips(res, plan, digests, txn.version)
         if res.fanout is not None:
             upstream = await res.fanout.join(plan, txn.version)
     meter.note(len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
-    return Attempt(found=found, plan=plan, replay=replay, digests=digests, skips=skips, upstream=upstream)
+    return Attempt(found=found, plan=plan, replay=replay, digests=digests, skips=skips, upstream=upstream,
+                   placing=placing)  # fmt: skip
+
+
+async def check_placed(attempt: Attempt) -> None:
+    """The check ``start`` took a whole publication's digests without (``Placing``), beside the first reads."""
+    if attempt.placing is None:
+        return
+    await off_loop(checks.check_placed, attempt.publication, attempt.plan.digest_order)
+    attempt.placing.done.set()
 
 
 async def run(res: Resources, attempt: Attempt, send: Send, meter: Meter) -> None:

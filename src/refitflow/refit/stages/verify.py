@@ -163,6 +163,7 @@ async def run(
         await give(send, work)
 
     async def settle_held(vec: np.ndarray) -> None:
+        await attempt.placed()
         while held:
             work, out, keep, nbytes = held.pop(0)
             bad = out.settle(vec)
@@ -187,6 +188,7 @@ async def run(
                 now = vec is not None and not held  # compared before staging is freed: a second chance reads
                 if now:  # into it
                     assert vec is not None
+                    await attempt.placed()  # compared only with digests known to be of the shards read
                     bad = out.settle(vec)
                     if bad:
                         await _second_chance(res, attempt, work, st, bad, vec)
