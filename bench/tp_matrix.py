@@ -1,6 +1,6 @@
 """Re-sharding plans for every TP m → n, m, n ∈ {1, 2, 4, 8}: bytes pulled per rank vs its slice, reads, plan time.
 
-    python bench/tp_matrix.py [--model llama-8b|llama-70b] [--verify strict] [--tp 1 2 4 8]
+    python bench/tp_matrix.py [--model llama-8b|llama-70b] [--verify strict] [--tp 1 2 4 8] [--descriptor-bytes N]
 
 Plans only (no bytes move): a Megatron-sharded bf16 trainer of the real model's shapes (synthetic
 digests of the publisher's tile geometry) into fused bf16 inference ranks held as ``meta`` tensors.
@@ -74,8 +74,8 @@ def cold() -> None:
                     value.cache_clear()
 
 
-def rank_plan(pub: rf.Publication, target: ReceiverLayout, verify: str) -> Plan:
-    return build_plan(pub, target, ReceiverConfig(verify=verify).limits)
+def rank_plan(pub: rf.Publication, target: ReceiverLayout, verify: str, **config: int) -> Plan:
+    return build_plan(pub, target, ReceiverConfig(verify=verify, **config).limits)
 
 
 def main() -> None:
@@ -84,25 +84,31 @@ def main() -> None:
     ap.add_argument("--verify", choices=("strict", "pulled"), default="strict")
     ap.add_argument("--algo", choices=("xxh3", "mix64"), default="xxh3")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--descriptor-bytes", type=int, default=ReceiverConfig().descriptor_bytes,
+                    help="ReceiverConfig.descriptor_bytes (0: column slices read as such, never as whole rows)")
     a = ap.parse_args()
     d = MODELS[a.model]
-    print(f"{a.model}, Megatron TP m (bf16) -> fused TP n, verify={a.verify}, digests {a.algo}; worst rank per (m, n)")
-    print(f"{'m':>2} {'n':>2} {'slice GB':>9} {'pulled/slice':>12} {'reads':>7} {'plan s':>7} {'CPU s':>7}")
+    print(f"{a.model}, Megatron TP m (bf16) -> fused TP n, verify={a.verify}, digests {a.algo}, descriptor_bytes "
+          f"{a.descriptor_bytes}; worst rank per (m, n)")  # fmt: skip
+    print(f"{'m':>2} {'n':>2} {'slice GB':>9} {'pulled/slice':>12} {'reads':>7} {'descriptors':>11} {'plan s':>7} "
+          f"{'CPU s':>7}")  # fmt: skip
     for m in a.tp:
         pub = publication(d, m, a.algo)
         for n in a.tp:
-            worst = (0.0, 0, 0.0, 0.0, 0)
+            worst = (0.0, 0, 0.0, 0.0, 0, 0)
             for r in range(n):
                 target = rank_target(d, n, r)
                 cold()
                 t0, c0 = time.perf_counter(), time.process_time()
-                plan = rank_plan(pub, target, a.verify)
+                plan = rank_plan(pub, target, a.verify, descriptor_bytes=a.descriptor_bytes)
                 secs, cpu = time.perf_counter() - t0, time.process_time() - c0
                 reads = sum(len(b.reads) for b in plan.buckets)
                 ratio = plan.nbytes / plan.ideal_bytes
+                descriptors = sum(r.count for b in plan.buckets for r in b.reads)
                 worst = (max(worst[0], ratio), max(worst[1], reads), max(worst[2], secs), max(worst[3], cpu),
-                         plan.ideal_bytes)  # fmt: skip
-            print(f"{m:>2} {n:>2} {worst[4] / 1e9:9.2f} {worst[0]:12.4f} {worst[1]:7d} {worst[2]:7.3f} {worst[3]:7.3f}")
+                         plan.ideal_bytes, max(worst[5], descriptors))  # fmt: skip
+            print(f"{m:>2} {n:>2} {worst[4] / 1e9:9.2f} {worst[0]:12.4f} {worst[1]:7d} {worst[5]:11d} {worst[2]:7.3f} "
+                  f"{worst[3]:7.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

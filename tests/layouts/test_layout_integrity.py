@@ -17,11 +17,16 @@ async def test_pulled_mode_reports_unverified_bytes_of_column_slices() -> None:
     trainer = _model("llama", 2)
     with anyio.fail_after(30):
         _, _, strict = await _refit(trainer, (1, 1), (2, 1))
-        _, _, pulled = await _refit(trainer, (1, 1), (2, 1), verify="pulled")
+        # descriptor_bytes=0: the column slices as such (their whole rows would be whole blocks, all verified)
+        _, _, pulled = await _refit(trainer, (1, 1), (2, 1), verify="pulled", descriptor_bytes=0)
     assert all(r.unverified_bytes == 0 for r in strict)
     assert all(r.nbytes > r.ideal_bytes for r in strict)  # strict widened the column slices to whole blocks
     # o_proj / down_proj column slices cannot be checked against row blocks
     assert all(0 < r.unverified_bytes < r.nbytes and r.nbytes == r.ideal_bytes for r in pulled)
+    with anyio.fail_after(30):  # by default their whole rows are read (fewer bytes than the descriptors saved):
+        _, _, rows = await _refit(trainer, (1, 1), (2, 1), verify="pulled")  # whole row blocks, verified
+    for r, exact in zip(rows, pulled, strict=True):
+        assert r.unverified_bytes < exact.unverified_bytes and r.nbytes > r.ideal_bytes == exact.ideal_bytes
 
 
 @pytest.mark.asyncio

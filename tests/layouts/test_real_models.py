@@ -65,10 +65,10 @@ async def test_megatron_trainer_refits_inference_ranks_bit_exactly(kind, kv, tra
 async def test_each_inference_rank_pulls_exactly_its_slice(kind, kv, train, infer, options, receiver) -> None:
     trainer = _model(kind, kv)
     with anyio.fail_after(60):
-        # min_run_bytes=0: read even 16-byte column runs as such (by default they read their enclosing rows)
-        ranks, maps, results = await _refit(
-            trainer, train, infer, train_options=options, receiver=receiver, verify="pulled", min_run_bytes=0
-        )
+        # min_run_bytes=0, descriptor_bytes=0: read even 16-byte column runs as such (by default they read their
+        # enclosing rows)
+        ranks, maps, results = await _refit(trainer, train, infer, train_options=options, receiver=receiver,
+                                            verify="pulled", min_run_bytes=0, descriptor_bytes=0)  # fmt: skip
     for tensors, layout, result in zip(ranks, maps, results, strict=True):
         mapped = sum(volume(s.lbox) for lt in layout.values() for s in lt.segments)
         assert mapped <= sum(t.numel() for t in tensors.values())  # less only by vocabulary padding

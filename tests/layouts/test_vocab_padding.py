@@ -79,7 +79,8 @@ def _real(lt) -> int:
 async def test_padded_rows_are_neither_read_nor_counted_missing(verify: str) -> None:
     trainer = _model("llama", 2, vocab_size=200)  # Megatron TP 2 pads to 256, vLLM TP 4 to 256 (64 rows each)
     with anyio.fail_after(30):
-        ranks, maps, results = await _refit(trainer, (2, 1), (4, 1), fill=7.0, verify=verify)
+        # descriptor_bytes=0: column slices read as such, never as their whole rows (exact bytes below)
+        ranks, maps, results = await _refit(trainer, (2, 1), (4, 1), fill=7.0, verify=verify, descriptor_bytes=0)
     assert [m[EMBED].shape for m in maps] == [(64, 64)] * 4
     assert [_real(m[EMBED]) for m in maps] == [64, 64, 64, 8]
     for tensors, m in zip(ranks, maps, strict=True):
@@ -100,7 +101,7 @@ async def test_tied_padded_embeddings_are_written_once() -> None:
     d = hf.dims_from_config(trainer.config)
     assert d.tied and HEAD not in canonical_shapes(d)
     with anyio.fail_after(30):
-        ranks, maps, results = await _refit(trainer, (2, 1), (4, 1), fill=7.0, verify="pulled")
+        ranks, maps, results = await _refit(trainer, (2, 1), (4, 1), fill=7.0, verify="pulled", descriptor_bytes=0)
     assert all(HEAD not in m for m in maps)
     want = trainer.model.embed_tokens.weight.float()
     for r, (tensors, m) in enumerate(zip(ranks, maps, strict=True)):

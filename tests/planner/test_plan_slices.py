@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import refitflow as rf
+from refitflow.core.types import shard_tiling
 from refitflow.layouts.canonical import sliced
 from refitflow.planner import PlannedRead, build_plan
 from refitflow.planner.compile_filter import check_compile
@@ -90,7 +91,7 @@ def test_an_overlap_among_hundreds_of_disjoint_shards_is_found() -> None:
 
 
 def test_column_slice_reads_only_its_columns_as_strided_reads() -> None:
-    plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 256, 512, max_strided_runs=1000)
+    plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 256, 512, max_strided_runs=1000, descriptor_bytes=0)
     reads = [r for b in plan.buckets for r in b.reads]
     assert plan.nbytes == plan.ideal_bytes == 4096 * 256 * 2
     # one run per row and nothing more, described as a few strided reads (a row apart)
@@ -98,6 +99,25 @@ def test_column_slice_reads_only_its_columns_as_strided_reads() -> None:
     # pieces of at most 1,000 runs (what verify checks at a time), read as one strided read per shard
     assert max(p.count for b in plan.buckets for p in b.pieces) <= 1000
     assert [r.count for r in reads] == [2048, 2048]
+
+
+@pytest.mark.parametrize("verify", ["pulled", "strict"])
+def test_a_column_slice_reads_whole_rows_when_they_cost_fewer_bytes_than_the_descriptors_they_save(
+    verify: str,
+) -> None:
+    """512-byte runs a 2,048-byte row apart: 1,536 bytes more a descriptor saved. Under ``descriptor_bytes`` of
+    2 KiB (and the default 32 KiB) the whole rows, a few contiguous reads; under 1 KiB the strided runs."""
+    count = shard_tiling("xxh3", (2048, 1024), 2, 64, 256).count
+    tiles = {"tile_rows": 64, "tile_cols": 256, "blocks": base64.b64encode(bytes(8 * count)).decode()}
+    pub = _pub((0, 2048), (2048, 4096), **(tiles if verify == "strict" else {}))  # strict: slices of whole tiles
+    for worth in (2048, ReceiverConfig().descriptor_bytes):
+        plan = _plan(pub, 1, 256, 512, verify=verify, descriptor_bytes=worth)
+        reads = [r for b in plan.buckets for r in b.reads]
+        assert plan.nbytes == 4096 * ROW and plan.ideal_bytes == 4096 * 256 * 2
+        assert sum(r.count for r in reads) <= 4096 * ROW // plan.buckets[0].nbytes + 2
+        assert not any(p.direct for b in plan.buckets for p in b.pieces)  # the slice is copied out of staging
+    plan = _plan(pub, 1, 256, 512, verify=verify, descriptor_bytes=1024)
+    assert plan.nbytes == plan.ideal_bytes and sum(r.count for b in plan.buckets for r in b.reads) == 4096
 
 
 def test_short_strided_runs_read_the_enclosing_rows() -> None:

@@ -15,6 +15,7 @@ from refitflow.layouts import ModelDims, Parallel, canonical_shapes, fused, mega
 from refitflow.layouts.canonical import from_canonical
 from refitflow.layouts.wire import layout_metadata
 from refitflow.planner.build import build_plan
+from refitflow.planner.records import Plan
 from refitflow.refit.config import ReceiverConfig
 from refitflow.refit.destination import ApplyMode, Destination
 
@@ -27,17 +28,38 @@ QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_strict_resharding_pulls_at_most_1_1x_each_slice_and_verifies_every_byte(m: int, n: int) -> None:
+    """With whole rows never read instead of column slices (``descriptor_bytes=0``): the slices alone."""
     pub = publication(DIMS, m)
     for rank in range(n):
-        plan = rank_plan(pub, rank_target(DIMS, n, rank), "strict")
+        plan = rank_plan(pub, rank_target(DIMS, n, rank), "strict", descriptor_bytes=0)
         assert plan.nbytes <= 1.1 * plan.ideal_bytes, (m, n, rank, plan.nbytes / plan.ideal_bytes)
         # every pulled byte lies in a digest unit the rank holds whole (nothing left to trust)
         assert sum(b.checks.whole_bytes for b in plan.buckets) == plan.nbytes
         assert sum(len(b.reads) for b in plan.buckets) <= 200  # strided reads: one per slice piece, not per row
 
 
+def _descriptors(plan: Plan) -> int:
+    return sum(r.count for b in plan.buckets for r in b.reads)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_whole_rows_are_read_where_they_cost_fewer_bytes_than_the_descriptors_they_save(m: int, n: int) -> None:
+    """By default a column slice is read as its whole rows when they add fewer bytes than ``descriptor_bytes``
+    for each read descriptor they save; every pulled byte is still verified whole."""
+    pub, worth = publication(DIMS, m), ReceiverConfig().descriptor_bytes
+    for rank in range(n):
+        exact = rank_plan(pub, rank_target(DIMS, n, rank), "strict", descriptor_bytes=0)
+        rows = rank_plan(pub, rank_target(DIMS, n, rank), "strict")
+        saved = _descriptors(exact) - _descriptors(rows)
+        assert saved >= 0 and rows.nbytes - exact.nbytes <= saved * worth, (m, n, rank, saved)
+        assert sum(b.checks.whole_bytes for b in rows.buckets) == rows.nbytes
+        if n > m:  # row-parallel weights sliced finer than the trainer's: a descriptor per row before
+            assert _descriptors(rows) * 8 <= _descriptors(exact), (m, n, rank, _descriptors(rows), _descriptors(exact))
+
+
 async def _refit(
-    train_tp: int, infer_tp: int, rank: int, *, algo: str = "auto", mode: str = "in_place", tamper=None
+    train_tp: int, infer_tp: int, rank: int, *, algo: str = "auto", mode: str = "in_place", tamper=None, **config
 ) -> tuple[dict[str, torch.Tensor], rf.RefitResult | BaseException, rf.Receiver, dict[str, torch.Tensor]]:
     """Publish DIMS Megatron-sharded at ``train_tp``; refit fused rank ``rank`` of ``infer_tp``."""
     torch.manual_seed(0)
@@ -58,7 +80,7 @@ async def _refit(
             if tamper is not None:
                 tamper(r, shards)
         recv = await stack.enter_async_context(
-            rf.Receiver(tensors, registry, identity=ident, layout=lay, mode=mode, budget_bytes=1 << 20)
+            rf.Receiver(tensors, registry, identity=ident, layout=lay, mode=mode, budget_bytes=1 << 20, **config)
         )
         try:
             result: rf.RefitResult | BaseException = await recv.refit(1, timeout=30)
@@ -75,11 +97,15 @@ def _expected_local(infer_tp: int, rank: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("algo", ["xxh3", "mix64"])
-async def test_a_tp2_trainer_refits_a_tp4_rank_bit_exactly_reading_its_slice(algo: str) -> None:
+@pytest.mark.parametrize("rows", [False, True])
+async def test_a_tp2_trainer_refits_a_tp4_rank_bit_exactly_reading_its_slice(algo: str, rows: bool) -> None:
+    """Its column slices alone (``descriptor_bytes=0``), or — the default — their whole rows where that costs
+    fewer bytes than the descriptors it saves (the slices copied out of staging): bit-exact either way."""
     with anyio.fail_after(60):
-        tensors, result, recv, _ = await _refit(2, 4, 1, algo=algo)
+        tensors, result, recv, _ = await _refit(2, 4, 1, algo=algo, **({} if rows else {"descriptor_bytes": 0}))
     assert isinstance(result, rf.RefitResult), result
-    assert result.unverified_bytes == 0 and result.nbytes <= 1.1 * result.ideal_bytes
+    assert result.unverified_bytes == 0
+    assert result.nbytes > 1.1 * result.ideal_bytes if rows else result.nbytes <= 1.1 * result.ideal_bytes
     want = _expected_local(4, 1)
     assert all(torch.equal(tensors[k], want[k]) for k in want)
     assert recv.fence.state == "ready"

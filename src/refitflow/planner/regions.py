@@ -1,8 +1,9 @@
 """Regions: which boxes of one source shard to read for its copies, and how to cut them into pieces.
 
 A region is a copy's own box, or a wider box when the copy's bytes could not be verified whole
-(``verify="strict"``: widened to whole digest tiles, ``Tiling.aligned``) or its runs are shorter than
-``min_run_bytes`` (the enclosing rows of dim 0); widened regions swallow the boxes they overlap
+(``verify="strict"``: widened to whole digest tiles, ``Tiling.aligned``), its runs are shorter than
+``min_run_bytes`` (the enclosing rows of dim 0), or its whole rows cost fewer bytes than the read descriptors
+they save (``descriptor_bytes`` a descriptor: ``_whole_rows``); widened regions swallow the boxes they overlap
 (their bounding box, again aligned). ``chunks`` cuts a region into pieces that are each one set of
 equally spaced runs (a strided read), at most a bucket and ``max_strided_runs`` runs, cut at tile
 edges where it can. A column slice stays as wide as it is (one descriptor per row and slice, not
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from refitflow.core.digests import Tiling
-from refitflow.layouts.boxes import Box, contiguous_span, full, intersect, run_length, strided, volume
+from refitflow.layouts.boxes import Box, contiguous_span, full, intersect, run_count, run_length, strided, volume
 from refitflow.planner.copies import Copy
 from refitflow.planner.limits import Limits
 
@@ -32,10 +33,25 @@ def _region_of(c: Copy, shape: tuple[int, ...], item: int, limits: Limits, tilin
         return box, False
     if limits.verify == "strict":
         wide = tiling.aligned(box)
-        return wide, wide != box
-    if contiguous_span(box, shape) is None and run_length(box, shape) * item < limits.min_run_bytes:
+    elif contiguous_span(box, shape) is None and run_length(box, shape) * item < limits.min_run_bytes:
         return _rows(shape, *box[0]), True
-    return box, False
+    else:
+        wide = box
+    wide = _whole_rows(wide, shape, item, limits) or wide
+    return wide, wide != box
+
+
+def _whole_rows(box: Box, shape: tuple[int, ...], item: int, limits: Limits) -> Box | None:
+    """``box`` with its last dimension whole, when that adds fewer bytes than ``descriptor_bytes`` for each read
+    descriptor it saves: a column slice of a row-parallel weight is a descriptor per row; its whole rows, one
+    (DeepSeek-V3's ``o_proj`` at TP 32: 7,168 descriptors of 512 bytes, or one of 117 MB). Tile-aligned as
+    ``box`` is (the last dimension's tiles whole)."""
+    if len(shape) < 2 or box[-1] == (0, shape[-1]) or not limits.descriptor_bytes:
+        return None
+    rows = (*box[:-1], (0, shape[-1]))
+    saved = run_count(box, shape) - run_count(rows, shape)
+    extra = (volume(rows) - volume(box)) * item
+    return rows if saved > 0 and extra <= saved * limits.descriptor_bytes else None
 
 
 def _hull(a: Box, b: Box) -> Box:

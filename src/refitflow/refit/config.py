@@ -47,6 +47,10 @@ class ReceiverConfig:
       checks the blocks that arrived whole (``RefitResult.unverified_bytes`` counts the rest).
     - ``max_strided_runs`` (1024): row runs per piece when a column slice is read as strided runs.
     - ``min_run_bytes`` (32): runs shorter than this read the enclosing rows into staging instead.
+    - ``descriptor_bytes`` (32 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
+      row-major shard is one descriptor per row; its whole rows are read into staging instead (and the slice
+      copied out) when they add fewer bytes than this for each descriptor they save — e.g. a TP 32 rank's
+      slice of a TP 1 trainer's ``o_proj``: one descriptor for 7,168 rows, 32× the bytes. 0: never.
     - ``compile_targets`` (None: any): the compile targets this rank accepts; another is a ``PlanError``.
     - ``compile_metadata`` (none): items every accepted shard's compile metadata must contain.
     - ``relay_wait_s`` (5): how long this rank waits for an upstream relay that makes no progress before it
@@ -84,6 +88,7 @@ class ReceiverConfig:
     verify: str = "strict"
     max_strided_runs: int = 1024
     min_run_bytes: int = 32
+    descriptor_bytes: int = 32 << 10
     compile_targets: tuple[str, ...] | None = None
     compile_metadata: tuple[tuple[str, str], ...] = ()
     relay_wait_s: float = 5.0
@@ -116,8 +121,8 @@ class ReceiverConfig:
             raise ConfigError(f"window_buckets must be a whole number of at least 1, got {self.window_buckets!r}")
         if self.verify not in ("strict", "pulled"):
             raise ConfigError(f"verify must be 'strict' or 'pulled', got {self.verify!r}")
-        if self.max_strided_runs < 1 or self.min_run_bytes < 0:
-            raise ConfigError("max_strided_runs must be at least 1 and min_run_bytes not negative")
+        if self.max_strided_runs < 1 or self.min_run_bytes < 0 or self.descriptor_bytes < 0:
+            raise ConfigError("max_strided_runs must be at least 1, min_run_bytes and descriptor_bytes not negative")
         if isinstance(self.compile_metadata, dict):
             object.__setattr__(self, "compile_metadata", tuple(sorted(self.compile_metadata.items())))
         if self.compile_targets is not None:
@@ -155,6 +160,7 @@ class ReceiverConfig:
             verify=self.verify,
             max_strided_runs=self.max_strided_runs,
             min_run_bytes=self.min_run_bytes,
+            descriptor_bytes=self.descriptor_bytes,
             compile_targets=self.compile_targets,
             compile_metadata=self.compile_metadata,
         )
