@@ -3,9 +3,11 @@
 From the trainer's go (t = 0): every trainer rank hashes its shards (on the device: ``device_verify_gbps``;
 on the host: ``trainer_digest_gbps``) and publishes its version's record (its layout was sent once; one
 registry round trip); the registry checks the records one after the other against their layouts
-(``registry_s``, measured with the registry's code: ``_sim_costs``); the version is complete (announced before
-its digests with ``announce_early``: receivers that read only the trainer start then, and verify once the
-digests are in). Each receiver is told (half a round trip), fetches what it needs of the version — the
+(``registry_s``, measured with the registry's code: ``_sim_costs``); the version is complete. With
+``announce_early`` (the publisher's auto mode when every byte changed) each rank first announces its record
+without digests (its layout's id alone: ``pending_s`` of the registry's work, measured) and receivers that read
+only the trainer start then, verifying once the digests are in. Each receiver is told (half a round trip),
+fetches what it needs of the version — the
 ``latest`` answer and its plan's part of the digests (``wire_bytes``: ``Costs.wire_bytes(part)``, through the
 registry's NIC, ``registry_gbps``, shared by all) — and decodes it into its digest vector (``fetch_s``:
 ``Costs.fetch_s(part)``, measured), plans (``plan_s``: 0 once cached), joins the relays (one round trip) and
@@ -53,8 +55,10 @@ assert _CFG.window_buckets is not None
 WINDOW = _CFG.window_buckets  # issue 51's pull window with the default limits (the budget over a bucket: 8)
 DEVICE_GBPS = {"conservative": 100.0, "optimistic": 1000.0}  # a GPU's digest rate until bench/gpu_check.py measures it
 # the data path of the code before issue 51 (main at ca21faa): one bucket in flight, device bytes hashed on the
-# host (xxh3 through a bounce buffer), relay progress polled with a status read
-TODAY: dict[str, object] = {"window": 1, "device_digests": False, "relay_push": False}
+# host (xxh3 through a bounce buffer), relay progress polled with a status read, and that code's costs a bucket
+# (354 us: bench/bucket_cost.py then) and a relayed bucket (1,900 us: stop 45's calibration)
+TODAY: dict[str, object] = {"window": 1, "device_digests": False, "relay_push": False, "bucket_us": 354.0,
+                            "relay_bucket_us": 1900.0}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,9 +74,13 @@ class Params:
     device_verify_gbps: float = DEVICE_GBPS["conservative"]  # a GPU's digest rate (verify and the trainer's pass)
     verify_gbps: float = 20.0  # host digest rate of a receiver (xxh3 on a core): device_digests False
     trainer_digest_gbps: float = 10.7  # host digest pass of a trainer rank: device_digests False
-    bucket_us: float = 354.0  # refitflow's own serial cost of a bucket (bench/bucket_cost.py; the calib measures it)
+    # refitflow's own serial cost of a bucket: bench/bucket_cost.py in the calibration of 2026-12-05 10:15 (the
+    # larger of that day's two: 41 and 29 us); the calib measures it again
+    bucket_us: float = 41.0
     read_us: float = 2.8  # the transport's cost of one descriptor (raw NIXL here, docs/benchmarks.md)
-    relay_bucket_us: float = 1900.0  # extra serial cost of a bucket with relayed pieces (fitted by the calib)
+    # extra serial cost of a bucket with relayed pieces: bench/relay_cost.py on 2026-12-05 (the largest of its
+    # runs: -30 ... 35 us; the calibration's 9 and 4); the calib measures it again
+    relay_bucket_us: float = 35.0
     relay_push: bool = True  # relay progress pushed to its readers (False: polled, a status read per poll)
     poll_floor_ms: float = 1.0  # shortest sleep of the relay poll (asyncio: epoll's whole milliseconds)
     registry_rtt_ms: float = 0.5
@@ -171,7 +179,9 @@ def _rotate(seg: Segments, by: int) -> Segments:
 
 
 def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire_bytes: int, engines: int,
-             relay: bool) -> Result:  # fmt: skip
+             relay: bool, pending_s: float | None = None) -> Result:  # fmt: skip
+    """``registry_s``: the registry's work on a version's records; ``pending_s``: on its records announced before
+    their digests (what receivers that read early wait for; None: ``registry_s``)."""
     net, gb, rtt, lat = Net(), 1e9, p.registry_rtt_ms * 1e-3, p.latency_us * 1e-6
     verify_gbps, trainer_gbps = p.digest_gbps
     ups = upstreams(cls.plans, engines, relay)
@@ -204,7 +214,7 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
     complete = float(cls.trainer_bytes.max()) / (trainer_gbps * gb) + rtt + registry_s
     early = p.announce_early and not relay  # relays serve verified bytes: they wait for the digests
     digest_ready = complete + rtt / 2 + fetch_s if early else 0.0
-    start_at = rtt + registry_s if early else complete
+    start_at = rtt + (registry_s if pending_s is None else pending_s) if early else complete
     host_verify = p.cpu_verify and not p.device_digests
 
     def phase_of(x: Rx) -> str:

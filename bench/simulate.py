@@ -2,7 +2,7 @@
 from whom and when; a fluid link model with max-min fair sharing decides how long it takes.
 
     python bench/simulate.py [--scenario kimi,kimi-bf16,dsv3,glm,calib] [--relay on|off|both]
-        [--gpu-gbps 50] [--window 8] [--bucket-us 354] [--relay-bucket-us 1900] [--read-us 2.8]
+        [--gpu-gbps 50] [--window 8] [--bucket-us 41] [--relay-bucket-us 35] [--read-us 2.8]
         [--device-verify-gbps 100] [--latency-us 10] [--registry-s S] [--fetch-s S] ... (every Params field)
         [--host-digests] [--polled-relays] [--drivers] [--svg docs/scale.svg] [--cache DIR] [--calib-runs 1]
 
@@ -96,9 +96,10 @@ class Run:
         cls = self.planned(relay)
         wire = ch.get("wire", self.costs.wire_bytes(cls.part_digests))
         reg = self.costs.registry_s if q.registry_s is None else q.registry_s
+        pending = self.costs.pending_s if q.registry_s is None else q.registry_s
         fetch = self.costs.fetch_s(cls.part_digests) if q.fetch_s is None else q.fetch_s
         return simulate(cls, q, registry_s=reg, fetch_s=fetch, wire_bytes=int(wire),  # type: ignore[call-overload]
-                        engines=self.setup.engines, relay=relay)  # fmt: skip
+                        engines=self.setup.engines, relay=relay, pending_s=pending)  # fmt: skip
 
 
 def _where(res: Result) -> str:
@@ -117,7 +118,8 @@ def report(r: Run, p: Params, relays: list[bool], drivers: bool) -> None:
           f"(their manifests {c.was_bytes / 1e6:.0f} MB on the wire in format 4 alone, {first.digest_bytes / 1e6:.0f} "
           f"MB of it base64 block digests); per version a receiver fetches {c.wire_bytes(first.part_digests) / 1e6:.2f}"
           f" MB (its plan's part: {first.part_digests:,} digests, raw; the shards it reads hold "
-          f"{first.digest_share:.1%} of them); measured here: the registry's work {c.registry_s:.3f} s per version, "
+          f"{first.digest_share:.1%} of them); measured here: the registry's work {c.registry_s:.3f} s per version "
+          f"({c.pending_s:.3f} s of it before the digests, announced early), "
           f"one receiver's decode {c.fetch_s(first.part_digests) * 1e3:.1f} ms; plans "
           f"{min(plan_s):.2f}-{max(plan_s):.2f} s a rank (first refit only)")  # fmt: skip
     for relay in relays:

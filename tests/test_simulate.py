@@ -188,3 +188,23 @@ def test_the_cli_prints_a_table_for_a_tiny_scenario(tmp_path: pathlib.Path) -> N
                f"| {mode} |" in done.stdout  # fmt: skip
     assert "per version a receiver fetches" in done.stdout  # its plan's part, not the publication
     assert list(tmp_path.glob("flat-3x1-relay-*.pkl"))  # the planned classes were cached
+
+
+def test_receivers_that_read_early_wait_for_the_pending_records_alone_and_verify_after_the_complete_ones() -> None:
+    """Announced before its digests (the publisher's auto mode when every byte changed), a version is read once
+    the registry took the records without digests (``pending_s``); the complete records' work (``registry_s``)
+    overlaps the reads. A relay serves verified bytes: it waits for the complete version either way."""
+    setup = flat(16, 250_000, 1, name="test-early")
+    nbytes = setup.pub.nbytes
+    for relay in (False, True):
+        cls = plan_classes(setup, relay, log=lambda s: None)
+
+        def took(pending: float | None, cls=cls, relay=relay) -> float:
+            return simulate(cls, IDEAL, registry_s=1.0, fetch_s=0.0, wire_bytes=0, engines=1, relay=relay,
+                            pending_s=pending).committed  # fmt: skip
+
+        if relay:
+            assert took(0.0) == pytest.approx(took(None)) == pytest.approx(took(1.0))
+        else:
+            assert took(None) == pytest.approx(1.0 + nbytes / GB, rel=0.01)  # the pending phase costs as much
+            assert took(0.0) == pytest.approx(max(1.0, nbytes / GB), rel=0.01)  # reads overlap the complete phase

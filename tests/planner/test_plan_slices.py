@@ -120,6 +120,16 @@ def test_a_column_slice_reads_whole_rows_when_they_cost_fewer_bytes_than_the_des
     assert plan.nbytes == plan.ideal_bytes and sum(r.count for b in plan.buckets for r in b.reads) == 4096
 
 
+def test_whole_rows_are_read_at_most_max_row_factor_times_a_slices_bytes() -> None:
+    """64 of 1,024 columns: whole rows would be 16× the slice — every reader of the shard would take 16 copies
+    from its source — so the slice is read as strided runs unless ``max_row_factor`` allows 16."""
+    pub = _pub((0, 2048), (2048, 4096))
+    narrow = _plan(pub, 1, 256, 320)
+    assert narrow.nbytes == narrow.ideal_bytes == 4096 * 64 * 2
+    wide = _plan(pub, 1, 256, 320, max_row_factor=16)
+    assert wide.nbytes == 4096 * ROW and sum(r.count for b in wide.buckets for r in b.reads) < 20
+
+
 def test_short_strided_runs_read_the_enclosing_rows() -> None:
     plan = _plan(_pub((0, 2048), (2048, 4096)), 1, 0, 8, min_run_bytes=64)  # 16-byte runs
     assert plan.nbytes == 4096 * ROW and plan.ideal_bytes == 4096 * 8 * 2

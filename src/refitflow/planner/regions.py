@@ -3,11 +3,11 @@
 A region is a copy's own box, or a wider box when the copy's bytes could not be verified whole
 (``verify="strict"``: widened to whole digest tiles, ``Tiling.aligned``), its runs are shorter than
 ``min_run_bytes`` (the enclosing rows of dim 0), or its whole rows cost fewer bytes than the read descriptors
-they save (``descriptor_bytes`` a descriptor: ``_whole_rows``); widened regions swallow the boxes they overlap
-(their bounding box, again aligned). ``chunks`` cuts a region into pieces that are each one set of
-equally spaced runs (a strided read), at most a bucket and ``max_strided_runs`` runs, cut at tile
-edges where it can. A column slice stays as wide as it is (one descriptor per row and slice, not
-per row and tile): verify gathers its xxh3 tiles in staging.
+they save (``descriptor_bytes`` a descriptor, at most ``max_row_factor`` times the box: ``_whole_rows``);
+widened regions swallow the boxes they overlap (their bounding box, again aligned). ``chunks`` cuts a region
+into pieces that are each one set of equally spaced runs (a strided read), at most a bucket and
+``max_strided_runs`` runs, cut at tile edges where it can. A column slice stays as wide as it is (one
+descriptor per row and slice, not per row and tile): verify gathers its xxh3 tiles in staging.
 """
 
 from __future__ import annotations
@@ -43,14 +43,18 @@ def _region_of(c: Copy, shape: tuple[int, ...], item: int, limits: Limits, tilin
 
 def _whole_rows(box: Box, shape: tuple[int, ...], item: int, limits: Limits) -> Box | None:
     """``box`` with its last dimension whole, when that adds fewer bytes than ``descriptor_bytes`` for each read
-    descriptor it saves: a column slice of a row-parallel weight is a descriptor per row; its whole rows, one
-    (DeepSeek-V3's ``o_proj`` at TP 32: 7,168 descriptors of 512 bytes, or one of 117 MB). Tile-aligned as
-    ``box`` is (the last dimension's tiles whole)."""
+    descriptor it saves and reads at most ``max_row_factor`` times its bytes: a column slice of a row-parallel
+    weight is a descriptor per row; its whole rows, one (Kimi-K2's ``o_proj`` at TP 16 of a TP 8 trainer: 7,168
+    descriptors of 512 bytes, or one of 7.3 MB). The factor bounds what the sources serve: every receiver of a
+    TP 32 engine reading a TP 1 trainer's whole ``o_proj`` is 32 copies of it from the trainer, where the
+    trainer's links bound the refit. Tile-aligned as ``box`` is (the last dimension's tiles whole)."""
     if len(shape) < 2 or box[-1] == (0, shape[-1]) or not limits.descriptor_bytes:
         return None
     rows = (*box[:-1], (0, shape[-1]))
     saved = run_count(box, shape) - run_count(rows, shape)
     extra = (volume(rows) - volume(box)) * item
+    if volume(rows) > limits.max_row_factor * volume(box):
+        return None
     return rows if saved > 0 and extra <= saved * limits.descriptor_bytes else None
 
 

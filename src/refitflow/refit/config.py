@@ -47,10 +47,15 @@ class ReceiverConfig:
       checks the blocks that arrived whole (``RefitResult.unverified_bytes`` counts the rest).
     - ``max_strided_runs`` (1024): row runs per piece when a column slice is read as strided runs.
     - ``min_run_bytes`` (32): runs shorter than this read the enclosing rows into staging instead.
-    - ``descriptor_bytes`` (32 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
+    - ``descriptor_bytes`` (8 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
       row-major shard is one descriptor per row; its whole rows are read into staging instead (and the slice
-      copied out) when they add fewer bytes than this for each descriptor they save — e.g. a TP 32 rank's
-      slice of a TP 1 trainer's ``o_proj``: one descriptor for 7,168 rows, 32× the bytes. 0: never.
+      copied out) when they add fewer bytes than this for each descriptor they save — e.g. a TP 16 rank's
+      slice of a TP 8 trainer's ``o_proj``: one descriptor for 7,168 rows, twice the bytes. 0: never. (A
+      descriptor costs ≈ 2.8 µs over CMA here, ≈ 36 KB of copy; the default leaves room for the sources, which
+      serve the extra bytes to every reader. A GPU server's figure is ``bench/nixl_fit.py``'s there.)
+    - ``max_row_factor`` (8): whole rows are read instead only when they are at most this many times the slice's
+      bytes — every rank of a TP 32 engine reading a TP 1 trainer's whole ``o_proj`` would be 32 copies of it
+      from the trainer, whose links then bound the refit.
     - ``compile_targets`` (None: any): the compile targets this rank accepts; another is a ``PlanError``.
     - ``compile_metadata`` (none): items every accepted shard's compile metadata must contain.
     - ``relay_wait_s`` (5): how long this rank waits for an upstream relay that makes no progress before it
@@ -88,7 +93,8 @@ class ReceiverConfig:
     verify: str = "strict"
     max_strided_runs: int = 1024
     min_run_bytes: int = 32
-    descriptor_bytes: int = 32 << 10
+    descriptor_bytes: int = 8 << 10
+    max_row_factor: int = 8
     compile_targets: tuple[str, ...] | None = None
     compile_metadata: tuple[tuple[str, str], ...] = ()
     relay_wait_s: float = 5.0
@@ -121,8 +127,9 @@ class ReceiverConfig:
             raise ConfigError(f"window_buckets must be a whole number of at least 1, got {self.window_buckets!r}")
         if self.verify not in ("strict", "pulled"):
             raise ConfigError(f"verify must be 'strict' or 'pulled', got {self.verify!r}")
-        if self.max_strided_runs < 1 or self.min_run_bytes < 0 or self.descriptor_bytes < 0:
-            raise ConfigError("max_strided_runs must be at least 1, min_run_bytes and descriptor_bytes not negative")
+        if self.max_strided_runs < 1 or self.max_row_factor < 1 or self.min_run_bytes < 0 or self.descriptor_bytes < 0:
+            raise ConfigError("max_strided_runs and max_row_factor must be at least 1, min_run_bytes and "
+                              "descriptor_bytes not negative")  # fmt: skip
         if isinstance(self.compile_metadata, dict):
             object.__setattr__(self, "compile_metadata", tuple(sorted(self.compile_metadata.items())))
         if self.compile_targets is not None:
@@ -161,6 +168,7 @@ class ReceiverConfig:
             max_strided_runs=self.max_strided_runs,
             min_run_bytes=self.min_run_bytes,
             descriptor_bytes=self.descriptor_bytes,
+            max_row_factor=self.max_row_factor,
             compile_targets=self.compile_targets,
             compile_metadata=self.compile_metadata,
         )
