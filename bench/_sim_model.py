@@ -26,7 +26,9 @@ works through its segments in order:
   or at its next status poll (0.2 ms doubling to 5 ms, each sleep at least ``poll_floor_ms``, then a status
   read of ``bucket_us`` + ``latency_us``: ``refit/fanout/reading.py`` before issue 51).
 - **verify** segment j once pulled and j - 1 verified, on the device (``device_verify_gbps``: no host copy,
-  no CPU) or on the host (``verify_gbps``); pull runs at most two segments ahead of verify;
+  no CPU) or on the host (``verify_gbps``); pull runs at most two segments ahead of verify. A version announced
+  before its digests is hashed as it lands and each segment's hashes held (as ``refit/stages/verify.py`` does):
+  only the last segment waits for the digests;
 - after the last segment: prepare, the engine's vote, finish (``commit_ms``).
 
 Flows take the source GPU's egress, the reader GPU's ingress, each host's NIC (``host_gbps``) and the switch
@@ -368,8 +370,15 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
             return
         x.verifying = j
         uses = [(r_ver[x.i], 1.0)] + ([(cpu[r_host[x.i]], 1.0 / (verify_gbps * gb))] if host_verify else [])
-        act = Activity(float(x.seg.nbytes[j]), tuple(uses), lambda t: verified(x, j))
-        net.at(max(net.now, digest_ready), lambda now: net.start(act))
+        net.start(Activity(float(x.seg.nbytes[j]), tuple(uses), lambda t: hashed(x, j)))
+
+    def hashed(x: Rx, j: int) -> None:
+        """Hashed as it landed; a version announced before its digests holds each segment's hashes (pull goes
+        on) and compares them once the digests are in: the last segment is verified no earlier than that."""
+        if j == len(x.seg.nbytes) - 1 and net.now < digest_ready:
+            net.at(digest_ready, lambda now: verified(x, j))
+        else:
+            verified(x, j)
 
     def verified(x: Rx, j: int) -> None:
         x.verified = j
