@@ -166,11 +166,7 @@ def digest_vector(
     the plan was built, or not of the same digest geometry, is refused (``ManifestError``): a publisher's
     layout digest (the plan cache's key) is its word, not a proof. ``placed=False`` leaves that check to
     ``check_placed`` (a refit runs it beside its first reads: nothing is compared or committed before it passed)."""
-    mans = pub.manifests
-    try:
-        specs = [mans[s].shards[p] for s, p, _ in order]
-    except IndexError:
-        specs = None
+    specs = _specs(pub, order)
     if specs is None or (placed and not _placed(specs, order)):
         raise ManifestError(NOT_PLACED, version=pub.version)
     raw = digests_of(specs)
@@ -181,13 +177,18 @@ def digest_vector(
 
 def check_placed(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> None:
     """``digest_vector``'s check of where the shards are, on its own (``ManifestError``)."""
-    mans = pub.manifests
-    try:
-        specs = [mans[s].shards[p] for s, p, _ in order]
-    except IndexError:
-        specs = None
+    specs = _specs(pub, order)
     if specs is None or not _placed(specs, order):
         raise ManifestError(NOT_PLACED, version=pub.version)
+
+
+def _specs(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> list[Any] | None:
+    """The shards at the plan's positions (None: a position past a manifest's end)."""
+    mans = pub.manifests
+    try:
+        return [mans[s].shards[p] for s, p, _ in order]
+    except IndexError:
+        return None
 
 
 def _placed(specs: list[Any], order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> bool:
