@@ -97,18 +97,9 @@ async def _measure(pub: rf.Publication, sample: int) -> Costs:
     store = RegistryStore()
     for m in picked:  # the layouts, once (not a per-version cost)
         await store.publish(m)
-    later = [_digested(m, 1) for m in picked]
-    records = [record_to_dict(record_of(m, RankLayout.id_of(m))) for m in later]  # what the client sends
-    frames = [encode({"v": PROTOCOL_VERSION, "id": i, "op": "publish", "owner": "sim", "record": r})
-              for i, r in enumerate(records)]  # fmt: skip
-    limits = RegistryLimits()
-    t0 = time.perf_counter()
-    for f in frames:
-        msg = await decode_request(f, limits.max_shards)
-        await store.publish_entry(store.entry_of(record_from_dict(msg["record"])), owner="sim")
-    registry = (time.perf_counter() - t0) * len(mans) / len(picked)
-    pending = await _pending_s(store, picked, limits)  # the next version announced before its digests
-    pending *= len(mans) / len(picked)
+    scale = len(mans) / len(picked)
+    registry = await _accept_s(store, [_digested(m, 1) for m in picked]) * scale
+    pending = await _accept_s(store, [_pending(m) for m in picked]) * scale  # the next version, announced early
     head = encode({"identity": {"model": pub.identity.model}, "version": 2, "revisions": ["0" * 32] * len(mans),
                    "layouts": ["0" * 32] * len(mans)})  # fmt: skip
     layouts = [store.layout_of(m).manifest for m in picked] * step
@@ -127,17 +118,20 @@ async def _measure(pub: rf.Publication, sample: int) -> Costs:
     return Costs(was, len(head), registry, pending, fixed, per_digest, len(picked))
 
 
-async def _pending_s(store: RegistryStore, picked: list[rf.Manifest], limits: RegistryLimits) -> float:
-    """The registry's work on ``picked`` ranks' records of a version announced before its digests (the publisher's
-    auto mode when every byte changed: receivers that read only the trainer start once these are in)."""
-    later = []
-    for m in picked:
-        shards = tuple(rf.ShardSpec(**{**vars(s), "digest": "", "blocks": ""}) for s in m.shards)
-        later.append(rf.Manifest(identity=m.identity, version=m.version + 2, rank=m.rank, world_size=m.world_size,
-                                 source=m.source, shards=shards, metadata=m.metadata))  # fmt: skip
-    records = [record_to_dict(record_of(m, RankLayout.id_of(m))) for m in later]
+def _pending(m: rf.Manifest) -> rf.Manifest:
+    """``m``'s next-but-one version announced before its digests (the publisher's auto mode when every byte
+    changed: receivers that read only the trainer start once the registry took these)."""
+    shards = tuple(rf.ShardSpec(**{**vars(s), "digest": "", "blocks": ""}) for s in m.shards)
+    return rf.Manifest(identity=m.identity, version=m.version + 2, rank=m.rank, world_size=m.world_size,
+                       source=m.source, shards=shards, metadata=m.metadata)  # fmt: skip
+
+
+async def _accept_s(store: RegistryStore, later: list[rf.Manifest]) -> float:
+    """The registry's work on these ranks' records (their layouts held), each as the client sends it: seconds."""
+    records = [record_to_dict(record_of(m, RankLayout.id_of(m))) for m in later]  # what the client sends
     frames = [encode({"v": PROTOCOL_VERSION, "id": i, "op": "publish", "owner": "sim", "record": r})
               for i, r in enumerate(records)]  # fmt: skip
+    limits = RegistryLimits()
     t0 = time.perf_counter()
     for f in frames:
         msg = await decode_request(f, limits.max_shards)

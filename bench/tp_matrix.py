@@ -104,7 +104,7 @@ def main() -> None:
                 secs, cpu = time.perf_counter() - t0, time.process_time() - c0
                 reads = sum(len(b.reads) for b in plan.buckets)
                 ratio = plan.nbytes / plan.ideal_bytes
-                descriptors = sum(r.count for b in plan.buckets for r in b.reads)
+                descriptors = sum(rd.count for b in plan.buckets for rd in b.reads)
                 worst = (max(worst[0], ratio), max(worst[1], reads), max(worst[2], secs), max(worst[3], cpu),
                          plan.ideal_bytes, max(worst[5], descriptors))  # fmt: skip
             print(f"{m:>2} {n:>2} {worst[4] / 1e9:9.2f} {worst[0]:12.4f} {worst[1]:7d} {worst[5]:11d} {worst[2]:7.3f} "
