@@ -122,7 +122,7 @@ def build_plan(pub: Publication, receiver: ReceiverLayout | Params, limits: Limi
 
 def _build(pub: Publication, receiver: ReceiverLayout, limits: Limits, key: Hashable) -> Plan:
     t0 = time.perf_counter()
-    found = published(pub, receiver.canonical, receiver.wanted)
+    found = published(pub, receiver.canonical, receiver.wanted, receiver.place)
     route = receiver.route
     if found.quant:  # something is published quantised: route each parameter (planner/routes.py)
         route = build_route(found, receiver.layout, receiver.quantised, receiver.expected, receiver.torch_dtype,
@@ -136,8 +136,11 @@ def _build(pub: Publication, receiver: ReceiverLayout, limits: Limits, key: Hash
     # direct batches grow past ``direct_bucket_bytes`` for a slice that would fill more than max_direct_buckets
     batch = max(limits.direct_bucket_bytes, -(-receiver.nbytes // limits.max_direct_buckets))
     pieces = list(shard_pieces(cs, receiver, replace(limits, direct_bucket_bytes=batch), route))
-    if limits.read_start:
-        pieces = _rotated(pieces, limits.read_start)
+    # a rank starts at its place in the model (``sources.place_of``): the ranks of an engine read different
+    # layers, so different pipeline stages of the trainer, at once; engines are spread further by ``read_start``
+    start = (limits.read_start + receiver.place) % 1.0
+    if start:
+        pieces = _rotated(pieces, start)
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     whole = _shard_bytes(pieces)
     for p, shard in zip(pieces, whole, strict=True):

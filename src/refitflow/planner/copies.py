@@ -56,10 +56,11 @@ class Published:
     rows_only: frozenset[int] = frozenset()  # sources whose digests cover whole rows only (no column ranges)
 
 
-def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | None = None) -> Published:
+def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | None = None, at: float = 0.0) -> Published:
     """``pub`` in canonical space. ``wanted``: the boxes the receiver reads (``Wanted``; a receiver with
     a layout): boxes that meet none of them are neither kept nor checked for overlaps — a rank of a
     trillion-parameter model reads 1/16 of 150,000 shards; the shards read are checked against their layout.
+    ``at``: the receiver's place (``sources.place_of``): where among replicas its reads start.
     Nothing is left out when a manifest declares a quantised tensor (its scales are canonical tensors too)."""
     held: dict[str, dict[Box, list[Held]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -81,7 +82,7 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
             f = found[i]
             place = places.get(id(f.shared), ()) if f.shared is not None else ()
             if place and place[0] == i:
-                held_in_place(f.shared or [], [_source(pub, k, held) for k in place], pub.version)
+                held_in_place(f.shared or [], [_source(pub, k, held) for k in place], pub.version, at)
             held_in_layout(f, _source(pub, i, held), pub.version)
             continue
         layout, canon_shapes = resolve(m.metadata["layout"]) if "layout" in m.metadata else (None, {})
@@ -118,7 +119,7 @@ def published(pub: Publication, aliases: Mapping[str, str], wanted: Wanted | Non
                 if wanted is None or meets(wanted.boxes.get(seg.canonical, ()), seg.cbox):
                     held.setdefault(seg.canonical, {}).setdefault(seg.cbox, []).append(Held(i, spec, seg))
     out: dict[str, list[Held]] = {}
-    load = SourceLoad(trainers=len(pub.manifests))
+    load = SourceLoad(trainers=len(pub.manifests), place=at)
     for canon in sorted(held):
         boxes = held[canon]
         out[canon] = [_choose(reps, load) for reps in boxes.values()]

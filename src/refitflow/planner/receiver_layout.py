@@ -20,7 +20,7 @@ from refitflow.core.fanout import RelayParam
 from refitflow.layouts.canonical import LocalTensor, sliced
 from refitflow.layouts.quant import QuantParam
 from refitflow.planner.routes import aux_owner, default_route
-from refitflow.planner.sources import Wanted
+from refitflow.planner.sources import Wanted, place_of
 
 __all__ = ["Params", "ReceiverLayout"]
 
@@ -68,6 +68,7 @@ class ReceiverLayout:
         }
         # what a plan reads of each canonical tensor (a layout's: the rest is left out of ``published``)
         self.wanted = None if self.exact else Wanted(self.layout)
+        self.place = 0.0 if self.exact else place_of(self.layout)  # where among replicas its reads start
         self.route = default_route(self.layout, quantised, dest.expected)  # nothing published quantised
         self.dtypes = {n: known_name(t.dtype) for n, t in params.items()}  # None: refitflow does not move it
         self.relay_params = tuple(RelayParam(n, self.dtypes[n] or "", tuple(t.shape), 0) for n, t in params.items())

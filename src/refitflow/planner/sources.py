@@ -17,6 +17,12 @@ with the least cost after taking it, where cost is the bytes this plan already r
 trainer's bytes count ``TRAINER_COST`` times. So with no replica a rank reads from the trainer ranks evenly,
 and with replicas it leaves the trainer roughly 1/(1 + TRAINER_COST·R) of its bytes: the trainer's egress
 stays about one model copy however many receivers refit, in waves. ``copies.copies`` applies both.
+
+*Where among them a rank starts* (``place_of``): ranks of one engine read the same tensors in the same order.
+Were ties broken alike in every plan, all of them would read the same replica at the same moment (a TP 32
+engine's 32 ranks, one of a stage's 16 EP ranks holding its attention: that rank's links bound the refit).
+A rank's *place* is where its slice lies in the model (rank r of n: r / n, read from its layout); ties among
+k replicas start at the ``int(place · k)``-th and go round, so rank r reads replica (r·k/n + t) mod k at step t.
 """
 
 from __future__ import annotations
@@ -28,12 +34,22 @@ from dataclasses import dataclass
 
 from refitflow.core.errors import ManifestError
 from refitflow.core.types import ShardSpec
-from refitflow.layouts.boxes import Box, full, intersect
+from refitflow.layouts.boxes import Box, full, intersect, volume
 from refitflow.layouts.canonical import LocalTensor, Segment
 from refitflow.layouts.rules import Common, Only
 from refitflow.layouts.wire import resolve_only
 
-__all__ = ["TRAINER_COST", "Source", "SourceLoad", "Wanted", "check_fits", "held_in_layout", "held_in_place", "meets"]
+__all__ = [
+    "TRAINER_COST",
+    "Source",
+    "SourceLoad",
+    "Wanted",
+    "check_fits",
+    "held_in_layout",
+    "held_in_place",
+    "meets",
+    "place_of",
+]
 
 TRAINER_COST = 4.0
 
@@ -186,19 +202,41 @@ def held_in_layout(found: _Resolved, source: Source, version: int) -> None:
             add(spec, seg)
 
 
-def held_in_place(shared: _Met, place: list[Source], version: int) -> None:
+def place_of(layout: Mapping[str, LocalTensor]) -> float:
+    """Where a receiver's slice lies in the model, 0 <= place < 1: in the largest canonical tensor it reads a
+    part of, where its box starts along the first axis it is cut on, over that axis (0: it reads whole
+    tensors). Rank r of a TP n engine: r / n."""
+    best: tuple[int, str] | None = None
+    place = 0.0
+    for lt in layout.values():
+        for seg in lt.segments:
+            shape = seg.shape
+            if shape is None or not seg.cbox or seg.cbox == full(shape):
+                continue
+            size = (volume(full(shape)), seg.canonical)
+            if best is None or size > best:
+                axis = next(k for k, (a, b) in enumerate(seg.cbox) if (a, b) != (0, shape[k]))
+                best, place = size, seg.cbox[axis][0] / shape[axis]
+    return place
+
+
+def held_in_place(shared: _Met, place: list[Source], version: int, at: float = 0.0) -> None:
     """The entries of a part the layouts of one TP place share (``found.shared``), each added from one of the
-    place's sources: the one that has given the fewest bytes of them so far (a TP 8 × EP 32 trainer holds each
-    4 times; choosing here, not among every copy later, is a quarter of the work). Checked as
-    ``held_in_layout``."""
-    load = [0] * len(place)
+    place's sources: the one that has given the fewest bytes of them so far, ties from the receiver's place
+    ``at`` (``place_of``) round (a TP 8 × EP 32 trainer holds each 4 times; choosing here, not among every
+    copy later, is a quarter of the work). Checked as ``held_in_layout``."""
+    n = len(place)
+    load, start = [0] * n, int(at * n)
     last, pick, spec = "", -1, None
     for name, seg, local in shared:
         if name != last:  # (an entry's segments are listed together)
             last, pick = name, -1
+            least = (0, n)
             for k, (_, positions, _) in enumerate(place):
-                if name in positions and (pick < 0 or load[k] < load[pick]):
-                    pick = k
+                if name in positions:
+                    key = (load[k], (k - start) % n)
+                    if pick < 0 or key < least:
+                        pick, least = k, key
             if pick >= 0:
                 shards, positions, _ = place[pick]
                 spec = shards[positions[name]]
@@ -210,19 +248,23 @@ def held_in_place(shared: _Met, place: list[Source], version: int) -> None:
 
 
 class SourceLoad:
-    """The bytes one plan reads from each source; ``trainers``: sources ``0..trainers-1`` are trainer ranks."""
+    """The bytes one plan reads from each source; ``trainers``: sources ``0..trainers-1`` are trainer ranks;
+    ``place``: the receiver's (``place_of``), where among tied candidates it starts."""
 
-    def __init__(self, trainers: int) -> None:
+    def __init__(self, trainers: int, place: float = 0.0) -> None:
         self.trainers = trainers
+        self.place = place
         self.bytes: dict[int, int] = {}
 
     def choose(self, candidates: Sequence[tuple[int, ShardSpec]]) -> tuple[int, ShardSpec]:
-        """The least loaded candidate after taking this tensor (ties: the lowest source index)."""
-        got, trainers = self.bytes.get, self.trainers
+        """The least loaded candidate after taking this tensor (ties: from the ``int(place · k)``-th of the k
+        candidates round, in source order)."""
+        got, trainers, count = self.bytes.get, self.trainers, len(candidates)
+        start = int(self.place * count)
         best, least, size = candidates[0], (float("inf"), 0), 0
-        for c in candidates:  # (a plain loop: a layer norm of a TP 8 x EP 32 trainer has 32 candidates)
+        for k, c in enumerate(candidates):  # (a plain loop: a layer norm of a TP 8 x EP 32 trainer has 32)
             n = c[1].nbytes
-            cost = ((got(c[0], 0) + n) * (TRAINER_COST if c[0] < trainers else 1.0), c[0])
+            cost = ((got(c[0], 0) + n) * (TRAINER_COST if c[0] < trainers else 1.0), (k - start) % count)
             if cost < least:
                 best, least, size = c, cost, n
         self.bytes[best[0]] = got(best[0], 0) + size
