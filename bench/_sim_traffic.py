@@ -289,11 +289,13 @@ def _bounds(bucket_bytes: np.ndarray, count: int) -> np.ndarray:
 
 
 def _source_hash() -> str:
-    """A digest of the planner's, layouts' and this reduction's source: a cached reduction is stale when they change."""
+    """A digest of the planner's, layouts', the receiver's defaults (``ReceiverConfig``: the limits plans are made
+    with) and this reduction's source: a cached reduction is stale when they change."""
     src = pathlib.Path(rf.__file__).parent
     h = hashlib.sha256()
     mine = pathlib.Path(__file__).resolve()
-    for p in [*sorted([*src.glob("planner/*.py"), *src.glob("layouts/*.py"), *src.glob("registry/service/fanout.py")]),
-              mine, mine.with_name("_sim_quant.py")]:  # fmt: skip
+    ours = [*src.glob("planner/*.py"), *src.glob("layouts/*.py"), src / "registry/service/fanout.py",
+            src / "refit/config.py"]  # fmt: skip
+    for p in [*sorted(ours), mine, mine.with_name("_sim_quant.py")]:
         h.update(p.read_bytes())
     return h.hexdigest()[:12]

@@ -3,9 +3,11 @@
     python bench/nixl_ratio.py [--size-mb 512] [--tensors 174] [--rounds 6] [--agents 1] [--mode in_place]
                                [--direct-bucket-mb 64] [--diagnose-no-hashing]
 
-A publisher process (NIXL, xxh3 digests) and this receiver process. Each round: one raw READ of every
-shard into the destination (one ``NixlTransport.read``, prepared once, replayed), then one strict-verify
-refit of a new version; both with ``--agents`` receiver agents (reads striped over them). Prints each
+A publisher process (NIXL, xxh3 digests) and this receiver process. Each round publishes a new version, then
+one raw READ of every shard into the destination (one ``NixlTransport.read``, prepared once, replayed) and one
+strict-verify refit of it, the raw READ first in even rounds and the refit first in odd ones (what follows a
+publish — the trainer's frees, the registry taking the records — falls on each alike); both with ``--agents``
+receiver agents (reads striped over them). Prints each
 pair and the ratio of the medians and of the bests. GB/s = 10^9 bytes per second.
 
 ``--diagnose-no-hashing`` is a diagnostic, not a mode: it replaces verify's hashing of whole units with
@@ -75,13 +77,23 @@ async def main() -> None:
                 await raw.read(reads, key="all")  # prepare and wire up
                 await registry.publish(first)
                 await recv.refit(1)  # plan, descriptors, wire-up
-                for v in range(2, a.rounds + 2):
+                async def raw_read(v: int) -> None:
                     t0 = time.perf_counter()
                     await raw.read(reads, key="all")
                     raw_t.append(time.perf_counter() - t0)
+
+                async def refit(v: int) -> None:
+                    results.append(await recv.refit(v))
+                    refit_t.append(results[-1].seconds)
+
+                results: list[rf.RefitResult] = []
+                for v in range(2, a.rounds + 2):
                     await registry.publish(await peer.publish(v, v))
-                    r = await recv.refit(v)
-                    refit_t.append(r.seconds)
+                    # each first after the publish in every other round: what the processes still do after a
+                    # publish (the trainer's frees, the registry taking the records) falls on both alike
+                    for step in (raw_read, refit) if v % 2 == 0 else (refit, raw_read):
+                        await step(v)
+                    r = results[-1]
                     verify_ms = r.stages["verify"].seconds * 1e3
                     print(f"round {v - 1}: raw READ {nbytes / raw_t[-1] / 1e9:6.2f} GB/s, refit {r.gbps:6.2f} GB/s "
                           f"(ratio {raw_t[-1] / r.seconds:4.2f}); verify busy {verify_ms:.0f} ms")  # fmt: skip
