@@ -22,9 +22,9 @@ works through its segments in order:
   A segment's trainer bytes are one flow over every trainer GPU it reads (each GPU's NIC taken in proportion
   to its share), after the receiver's earlier segments' (peers serve reads in order); relayed bytes one flow
   from the upstream, likewise in order, once it has verified
-  the segment they need; a reader that waited notices after ``latency_us`` (``relay_push``: progress pushed)
-  or at its next status poll (0.2 ms doubling to 5 ms, each sleep at least ``poll_floor_ms``, then a status
-  read of ``bucket_us`` + ``latency_us``: ``refit/fanout/reading.py`` before issue 51).
+  the segment they need; a reader that waited notices at its next status poll (0.2 ms doubling to 5 ms, each
+  sleep at least ``poll_floor_ms``, then a status read of ``bucket_us`` + ``latency_us``: what
+  ``refit/fanout/reading.py`` does), or after ``latency_us`` were progress pushed (``relay_push``, not built).
 - **verify** segment j once pulled and j - 1 verified, on the device (``device_verify_gbps``: no host copy,
   no CPU) or on the host (``verify_gbps``); pull runs at most two segments ahead of verify. A version announced
   before its digests is hashed as it lands and each segment's hashes held (as ``refit/stages/verify.py`` does):
@@ -83,7 +83,9 @@ class Params:
     # extra serial cost of a bucket with relayed pieces: bench/relay_cost.py on 2026-12-05 (the largest of its
     # runs: -30 ... 35 us; the calibration's 9 and 4); the calib measures it again
     relay_bucket_us: float = 35.0
-    relay_push: bool = True  # relay progress pushed to its readers (False: polled, a status read per poll)
+    # a reader close behind its relay polls its status while it waits (refit/fanout/reading.py: what the code does;
+    # a reader behind it reads on from the last status read); True: progress pushed (not built: a what-if)
+    relay_push: bool = False
     poll_floor_ms: float = 1.0  # shortest sleep of the relay poll (asyncio: epoll's whole milliseconds)
     registry_rtt_ms: float = 0.5
     registry_gbps: float = 12.5  # the registry host's NIC (manifests to every receiver)

@@ -4,11 +4,12 @@ from whom and when; a fluid link model with max-min fair sharing decides how lon
     python bench/simulate.py [--scenario kimi,kimi-bf16,dsv3,glm,calib] [--relay on|off|both]
         [--gpu-gbps 50] [--window 8] [--bucket-us 41] [--relay-bucket-us 35] [--read-us 2.8]
         [--device-verify-gbps 100] [--latency-us 10] [--registry-s S] [--fetch-s S] ... (every Params field)
-        [--host-digests] [--polled-relays] [--drivers] [--svg docs/scale.svg] [--cache DIR] [--calib-runs 1]
+        [--host-digests] [--pushed-relays] [--drivers] [--svg docs/scale.svg] [--cache DIR] [--calib-runs 1]
 
 Every parameter is a field of ``_sim_model.Params`` (its comments say what each is); docs/scale.md says what
 the model leaves out and how it is calibrated. The defaults are the data path issue 51 builds — a window of
-buckets in flight, digests on the device, relay progress pushed — with the per-bucket costs measured here
+buckets in flight, digests on the device, a relay's status polled by a reader close behind it (as the code does;
+``--pushed-relays``: what if it were pushed) — with the per-bucket costs measured here
 (``calib`` measures them; run with ``--scenario calib,kimi`` its figures are the ones the later scenarios use).
 
 Scenarios (``_sim_setups``): ``kimi`` — Kimi-K2 published FP8, Megatron TP8 × EP32 × PP8 (256 GPUs) → 8 vLLM
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in [*numeric, *ints]:
         ap.add_argument("--" + name.replace("_", "-"), type=float if name in numeric else int, default=None)
     ap.add_argument("--host-digests", action="store_true", help="digests hashed on the host (before issue 51)")
-    ap.add_argument("--polled-relays", action="store_true", help="relay progress polled (before issue 51)")
+    ap.add_argument("--pushed-relays", action="store_true", help="what if relay progress were pushed (not built)")
     ap.add_argument("--no-announce-early", action="store_true", help="readers wait for the digests")
     ap.add_argument("--drivers", action="store_true", help="what each cost adds to the as-built time")
     ap.add_argument("--calib-runs", type=int, default=2, help="calib: runs of each fanout_bench command")
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("/tmp/refitflow-sim"))
     a = ap.parse_args(argv)
     over = {k: getattr(a, k) for k in [*numeric, *ints] if getattr(a, k) is not None}
-    flags = {"device_digests": not a.host_digests, "relay_push": not a.polled_relays,
+    flags = {"device_digests": not a.host_digests, "relay_push": a.pushed_relays,
              "announce_early": not a.no_announce_early}  # fmt: skip
     p = Params(**over, **flags)
     print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; parameters: {p}")

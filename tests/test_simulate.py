@@ -29,7 +29,7 @@ from refitflow.planner import build_plan  # noqa: E402
 GB = 1e9
 IDEAL = Params(  # one link, nothing else: no latency, no per-bucket or registry costs, instant digests
     gpu_gbps=1.0, latency_us=0.0, bucket_us=0.0, relay_bucket_us=0.0, read_us=0.0, poll_floor_ms=0.0,
-    device_verify_gbps=1e6, registry_rtt_ms=0.0, commit_ms=0.0, fixed_ms=0.0,
+    device_verify_gbps=1e6, registry_rtt_ms=0.0, commit_ms=0.0, fixed_ms=0.0, relay_push=True,
 )  # fmt: skip
 
 
@@ -100,6 +100,7 @@ def test_a_window_of_buckets_overlaps_their_serial_costs_with_their_bytes() -> N
 
 def test_relay_progress_pushed_is_noticed_sooner_than_polled() -> None:
     costly = dataclasses.replace(IDEAL, poll_floor_ms=1.0, bucket_us=100.0)
+    assert not Params().relay_push  # the default is what the code does: a reader close behind polls
     pushed, _ = _run(4, True, costly, tensors=64)
     polled, _ = _run(4, True, dataclasses.replace(costly, relay_push=False), tensors=64)
     assert pushed.committed < polled.committed
