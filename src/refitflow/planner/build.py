@@ -136,11 +136,8 @@ def _build(pub: Publication, receiver: ReceiverLayout, limits: Limits, key: Hash
     # direct batches grow past ``direct_bucket_bytes`` for a slice that would fill more than max_direct_buckets
     batch = max(limits.direct_bucket_bytes, -(-receiver.nbytes // limits.max_direct_buckets))
     pieces = list(shard_pieces(cs, receiver, replace(limits, direct_bucket_bytes=batch), route))
-    # a rank starts at its place in the model (``sources.place_of``): the ranks of an engine read different
-    # layers, so different pipeline stages of the trainer, at once; engines are spread further by ``read_start``
-    start = (limits.read_start + receiver.place) % 1.0
-    if start:
-        pieces = _rotated(pieces, start)
+    if limits.read_start:  # (not by the rank's place too: relays of other places would be read out of order)
+        pieces = _rotated(pieces, limits.read_start)
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     whole = _shard_bytes(pieces)
     for p, shard in zip(pieces, whole, strict=True):
