@@ -47,18 +47,15 @@ class ReceiverConfig:
       checks the blocks that arrived whole (``RefitResult.unverified_bytes`` counts the rest).
     - ``max_strided_runs`` (1024): row runs per piece when a column slice is read as strided runs.
     - ``min_run_bytes`` (32): runs shorter than this read the enclosing rows into staging instead.
-    - ``descriptor_bytes`` (16 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
+    - ``descriptor_bytes`` (8 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
       row-major shard is one descriptor per row; its whole rows are read into staging instead (and the slice
       copied out) when they add fewer bytes than this for each descriptor they save — e.g. a TP 16 rank's
-      slice of a TP 8 trainer's ``o_proj``: one descriptor for 7,168 rows, twice the bytes; a TP 32 rank's
-      2,048 tile-aligned bytes of a TP 1 trainer's 16,384-byte rows, 14 KB more a descriptor. 0: never. (A
-      descriptor costs ≈ 2.8 µs over CMA here, ≈ 36 KB of copy and 140 KB of a 50 GB/s link; the default
-      leaves room for the sources, which serve the extra bytes to every reader, spread over their replicas by
-      the ranks' places. A GPU server's figure is ``bench/nixl_fit.py``'s there.)
-    - ``max_row_factor`` (8): whole rows are read instead only when they are at most this many times the
-      (tile-aligned) slice's bytes — a TP 32 rank's exact 512 columns of a TP 1 trainer's ``o_proj``
-      (``verify="pulled"``) stay strided: their whole rows, 32 times them, from every rank would be 32 copies
-      of it from the trainer, whose links would then bound the refit.
+      slice of a TP 8 trainer's ``o_proj``: one descriptor for 7,168 rows, twice the bytes. 0: never. (A
+      descriptor costs ≈ 2.8 µs over CMA here, ≈ 36 KB of copy; the default leaves room for the sources, which
+      serve the extra bytes to every reader. A GPU server's figure is ``bench/nixl_fit.py``'s there.)
+    - ``max_row_factor`` (8): whole rows are read instead only when they are at most this many times the slice's
+      bytes — every rank of a TP 32 engine reading a TP 1 trainer's whole ``o_proj`` would be 32 copies of it
+      from the trainer, whose links then bound the refit.
     - ``compile_targets`` (None: any): the compile targets this rank accepts; another is a ``PlanError``.
     - ``compile_metadata`` (none): items every accepted shard's compile metadata must contain.
     - ``relay_wait_s`` (5): how long this rank waits for an upstream relay that makes no progress before it
@@ -97,7 +94,7 @@ class ReceiverConfig:
     verify: str = "strict"
     max_strided_runs: int = 1024
     min_run_bytes: int = 32
-    descriptor_bytes: int = 16 << 10
+    descriptor_bytes: int = 8 << 10
     max_row_factor: int = 8
     compile_targets: tuple[str, ...] | None = None
     compile_metadata: tuple[tuple[str, str], ...] = ()
