@@ -230,13 +230,9 @@ def held_in_place(shared: _Met, place: list[Source], version: int, at: float = 0
     last, pick, spec = "", -1, None
     for name, seg, local in shared:
         if name != last:  # (an entry's segments are listed together)
-            last, pick = name, -1
-            least = (0, n)
-            for k, (_, positions, _) in enumerate(place):
-                if name in positions:
-                    key = (load[k], (k - start) % n)
-                    if pick < 0 or key < least:
-                        pick, least = k, key
+            last = name
+            holders = [k for k, (_, positions, _) in enumerate(place) if name in positions]
+            pick = min(holders, key=lambda k: (load[k], (k - start) % n), default=-1)
             if pick >= 0:
                 shards, positions, _ = place[pick]
                 spec = shards[positions[name]]
