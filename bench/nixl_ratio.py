@@ -60,7 +60,8 @@ async def main() -> None:
     print(f"{a.tensors} fp32 tensors, {nbytes / 1e9:.3f} GB, mode {a.mode}, receiver agents {a.agents}, {checks}, "
           f"direct buckets {a.direct_bucket_mb:g} MiB")  # fmt: skip
     registry, identity = rf.Registry(), rf.Identity(model="bench")
-    raw_t, refit_t = [], []
+    raw_t: list[float] = []
+    results: list[rf.RefitResult] = []
     async with Peer(spec) as peer:
         first = await peer.publish(1, 1)
         raw = NixlTransport(num_agents=a.agents)
@@ -77,6 +78,7 @@ async def main() -> None:
                 await raw.read(reads, key="all")  # prepare and wire up
                 await registry.publish(first)
                 await recv.refit(1)  # plan, descriptors, wire-up
+
                 async def raw_read(v: int) -> None:
                     t0 = time.perf_counter()
                     await raw.read(reads, key="all")
@@ -84,9 +86,7 @@ async def main() -> None:
 
                 async def refit(v: int) -> None:
                     results.append(await recv.refit(v))
-                    refit_t.append(results[-1].seconds)
 
-                results: list[rf.RefitResult] = []
                 for v in range(2, a.rounds + 2):
                     await registry.publish(await peer.publish(v, v))
                     # each first after the publish in every other round: what the processes still do after a
@@ -99,6 +99,7 @@ async def main() -> None:
                           f"(ratio {raw_t[-1] / r.seconds:4.2f}); verify busy {verify_ms:.0f} ms")  # fmt: skip
         finally:
             await raw.aclose()
+    refit_t = [r.seconds for r in results]
     med = statistics.median(raw_t) / statistics.median(refit_t)
     best = min(raw_t) / min(refit_t)
     raw_best, refit_best = nbytes / min(raw_t) / 1e9, nbytes / min(refit_t) / 1e9
