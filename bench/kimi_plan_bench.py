@@ -41,7 +41,11 @@ from refitflow.layouts.wire import layout_metadata
 
 try:
     from refitflow.planner import Plan, build_plan
-    from refitflow.planner.checks import digest_vector
+
+    try:
+        from refitflow.planner.vector import digest_vector
+    except ImportError:  # a tree before planner/vector.py
+        from refitflow.planner.checks import digest_vector  # type: ignore[attr-defined,no-redef]
     from refitflow.refit.config import ReceiverConfig
     from refitflow.refit.destination import ApplyMode, Destination
 except ImportError:  # a tree before planner/ and refit/ (``--control --baseline``)
@@ -122,7 +126,7 @@ def _best(f: object, *args: object) -> float:
 
 def digests(pub: rf.Publication, plan: Plan) -> str:
     """A rank's digest decode per version, against every shard's (``--digests``: trees of stop 45 on)."""
-    from refitflow.planner.checks import every_shard
+    from refitflow.planner.vector import every_shard
 
     every, count = every_shard(pub)
     mine, whole = _best(plan.digests, pub), _best(digest_vector, pub, every, count)

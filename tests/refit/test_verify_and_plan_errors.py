@@ -14,14 +14,17 @@ from tests.conftest import mlp, params, same
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("skip_unchanged", [True, False], ids=["delta", "digests-beside-reads"])
 @pytest.mark.parametrize("mode", ["in_place", "shadow"])
-async def test_digest_mismatch_is_detected(ident, registry, mode: str) -> None:
+async def test_digest_mismatch_is_detected(ident, registry, mode: str, skip_unchanged: bool) -> None:
+    """Caught with the digests taken before the reads (a delta decision needs them) and beside them (none does:
+    ``Placing``, verify holds the buckets hashed until they are in)."""
     trainer, server = mlp(1), mlp(2)
     old = params(server)
     with anyio.fail_after(20):
         async with (
             rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(server, registry, identity=ident, mode=mode) as recv,
+            rf.Receiver(server, registry, identity=ident, mode=mode, skip_unchanged=skip_unchanged) as recv,
         ):
             await pub.publish(1, dict(trainer.named_parameters()))
             with torch.no_grad():
@@ -116,19 +119,21 @@ def test_coverage_check_lists_missing_and_duplicated_first_20() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("skip_unchanged", [True, False], ids=["delta", "digests-beside-reads"])
 @pytest.mark.parametrize("mode", ["in_place", "shadow"])
 async def test_shards_moved_under_a_cached_layout_digest_fail_the_refit_typed_and_the_next_version_commits(
-    ident, registry, mode: str
+    ident, registry, mode: str, skip_unchanged: bool
 ) -> None:
     """A whole publication's digests are taken before the check that its shards are where the cached plan put
-    them (that check runs beside the first reads): a publisher that keeps its layout digest while moving its
-    shards fails the refit with that check's ``ManifestError`` — never an ``IntegrityError`` from comparing
-    other shards' digests, never a commit — and the next good version commits."""
+    them (that check runs beside the first reads; with no delta decision the digests are taken there too): a
+    publisher that keeps its layout digest while moving its shards fails the refit with that check's
+    ``ManifestError`` — never an ``IntegrityError`` from comparing other shards' digests, never a commit — and
+    the next good version commits."""
     trainer, server = mlp(1), mlp(2)
     with anyio.fail_after(20):
         async with (
             rf.Publisher(registry, identity=ident) as pub,
-            rf.Receiver(server, registry, identity=ident, mode=mode) as recv,
+            rf.Receiver(server, registry, identity=ident, mode=mode, skip_unchanged=skip_unchanged) as recv,
         ):
             good = await pub.publish(1, dict(trainer.named_parameters()))
             await recv.refit(1)

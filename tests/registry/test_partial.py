@@ -17,7 +17,7 @@ from refitflow.core.fanout import HeldBox, RelayOffer, RelayParam
 from refitflow.core.records import Outline, RankLayout, record_of, record_to_dict
 from refitflow.core.types import TILING_FIELDS
 from refitflow.core.wire import Blob, encode, manifest_to_dict
-from refitflow.planner.checks import digest_vector
+from refitflow.planner.vector import digest_vector
 from refitflow.registry.client.client import RegistryClient
 from tests.core.test_records import _spec
 

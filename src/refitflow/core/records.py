@@ -35,7 +35,7 @@ import xxhash
 
 from refitflow.core.columns import DIGESTS, FIELDS, shards_to_columns
 from refitflow.core.errors import ManifestError, RefitError
-from refitflow.core.types import MAX_INT, Identity, Manifest, Publication, ShardSpec, SourceAddress, digests_of
+from refitflow.core.types import MAX_INT, Identity, Manifest, Publication, ShardSpec, SourceAddress
 from refitflow.core.wire import PROTOCOL_VERSION, Blob, check_format, identity_dict, manifest_from_dict, source_dict
 
 __all__ = [
@@ -231,7 +231,7 @@ __all__ += ["check_record", "fits"]
 
 def record_of(m: Manifest, layout: str) -> RankRecord:
     """``m``'s record (its layout's id given): its digests as the rank's digest vector."""
-    digests = None if m.pending else digests_of(m.shards)
+    digests = None if m.pending else m.digest_blob
     return RankRecord(identity=m.identity, version=m.version, rank=m.rank, layout=layout, revision=m.revision,
                       digests=digests)  # fmt: skip
 
@@ -260,6 +260,8 @@ def materialise(layout: RankLayout, record: RankRecord, digests: np.ndarray | No
     vars(m).update(identity=base.identity, version=record.version, rank=base.rank, world_size=base.world_size,
                    source=base.source, shards=shards, revision=record.revision, metadata=dict(base.metadata),
                    layout_digest=base.layout_digest)  # fmt: skip
+    if record.digests is not None:
+        vars(m)["digest_blob"] = bytes(record.digests)  # ``Manifest.digest_blob``, as the record carries it
     return m
 
 
@@ -308,7 +310,7 @@ class Announcement:
     def raw(self) -> bytes | memoryview | None:
         """The rank's digest vector (8 bytes a digest, big-endian, shard after shard); None while pending."""
         if self._raw is None and self._manifest is not None and not self.pending:
-            self._raw = digests_of(self._manifest.shards)
+            self._raw = self._manifest.digest_blob
         return self._raw
 
     @property

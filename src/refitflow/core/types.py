@@ -254,11 +254,21 @@ class Manifest:
                     h.update(f"{key}={self.metadata[key]}".encode())
             h.update(orjson.dumps(list(map(_LAYOUT, self.shards))))
             object.__setattr__(self, "layout_digest", h.hexdigest())
+        if expected:  # its digests are in (see ``digest_blob``)
+            self.digest_blob  # noqa: B018
 
     @property
     def pending(self) -> bool:
         """Announced before its digests (see above)."""
         return self.shards[0].pending
+
+    @cached_property
+    def digest_blob(self) -> bytes:
+        """Every shard's digests, 8 bytes each, big-endian, shard after shard (``digests_of``; ``ManifestError``
+        while pending) — the rank's digest vector, as a record carries it. Decoded as the manifest is made, while
+        its shards are fresh in the cache (10,000 shards: ≈ 0.6 ms): a receiver's plan gathers its vector from it
+        (``planner.vector``; decoded shard by shard at the refit, ≈ 2 ms before its first read)."""
+        return digests_of(self.shards)
 
     @cached_property
     def positions(self) -> dict[str, int]:
@@ -300,10 +310,11 @@ def _digest_bytes(blocks: str, digest: str) -> bytes:
 
 def digests_of(shards: Sequence[ShardSpec]) -> bytes:
     """Every digest of ``shards`` in order, 8 bytes each, big-endian: ``b"".join(s.digest_bytes for s in
-    shards)`` in one loop (10,000 shards: ≈ 0.8 ms instead of 2.3); ``ManifestError`` for a pending one."""
+    shards)`` in one loop of plain attribute reads (10,000 shards: ≈ 0.6 ms; through attrgetters ≈ 1 ms,
+    ``digest_bytes`` each 2.3); ``ManifestError`` for a pending one."""
     try:
-        return b"".join([_a2b(b, strict_mode=True) if b else bytes.fromhex(d or "-") for b, d in
-                         zip(map(_BLOCKS, shards), map(_DIGEST, shards), strict=True)])  # fmt: skip
+        return b"".join([_a2b(s.blocks, strict_mode=True) if s.blocks else bytes.fromhex(s.digest or "-")
+                         for s in shards])  # fmt: skip
     except (binascii.Error, ValueError):
         pass
     for s in shards:  # the shard at fault, with its own error
@@ -320,7 +331,7 @@ def revision_of(shards: tuple[ShardSpec, ...] | list[ShardSpec]) -> str:
 _LAYOUT = operator.attrgetter(
     "name", "dtype", "global_shape", "axis", "start", "stop", "region", "offset", "algo", "tile_rows", "tile_cols"
 )  # ShardSpec.layout_key
-_NAME, _DIGEST, _BLOCKS = operator.attrgetter("name"), operator.attrgetter("digest"), operator.attrgetter("blocks")
+_NAME, _DIGEST = operator.attrgetter("name"), operator.attrgetter("digest")
 _REVISION = operator.attrgetter("name", "dtype", "global_shape", "axis", "start", "stop", "digest")
 TILING_FIELDS = ("algo", "global_shape", "axis", "start", "stop", "dtype", "tile_rows", "tile_cols")
 TILING_KEY = operator.attrgetter(*TILING_FIELDS)

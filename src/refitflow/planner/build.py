@@ -166,9 +166,10 @@ def _build(pub: Publication, receiver: ReceiverLayout, limits: Limits, key: Hash
         buckets.append(_bucket(len(buckets), current, cx))
     total = sum(b.nbytes for b in buckets)
     cx.seen.clear()  # the buckets keep ``cx`` to make their checks: what they need of it alone
+    geometry = cx.index.seal()
     return Plan(key=key, buckets=tuple(buckets), nbytes=total, ideal_bytes=ideal, seconds=time.perf_counter() - t0,
-                copies=tuple(cs), digest_geometry=cx.index.seal(), digest_order=tuple(cx.index.order),
-                digest_count=cx.index.count, receiver=receiver, route=route)  # fmt: skip
+                copies=tuple(cs), digest_geometry=geometry, digest_order=tuple(cx.index.order),
+                digest_count=cx.index.count, digest_runs=cx.index.runs, receiver=receiver, route=route)  # fmt: skip
 
 
 def _rotated(pieces: list[Piece], start: float) -> list[Piece]:

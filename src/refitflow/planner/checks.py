@@ -10,8 +10,7 @@ compares arrays; commit adds arrays.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -21,10 +20,10 @@ import orjson
 import xxhash
 
 from refitflow.core.digests import Tiling, Units, units_array
-from refitflow.core.errors import ManifestError
 from refitflow.core.threads import breathe
-from refitflow.core.types import TILING_FIELDS, Manifest, Publication, digests_of
+from refitflow.core.types import TILING_KEY, Manifest, Publication
 from refitflow.layouts.boxes import Box, volume
+from refitflow.planner.vector import PLACE, DigestRuns
 
 __all__ = [
     "Checks",
@@ -35,14 +34,9 @@ __all__ = [
     "Stream",
     "build_checks",
     "build_credits",
-    "check_placed",
-    "digest_vector",
-    "every_shard",
     "used_digests",
 ]  # fmt: skip
 
-_PLACE = operator.attrgetter("name", *TILING_FIELDS)  # a shard's name and its digest geometry (TILING_KEY after it)
-NOT_PLACED = "the publication's shards are not where, or not what, its layout digest says"
 
 
 @dataclass(slots=True, unsafe_hash=True)  # a plan record: see planner/records.py
@@ -115,7 +109,10 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         self._tilings: dict[tuple[Any, ...], Tiling] = {}
         self._shape: list[tuple[Any, ...]] = []  # what ``geometry`` digests
         self.order: list[tuple[int, int, tuple[Any, ...]]] = []
+        self._at: list[int] = []  # per shard of ``order``: where its digests start in the vector, and how many
+        self._counts: list[int] = []
         self.count = 0  # digests in the vector
+        self.runs: DigestRuns | None = None  # where they lie in the manifests' digest blobs (``seal``)
 
     def place(self, source: int, tensor: str) -> None:
         """Give the shard ``tensor`` of ``source`` its place in the vector, next, unless it has one."""
@@ -125,11 +122,13 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         m = self._manifests[source]
         p = m.positions[tensor]
         spec = m.shards[p]
-        place = _PLACE(spec)  # its name, then its TILING_KEY
+        place = PLACE(spec)  # its name, then its TILING_KEY
         t = self._tilings.get(place[1:])
         if t is None:
             t = self._tilings[place[1:]] = spec.tiling
         self._known[key] = (t, self.count)
+        self._at.append(self.count)
+        self._counts.append(t.count)
         self.count += t.count
         self.order.append((source, p, place))
         self._shape.append((m.rank, m.world_size, *place))
@@ -138,61 +137,32 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         return self._known[key]
 
     def seal(self) -> str:
-        """The geometry, once the plan placed every shard it reads; the publication is let go (a bucket's checks,
-        made later, look up shards placed)."""
-        self._manifests, self._tilings = (), {}
+        """The geometry, once the plan placed every shard it reads, and ``runs``; the publication is let go (a
+        bucket's checks, made later, look up shards placed)."""
+        offsets = {s: self._offsets(s) for s in sorted({s for s, _, _ in self.order})}
+        self.runs = DigestRuns.of(offsets, self.order, self._at, self._counts)
+        self._manifests, self._tilings, self._at, self._counts = (), {}, [], []
         geometry = xxhash.xxh3_128_hexdigest(orjson.dumps(self._shape))
         self._shape = []
         return geometry
+
+    def _offsets(self, source: int) -> np.ndarray:
+        """Where each shard's digests start in ``source``'s digest blob, and its end (every shard's geometry: the
+        ones before a shard read place it)."""
+        counts = []
+        for spec in self._manifests[source].shards:
+            key = TILING_KEY(spec)
+            t = self._tilings.get(key)
+            if t is None:
+                t = self._tilings[key] = spec.tiling
+            counts.append(t.count)
+        return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         return iter(self._known)
 
     def __len__(self) -> int:
         return len(self._known)
-
-
-def every_shard(pub: Publication) -> tuple[list[tuple[int, int, tuple[Any, ...]]], int]:
-    """The ``order`` and ``count`` of a plan that read every shard of ``pub`` (benches: every shard's digests)."""
-    order = [(s, p, _PLACE(spec)) for s, m in enumerate(pub.manifests) for p, spec in enumerate(m.shards)]
-    return order, sum(spec.tiling.count for m in pub.manifests for spec in m.shards)
-
-
-def digest_vector(
-    pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]], count: int, *, placed: bool = True
-) -> np.ndarray:
-    """The digests of the shards in ``order`` (``DigestIndex.order``: a plan's), ``count`` of them, as native
-    uint64, decoded once per version. A publication whose shards are not where its layout put them when
-    the plan was built, or not of the same digest geometry, is refused (``ManifestError``): a publisher's
-    layout digest (the plan cache's key) is its word, not a proof. ``placed=False`` leaves that check to
-    ``check_placed`` (a refit runs it beside its first reads: nothing is compared or committed before it passed)."""
-    specs = _specs(pub, order)
-    if specs is None or (placed and not _placed(specs, order)):
-        raise ManifestError(NOT_PLACED, version=pub.version)
-    raw = digests_of(specs)
-    if len(raw) != 8 * count:
-        raise ManifestError("the publication's digests do not fit its layout digest", version=pub.version)
-    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
-
-
-def check_placed(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> None:
-    """``digest_vector``'s check of where the shards are, on its own (``ManifestError``)."""
-    specs = _specs(pub, order)
-    if specs is None or not _placed(specs, order):
-        raise ManifestError(NOT_PLACED, version=pub.version)
-
-
-def _specs(pub: Publication, order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> list[Any] | None:
-    """The shards at the plan's positions (None: a position past a manifest's end)."""
-    mans = pub.manifests
-    try:
-        return [mans[s].shards[p] for s, p, _ in order]
-    except IndexError:
-        return None
-
-
-def _placed(specs: list[Any], order: Sequence[tuple[int, int, tuple[Any, ...]]]) -> bool:
-    return list(map(_PLACE, specs)) == [place for _, _, place in order]
 
 
 def used_digests(plan: Any) -> np.ndarray | None:

@@ -18,10 +18,11 @@ import numpy as np
 from refitflow.core.errors import PlanError
 from refitflow.core.types import Publication
 from refitflow.layouts.boxes import Box, shape_of
-from refitflow.planner.checks import Checks, Credits, digest_vector
+from refitflow.planner.checks import Checks, Credits
 from refitflow.planner.copies import Copy
 from refitflow.planner.receiver_layout import ReceiverLayout
 from refitflow.planner.routes import Route
+from refitflow.planner.vector import DigestRuns, digest_vector
 
 __all__ = ["Bucket", "Piece", "Plan", "PlannedRead", "Scatter"]
 
@@ -146,6 +147,7 @@ class Plan:
     digest_geometry: str = ""  # DigestIndex.geometry (planner/checks.py) of the publications it plans
     digest_order: tuple[tuple[int, int, tuple[Any, ...]], ...] = ()  # DigestIndex.order: the shards it checks
     digest_count: int = 0  # digests in its vector
+    digest_runs: DigestRuns | None = field(default=None, compare=False, repr=False)  # where they lie (its manifests)
     receiver: ReceiverLayout = field(compare=False, repr=False)  # what it was built for
     route: Route = field(compare=False, repr=False)  # how each parameter is written
     # what planner functions derive from the plan on first use, kept with it: the delta index
@@ -155,5 +157,5 @@ class Plan:
     def digests(self, pub: Publication, *, placed: bool = True) -> np.ndarray:
         """``pub``'s digests of the shards this plan reads, in the order its checks index them (a whole
         publication; an ``Outline``'s come from the registry: ``refit.digests.version_digests``); ``placed=False``:
-        where the shards are is left to ``check_placed`` (``planner.checks.digest_vector``)."""
-        return digest_vector(pub, self.digest_order, self.digest_count, placed=placed)
+        where the shards are is left to ``check_placed`` (``planner.vector.digest_vector``)."""
+        return digest_vector(pub, self.digest_order, self.digest_count, placed=placed, runs=self.digest_runs)

@@ -2,7 +2,7 @@
 the network, which answers a version as its ``core.records.Outline`` — fetched as the plan's part: every digest
 of the shards the plan reads while its checks are being made (its first version), then only those its checks
 read (``planner.checks.used_digests``, once per plan). The part's order is checked once against the layouts it is
-applied to (``registry.client.fetched``), as ``planner.checks.digest_vector`` checks a whole publication's.
+applied to (``registry.client.fetched``), as ``planner.vector.digest_vector`` checks a whole publication's.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 
 from refitflow.core.records import Outline
 from refitflow.core.threads import off_loop
-from refitflow.planner import checks
+from refitflow.planner import vector
 from refitflow.planner.delta import Skips, decide, delta_index
 from refitflow.planner.records import Bucket, Plan
 from refitflow.refit.attempt import Attempt, Found, Meter, Placing, Resources
@@ -27,32 +27,40 @@ __all__ = ["check_placed", "run", "start"]
 
 async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
     """The attempt for ``found``: its plan (cached, or built off the event loop), and unless the version was
-    announced before its digests, the digests, the delta decision and the upstream relay."""
+    announced before its digests, the upstream relay, the delta decision and — where either needs them before
+    the reads — the digests (else they are taken beside the first reads: ``Placing``)."""
     meter.enter()
     t0 = time.perf_counter()
     pub, txn = found.publication, found.txn
     plan, replay = await res.plans.get(pub, res.destination, res.limits)
     digests = skips = upstream = placing = None
     if not pub.pending:  # else verify takes the digests when they follow (nothing skipped, no relays)
-        if not isinstance(pub, Outline):  # where its shards are is checked beside the first reads
-            placing = Placing()
-        digests = await version_digests(plan, pub, placed=placing is None)
-        txn.holding = (plan.digest_geometry, digests)
-        if res.limits.skip_unchanged:
-            skips = await _skips(res, plan, digests, txn.version)
         if res.fanout is not None:
             upstream = await res.fanout.join(plan, txn.version)
+        whole = not isinstance(pub, Outline)  # a registry's outline is checked where it is fetched
+        placing = Placing(check=whole)
+        if res.limits.skip_unchanged or upstream is not None:  # a decision before the reads needs them
+            digests = await version_digests(plan, pub, placed=False)
+            txn.holding = (plan.digest_geometry, digests)
+        if res.limits.skip_unchanged:
+            assert digests is not None
+            skips = await _skips(res, plan, digests, txn.version)
     meter.note(len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
     return Attempt(found=found, plan=plan, replay=replay, digests=digests, skips=skips, upstream=upstream,
                    placing=placing)  # fmt: skip
 
 
 async def check_placed(attempt: Attempt) -> None:
-    """The check ``start`` took a whole publication's digests without (``Placing``), beside the first reads."""
-    if attempt.placing is None:
+    """What ``start`` left for beside the first reads (``Placing``): where the shards are, and the digests."""
+    placing, plan = attempt.placing, attempt.plan
+    if placing is None:
         return
-    await off_loop(checks.check_placed, attempt.publication, attempt.plan.digest_order)
-    attempt.placing.done.set()
+    if attempt.digests is None:
+        placing.vec = await version_digests(plan, attempt.publication)  # checked where they are (placed)
+        attempt.txn.holding = (plan.digest_geometry, placing.vec)
+    elif placing.check:
+        await off_loop(vector.check_placed, attempt.publication, plan.digest_order)
+    placing.done.set()
 
 
 async def run(res: Resources, attempt: Attempt, send: Send, meter: Meter) -> None:

@@ -9,9 +9,10 @@ landed are gathered. A unit split over pieces (a tile larger than a bucket) is c
 and buckets (xxh3 streams in plan order; mix64 adds sums). Bytes of units that never complete count as
 unverified (possible only under ``verify="pulled"``; under ``"strict"`` the refit then fails).
 
-A version announced before its digests (two-phase publication) is hashed as it lands and each bucket
-held here; the digests are asked for beside, and the held buckets compared and sent on, in order, once
-they are in: commit sees no bucket whose bytes did not match.
+A version announced before its digests (two-phase publication), or whose digests are taken beside the first
+reads (``attempt.Placing``: nothing before the reads needed them), is hashed as it lands and each bucket held
+here; the digests are asked for beside, and the held buckets compared and sent on, in order, once they are
+in: commit sees no bucket whose bytes did not match.
 
 Device work: the hashing runs on the bucket's refit streams (``DeviceLane.use``, in the worker thread),
 and the staging lease is freed only after the bucket's marks (apply's copies out of it) are waited for.
@@ -65,8 +66,9 @@ def _integrity_error(bad: list[str], version: int | None) -> IntegrityError:
 
 
 class _Digests:
-    """The version's digest vector as verify has it: from the plan stage, or (a version announced before its
-    digests) taken once they follow — ``take``, within ``read_timeout_s`` — while the reads went on."""
+    """The version's digest vector as verify has it: from the plan stage, or taken while the reads go on —
+    ``take``: from beside the first reads (``Placing``), or (a version announced before its digests) once
+    they follow, within ``read_timeout_s``."""
 
     def __init__(self, attempt: Attempt) -> None:
         self.attempt = attempt
@@ -75,11 +77,15 @@ class _Digests:
 
     async def take(self) -> None:
         a = self.attempt
-        assert a.found.complete is not None  # a pending publication carries how to complete it
-        pub = await a.found.complete()
-        a.txn.revision = pub.revision
-        vec = await version_digests(a.plan, pub)
-        a.txn.holding = (a.plan.digest_geometry, vec)
+        if a.found.complete is None:  # taken beside the first reads (``Placing``)
+            await a.placed()
+            assert a.placing is not None and a.placing.vec is not None  # placed: taken
+            vec = a.placing.vec
+        else:  # a pending publication carries how to complete it
+            pub = await a.found.complete()
+            a.txn.revision = pub.revision
+            vec = await version_digests(a.plan, pub)
+            a.txn.holding = (a.plan.digest_geometry, vec)
         self.vec = vec
         self.arrived.set()
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from refitflow.core.errors import ManifestError, RefitTimeoutError, VersionError
 from refitflow.core.records import RankLayout, record_of, record_to_dict
-from refitflow.core.types import Manifest, digests_of
+from refitflow.core.types import Manifest
 from refitflow.core.wire import UNKNOWN_LAYOUT, Blob, digests_to_dict, manifest_to_dict
 from refitflow.registry.client.upkeep import Upkeep
 from refitflow.registry.messages import CLAIMED, identity_to_dict
@@ -90,7 +90,7 @@ class Announcing:
         ask = {"identity": identity_to_dict(manifest.identity), "version": manifest.version, "rank": manifest.rank,
                "owner": self.client_id, "max_bytes": max_bytes}  # fmt: skip
         if _canonical(manifest):
-            raw = digests_of(manifest.shards)
+            raw = manifest.digest_blob
             await self._request("complete", revision=manifest.revision, digests=Blob(raw), **ask)
         else:
             await self._request("complete", digests=digests_to_dict(manifest), **ask)
