@@ -14,6 +14,7 @@ The baseline is the source tree of ``--baseline`` (``git archive``), run in a su
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -66,8 +67,8 @@ def measure(shards: int, rounds: int) -> dict[str, float]:
     }
     if hasattr(wire, "digests_to_dict"):  # the two-phase completion: the digests alone
         pending = wire.manifest_from_dict(wire.decode(data))
-        pending = type(m)(**{**vars(m), "revision": "", "shards": tuple(
-            type(s)(**{**vars(s), "digest": "", "blocks": ""}) for s in pending.shards)})  # fmt: skip
+        pending = dataclasses.replace(m, revision="", shards=tuple(
+            type(s)(**{**vars(s), "digest": "", "blocks": ""}) for s in pending.shards))  # fmt: skip
         done = wire.encode(wire.digests_to_dict(m))
         out["completion_bytes"] = len(done)
         out["completion"] = best(lambda: wire.manifest_completed(pending, wire.decode(done)))
