@@ -219,6 +219,34 @@ async def test_a_receiver_over_the_service_refits_from_its_part_delta_and_verifi
 
 
 @pytest.mark.asyncio
+async def test_without_a_delta_decision_the_part_is_fetched_beside_the_reads_and_still_checks_every_byte() -> None:
+    """``skip_unchanged=False`` over the service: nothing before the reads needs the digests, so the plan's part is
+    fetched beside them (``refit.attempt.Placing``); a byte the trainer changed after publishing is still refused
+    (``IntegrityError``, nothing committed) and the next version commits."""
+    model = {f"w{i}": torch.randn(64, 64) for i in range(8)}
+    dst = {name: torch.zeros(64, 64) for name in model}
+    with anyio.fail_after(90):
+        async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
+            async with (
+                rf.Publisher(server.address, identity=ID, transport="nixl") as pub,
+                rf.Receiver(dst, server.address, identity=ID, transport="nixl", skip_unchanged=False) as recv,
+            ):
+                await pub.publish(1, model)
+                assert (await recv.refit(1, timeout=30)).version == 1
+                model["w3"][5, 7] += 1.0
+                await pub.publish(2, model)
+                model["w3"][5, 7] += 1.0  # after its digests: the bytes read are not the version's
+                with pytest.raises(rf.IntegrityError) as info:
+                    await recv.refit(2, timeout=30)
+                assert info.value.tensor == "w3" and recv.status.committed_version == 1
+                await pub.publish(3, model)
+                assert (await recv.refit(3, timeout=30)).version == 3
+                assert all(torch.equal(dst[n], model[n]) for n in model)
+                client = recv.registry
+                assert isinstance(client, RegistryClient) and client.fetches == 0  # parts only, never a whole one
+
+
+@pytest.mark.asyncio
 async def test_a_version_announced_before_its_digests_is_read_early_and_checked_against_its_part() -> None:
     model = {f"w{i}": torch.randn(64, 64) for i in range(4)}
     dst = {name: torch.zeros(64, 64) for name in model}

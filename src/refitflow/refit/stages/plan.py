@@ -38,13 +38,13 @@ async def start(res: Resources, found: Found, meter: Meter) -> Attempt:
         if res.fanout is not None:
             upstream = await res.fanout.join(plan, txn.version)
         whole = not isinstance(pub, Outline)  # a registry's outline is checked where it is fetched
-        placing = Placing(check=whole)
-        if res.limits.skip_unchanged or upstream is not None:  # a decision before the reads needs them
+        if res.limits.skip_unchanged or upstream is not None:  # a decision before the reads needs the digests
             digests = await version_digests(plan, pub, placed=False)
             txn.holding = (plan.digest_geometry, digests)
-        if res.limits.skip_unchanged:
-            assert digests is not None
-            skips = await _skips(res, plan, digests, txn.version)
+            if res.limits.skip_unchanged:
+                skips = await _skips(res, plan, digests, txn.version)
+        if whole or digests is None:  # where the shards are, or the digests themselves: beside the first reads
+            placing = Placing(check=whole)
     meter.note(len(plan.buckets), plan.nbytes, time.perf_counter() - t0)
     return Attempt(found=found, plan=plan, replay=replay, digests=digests, skips=skips, upstream=upstream,
                    placing=placing)  # fmt: skip
