@@ -227,16 +227,21 @@ def _offer(version: int, rid: str, layout: str) -> RelayOffer:
                       layout=layout)  # fmt: skip
 
 
-def test_the_registry_chains_relays_in_join_order_preferring_the_readers_own_layout() -> None:
+def test_the_registry_chains_relays_of_one_layout_in_join_order() -> None:
+    """Relays chain by layout: a relay of another layout holds other slices and reads in another order (a plan
+    starts at its rank's place), so a joiner with no relay of its own layout before it reads the trainer."""
     relays = Relays()
     assert relays.join("a", "L", _offer(1, "a", "L")) is None  # the first reads the trainer
     assert relays.join("b", "L", _offer(1, "b", "L")).receiver == "a"  # type: ignore[union-attr]
-    assert relays.join("x", "M", _offer(1, "x", "M")).receiver == "b"  # type: ignore[union-attr]  # none of its own
+    assert relays.join("x", "M", _offer(1, "x", "M")) is None  # none of its own layout: the trainer, not b
     assert relays.join("c", "L", _offer(1, "c", "L")).receiver == "b"  # type: ignore[union-attr]
     assert relays.join("d", "M", _offer(1, "d", "M")).receiver == "x"  # type: ignore[union-attr]
     assert relays.join("leaf", "L", None).receiver == "c"  # type: ignore[union-attr]  # serves nobody: reads the last
+    assert relays.join("other", "N", None) is None  # a reader of a layout nobody relays
     relays.leave("c")
-    assert relays.join("leaf2", "L", None).receiver == "a"  # type: ignore[union-attr]  # the least read of its layout
+    assert relays.join("leaf2", "L", None).receiver == "b"  # type: ignore[union-attr]  # the least read, latest on ties
+    assert relays.join("leaf3", "L", None).receiver == "a"  # type: ignore[union-attr]  # b has two now: the least read
+    assert relays.join("any", "", None) is not None  # one that names no layout: any relay
 
 
 @pytest.mark.asyncio

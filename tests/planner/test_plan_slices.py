@@ -50,7 +50,10 @@ def _plan(pub: rf.Publication, axis: int, start: int, stop: int, **cfg):
 
 
 def _reads(plan) -> list[tuple[int, int, int]]:
-    return [(r.source, r.src_offset // ROW, (r.src_offset + r.nbytes) // ROW) for b in plan.buckets for r in b.reads]
+    """(source, first row, row after) of each read, sorted (a plan starts at its rank's place: its order may
+    begin anywhere, ``test_replica_place.py``)."""
+    return sorted((r.source, r.src_offset // ROW, (r.src_offset + r.nbytes) // ROW)
+                  for b in plan.buckets for r in b.reads)  # fmt: skip
 
 
 def test_tp8_rank1_reads_rows_512_to_1024_from_rank0_only() -> None:

@@ -1,7 +1,9 @@
 """Where among a tensor's replicas each rank starts (``planner.sources.place_of``): the ranks of one engine read
 the same tensors in the same order; were ties among replicas broken alike in every plan, all of them would read
 the same trainer rank at the same moment (DeepSeek-V3's TP 32 ranks, one of a stage's 16 EP ranks: its links
-bound the refit). Rank r of n starts at replica r·k/n of k and goes round; its read order stays the plan's."""
+bound the refit). Rank r of n starts at replica r·k/n of k and goes round; and its plan starts at r / n of its
+bytes (at a cut no parameter straddles), so the ranks of an engine read different pipeline stages of the trainer
+at once."""
 
 from __future__ import annotations
 
@@ -85,14 +87,24 @@ def test_the_ranks_of_an_engine_read_each_tensor_from_different_replicas() -> No
         assert sorted(step) == sorted(list(range(REPLICAS)) * 2)
 
 
-def test_a_ranks_place_leaves_its_read_order_alone() -> None:
-    """A chain's readers read in their relay's order, whatever their layouts: a plan goes in layer order from
-    ``read_start`` alone (ranks of other places in one chain would otherwise wait for what the relay reads last)."""
+def test_the_ranks_of_an_engine_read_different_stages_at_every_step() -> None:
+    orders = []
     for r in range(REPLICAS):
         plan = build_plan(_staged(), _rank(r, REPLICAS), ReceiverConfig(bucket_bytes=1024).limits)
-        assert list(dict.fromkeys(p.tensor for b in plan.buckets for p in b.pieces)) == TENSORS
+        pieces = [p for b in plan.buckets for p in b.pieces]
+        orders.append([p.source for p in pieces])
+        assert orders[-1][0] == r  # rank r of 4 starts at its place: r / 4 of its bytes, stage r
+        seen: list[str] = []  # no parameter is cut by the wrap: each one's pieces are read one after another
+        for p in pieces:
+            for sc in p.scatters:
+                assert sc.param not in seen[:-1] or seen[-1] == sc.param, sc.param
+                if not seen or seen[-1] != sc.param:
+                    seen.append(sc.param)
+    for step in zip(*orders, strict=True):
+        assert sorted(step) == list(range(REPLICAS))  # at every step each stage serves one rank
+    # a read_start moves every rank on from its place
     plan = build_plan(_staged(), _rank(1, REPLICAS), ReceiverConfig(read_start=0.5).limits)
-    assert next(p.source for b in plan.buckets for p in b.pieces) == 2  # half of its bytes on: stage 2
+    assert next(p.source for b in plan.buckets for p in b.pieces) == 3
 
 
 def test_the_entries_a_tp_place_shares_are_taken_from_its_ranks_starting_at_the_receivers_place() -> None:

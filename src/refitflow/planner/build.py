@@ -35,7 +35,7 @@ from refitflow.planner.pieces import shard_pieces
 from refitflow.planner.reads import coalesce, piece_read
 from refitflow.planner.receiver_layout import Params, ReceiverLayout
 from refitflow.planner.records import Bucket, Piece, Plan, Scatter
-from refitflow.planner.routes import Route, build_route
+from refitflow.planner.routes import Route, aux_owner, build_route
 
 __all__ = ["box_index", "build_plan"]
 
@@ -136,8 +136,12 @@ def _build(pub: Publication, receiver: ReceiverLayout, limits: Limits, key: Hash
     # direct batches grow past ``direct_bucket_bytes`` for a slice that would fill more than max_direct_buckets
     batch = max(limits.direct_bucket_bytes, -(-receiver.nbytes // limits.max_direct_buckets))
     pieces = list(shard_pieces(cs, receiver, replace(limits, direct_bucket_bytes=batch), route))
-    if limits.read_start:  # (not by the rank's place too: relays of other places would be read out of order)
-        pieces = _rotated(pieces, limits.read_start)
+    # a rank starts at its place in the model (``sources.place_of``: rank r of TP n at r / n): the ranks of an
+    # engine read different layers, so different pipeline stages of the trainer, at once; ``read_start`` moves
+    # every rank of an engine on (engines spread). Relays chain ranks of one layout only, so one place, one order.
+    start = (limits.read_start + receiver.place) % 1.0
+    if start:
+        pieces = _rotated(pieces, start)
     left = sum(p.nbytes for p in pieces if p.direct)  # direct bytes not yet in a bucket
     whole = _shard_bytes(pieces)
     for p, shard in zip(pieces, whole, strict=True):
@@ -173,12 +177,18 @@ def _build(pub: Publication, receiver: ReceiverLayout, limits: Limits, key: Hash
 
 
 def _rotated(pieces: list[Piece], start: float) -> list[Piece]:
-    """``pieces`` from the first shard that begins at ``start`` of their bytes or after, wrapping round (a
-    shard's pieces stay together; the last batches still taper)."""
-    begin, at = start * sum(p.nbytes for p in pieces), 0
+    """``pieces`` from the first shard that begins at ``start`` of their bytes or after and cuts no parameter,
+    wrapping round (a shard's pieces stay together; the last batches still taper). A parameter cut by the wrap
+    would be whole only at the plan's end: a relay marks whole parameters verified, and its readers, in the same
+    order, would wait for that end from their first bucket on. Unrotated when no such cut exists."""
+    owners = [{aux_owner(sc.param) for sc in p.scatters} for p in pieces]
+    last = {q: i for i, ps in enumerate(owners) for q in ps}  # where each parameter's last piece is
+    begin, at, reach = start * sum(p.nbytes for p in pieces), 0, -1  # reach: the last piece of any begun
     for i, p in enumerate(pieces):
-        if at >= begin and (i == 0 or (p.source, p.tensor) != (pieces[i - 1].source, pieces[i - 1].tensor)):
+        new_shard = i == 0 or (p.source, p.tensor) != (pieces[i - 1].source, pieces[i - 1].tensor)
+        if at >= begin and reach < i and new_shard:
             return pieces[i:] + pieces[:i]
+        reach = max(reach, *(last[q] for q in owners[i]), i)
         at += p.nbytes
     return pieces
 

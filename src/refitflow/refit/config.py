@@ -72,11 +72,13 @@ class ReceiverConfig:
       digests (delta refits keep skipping). A rank that serves replicas always waits (relays serve
       verified bytes).
     - ``read_start`` (0): where in its slice (a fraction of its bytes, in plan order) this rank starts
-      reading, wrapping round to the beginning. Plans go in layer order, so the ranks of every engine read
-      the same trainer ranks (a pipeline stage) at the same time; engines that read the trainer only spread
-      over it when engine e of E starts at e / E (``VllmFleet.init`` sets that). (Among a tensor's replicas a
-      rank starts at its place in the model, rank r of n at r / n: ``planner.sources.place_of``.) Relays read
-      in one order (a chain's readers follow it, whatever their layouts): 0 with ``serve_replicas``.
+      reading, wrapping round to the beginning, beyond its place. Plans go in layer order; a rank with a
+      layout starts at its place in the model (rank r of a TP n engine at r / n: ``planner.sources.place_of``,
+      at a shard boundary that cuts no parameter), so the ranks of an engine read different pipeline stages of
+      the trainer at once, and among a tensor's replicas starts at the same place. Engines of whole tensors (no
+      layout) read the trainer's stages in the same order unless engine e of E starts at e / E
+      (``VllmFleet.init`` sets that). Relays chain ranks of one layout, which read in one order: 0 with
+      ``serve_replicas``.
     """
 
     budget_bytes: int = 256 * MiB

@@ -2,13 +2,16 @@
 
 A receiver refitting a version joins that version's relays with an offer (``core.fanout``) as soon as
 it has a plan, long before it commits; a receiver that serves nobody joins with none. ``Relays.join``
-answers every joiner with one *upstream*: among the relays that joined before it (every relay, for a
-reader that serves nobody), those of its own layout if any, the one given the fewest readers so far,
-the latest joined on ties. Receivers that start together thus form a chain in join order — the
-trainer feeds the first, each relay the next — so the trainer's egress stays one model copy however
-many start at once, and every relay's egress about one copy. Upstreams only ever join earlier, so
-no two receivers wait on each other. A relay leaves when it joins a later version, unregisters, or
-its lease expires.
+answers every joiner with one *upstream*: among the relays of its own layout that joined before it (every
+such relay, for a reader that serves nobody), the one given the fewest readers so far, the latest joined on
+ties; none (the trainer) when no relay of its layout joined before it (a joiner that names no layout: any
+relay). Receivers of one layout that start
+together thus form a chain in join order — the trainer feeds the first, each relay the next — so the
+trainer's egress stays one copy of that layout's slice however many start at once, and every relay's egress
+about one. A relay of another layout is never an upstream: it holds other slices, and its plan starts at
+another place (``planner.build``: a rank's read order starts at its place), so a reader would wait for what it
+reads last. Upstreams only ever join earlier, so no two receivers wait on each other. A relay leaves when it
+joins a later version, unregisters, or its lease expires.
 
 The registry holds each relay *by geometry* (``Relay``): its layout's digest (the geometry itself — tensors
 and held boxes — held once per layout: ``core.fanout.RelayLayouts``), its address, status region and the runs of
@@ -83,7 +86,9 @@ class Relays(Generic[T]):
         before = ids[: ids.index(receiver_id)] if receiver_id in self.offers else ids
         if not before:
             return None
-        same = [r for r in before if self.offers[r].layout == layout] or before
+        same = [r for r in before if self.offers[r].layout == layout] if layout else before  # "": any layout
+        if not same:  # a relay of another layout holds other slices, in another order: the trainer
+            return None
         pick = min(reversed(same), key=lambda r: self.readers.get(r, 0))
         self.readers[pick] = self.readers.get(pick, 0) + 1
         return self.offers[pick]
