@@ -25,7 +25,7 @@ class Limits:
     verify: str = "strict"  # strict: widen partial pulls to whole digest blocks; pulled: verify what is whole
     max_strided_runs: int = 1024  # contiguous runs per piece of a strided (column) read
     min_run_bytes: int = 32  # strided runs shorter than this read the enclosing rows instead
-    descriptor_bytes: int = 8 << 10  # read whole rows when they add fewer bytes than this per descriptor saved
+    descriptor_bytes: int = 16 << 10  # read whole rows when they add fewer bytes than this per descriptor saved
     max_row_factor: int = 8  # ... and are at most this many times the box's bytes
     compile_targets: tuple[str, ...] | None = None  # None: any
     compile_metadata: tuple[tuple[str, str], ...] = ()  # required subset

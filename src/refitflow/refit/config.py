@@ -47,12 +47,15 @@ class ReceiverConfig:
       checks the blocks that arrived whole (``RefitResult.unverified_bytes`` counts the rest).
     - ``max_strided_runs`` (1024): row runs per piece when a column slice is read as strided runs.
     - ``min_run_bytes`` (32): runs shorter than this read the enclosing rows into staging instead.
-    - ``descriptor_bytes`` (8 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
+    - ``descriptor_bytes`` (16 KiB): what one read descriptor costs, in bytes of the link. A column slice of a
       row-major shard is one descriptor per row; its whole rows are read into staging instead (and the slice
       copied out) when they add fewer bytes than this for each descriptor they save — e.g. a TP 16 rank's
-      slice of a TP 8 trainer's ``o_proj``: one descriptor for 7,168 rows, twice the bytes. 0: never. (A
-      descriptor costs ≈ 2.8 µs over CMA here, ≈ 36 KB of copy; the default leaves room for the sources, which
-      serve the extra bytes to every reader. A GPU server's figure is ``bench/nixl_fit.py``'s there.)
+      slice of a TP 8 trainer's ``o_proj``: one descriptor for 7,168 rows, twice the bytes. 0: never. The
+      break-even is a descriptor's cost times the link's rate: ≈ 2.8 µs over CMA here (≈ 36 KB of copy; 140 KB
+      at 50 GB/s); 16 KiB is 0.33 µs at 50 GB/s, so the default costs little where descriptors are as cheap as
+      that (Llama-70B TP 1 → 8: 1.53× the slice's bytes for half the descriptors) and saves much where they are
+      not (DeepSeek-V3 TP 32: 461,884 descriptors a rank → 3,389, simulated 1.52 → 1.22 s; docs/scale.md). A GPU
+      server's figure is ``bench/nixl_fit.py``'s there.
     - ``max_row_factor`` (8): whole rows are read instead only when they are at most this many times the slice's
       bytes — every rank of a TP 32 engine reading a TP 1 trainer's whole ``o_proj`` would be 32 copies of it
       from the trainer, whose links then bound the refit.
@@ -96,7 +99,7 @@ class ReceiverConfig:
     verify: str = "strict"
     max_strided_runs: int = 1024
     min_run_bytes: int = 32
-    descriptor_bytes: int = 8 << 10
+    descriptor_bytes: int = 16 << 10
     max_row_factor: int = 8
     compile_targets: tuple[str, ...] | None = None
     compile_metadata: tuple[tuple[str, str], ...] = ()
