@@ -78,8 +78,10 @@ async def in_flight_at_death(victim: Replica, who: RegistryClient, op: str, call
 
 
 def _offer(ident: rf.Identity, version: int, rid: str) -> RelayOffer:
+    """An offer of no tensors; its layout is its geometry's digest, as a registry given the whole offer computes it
+    (a reader of that layout is chained to it)."""
     return RelayOffer(identity=ident, version=version, receiver=rid, source=rf.SourceAddress(transport="loopback",
-                      agent=rid), status=0, params=(), held=(), layout="L")  # fmt: skip
+                      agent=rid), status=0, params=(), held=())  # fmt: skip
 
 
 @pytest.mark.asyncio
@@ -157,13 +159,15 @@ async def test_a_relay_join_or_leave_in_flight_when_its_replica_dies_lands_on_th
             await rx.register_receiver(ident, "a")
             await trainer.publish(manifest(1, 0, world=1, identity=ident))
             if op == "relay_join":
-                assert await in_flight_at_death(victim, rx, op, rx.relay_join(ident, 1, "a", layout="L",
-                                                                              offer=_offer(ident, 1, "a"))) is None
+                offer = _offer(ident, 1, "a")
+                assert await in_flight_at_death(victim, rx, op, rx.relay_join(ident, 1, "a", layout=offer.layout,
+                                                                              offer=offer)) is None
                 assert await other.relayed(ident) == 1  # a relays version 1: the next reader reads it
-                up = await other.relay_join(ident, 1, "b", layout="L")
+                up = await other.relay_join(ident, 1, "b", layout=offer.layout)
                 assert up is not None and up.receiver == "a"
             else:
-                await rx.relay_join(ident, 1, "a", layout="L", offer=_offer(ident, 1, "a"))
+                offer = _offer(ident, 1, "a")
+                await rx.relay_join(ident, 1, "a", layout=offer.layout, offer=offer)
                 await in_flight_at_death(victim, rx, op, rx.relay_leave(ident, "a"))
                 assert await other.relayed(ident) is None
 

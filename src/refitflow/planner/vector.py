@@ -6,7 +6,10 @@ the digests it reads lie (``DigestRuns``, from its layout, made with the plan), 
 — for 10,000 whole-tensor digests ≈ 0.05 ms where decoding them shard by shard took ≈ 2 ms before the first
 read. Whether the shards are where the plan's layout put them is checked on its own (``check_placed``, beside
 the first reads: nothing is compared before it passed); the runs themselves are checked against each blob's
-length. A registry across the network answers with the plan's part instead (``refit.digests``).
+length. Where the digests of shards the plan does not read lie (their counts, before a shard it reads) is taken
+from the layout the plan was built for: a publisher that keeps its layout digest while changing those in ways that
+keep the blob's length gets an ``IntegrityError`` (nothing commits) where ``ManifestError`` would be exact. A
+registry across the network answers with the plan's part instead (``refit.digests``).
 """
 
 from __future__ import annotations
