@@ -37,6 +37,12 @@ def order_of(pub: rf.Publication, picks: list[tuple[int, int]]) -> tuple[tuple[t
     return order, sum(pub.manifests[s].shards[p].tiling.count for s, p in picks)
 
 
+def weights(n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A trainer's ``n`` 64 × 64 tensors and a receiver's zeroed ones of the same names."""
+    model = {f"w{i}": torch.randn(64, 64) for i in range(n)}
+    return model, {name: torch.zeros(64, 64) for name in model}
+
+
 def spied(client: RegistryClient, ops: list[str]) -> None:
     request = client._fetched._request
 
@@ -197,8 +203,7 @@ async def test_a_receiver_over_the_service_refits_from_its_part_delta_and_verifi
     """The real receiver (NIXL, a registry address): every version is planned from its layouts and checked
     against its plan's part of the digests — no whole publication fetched — and a delta refit still leaves what
     did not change, verified bytes only."""
-    model = {f"w{i}": torch.randn(64, 64) for i in range(8)}
-    dst = {name: torch.zeros(64, 64) for name in model}
+    model, dst = weights(8)
     with anyio.fail_after(90):
         async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
             async with (
@@ -223,8 +228,7 @@ async def test_without_a_delta_decision_the_part_is_fetched_beside_the_reads_and
     """``skip_unchanged=False`` over the service: nothing before the reads needs the digests, so the plan's part is
     fetched beside them (``refit.attempt.Placing``); a byte the trainer changed after publishing is still refused
     (``IntegrityError``, nothing committed) and the next version commits."""
-    model = {f"w{i}": torch.randn(64, 64) for i in range(8)}
-    dst = {name: torch.zeros(64, 64) for name in model}
+    model, dst = weights(8)
     with anyio.fail_after(90):
         async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
             async with (
@@ -248,8 +252,7 @@ async def test_without_a_delta_decision_the_part_is_fetched_beside_the_reads_and
 
 @pytest.mark.asyncio
 async def test_a_version_announced_before_its_digests_is_read_early_and_checked_against_its_part() -> None:
-    model = {f"w{i}": torch.randn(64, 64) for i in range(4)}
-    dst = {name: torch.zeros(64, 64) for name in model}
+    model, dst = weights(4)
     with anyio.fail_after(90):
         async with rf.Registry.serve("tcp://127.0.0.1:*") as server:
             async with (

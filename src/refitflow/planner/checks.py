@@ -123,9 +123,7 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
         p = m.positions[tensor]
         spec = m.shards[p]
         place = PLACE(spec)  # its name, then its TILING_KEY
-        t = self._tilings.get(place[1:])
-        if t is None:
-            t = self._tilings[place[1:]] = spec.tiling
+        t = self._tiling(spec, place[1:])
         self._known[key] = (t, self.count)
         self._at.append(self.count)
         self._counts.append(t.count)
@@ -149,14 +147,15 @@ class DigestIndex(Mapping[tuple[int, str], tuple[Tiling, int]]):
     def _offsets(self, source: int) -> np.ndarray:
         """Where each shard's digests start in ``source``'s digest blob, and its end (every shard's geometry: the
         ones before a shard read place it)."""
-        counts = []
-        for spec in self._manifests[source].shards:
-            key = TILING_KEY(spec)
-            t = self._tilings.get(key)
-            if t is None:
-                t = self._tilings[key] = spec.tiling
-            counts.append(t.count)
+        counts = [self._tiling(spec, TILING_KEY(spec)).count for spec in self._manifests[source].shards]
         return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    def _tiling(self, spec: Any, key: tuple[Any, ...]) -> Tiling:
+        """``spec``'s digest geometry, one ``Tiling`` for every shard of the same ``key`` (its TILING_KEY)."""
+        t = self._tilings.get(key)
+        if t is None:
+            t = self._tilings[key] = spec.tiling
+        return t
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         return iter(self._known)

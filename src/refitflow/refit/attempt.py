@@ -71,10 +71,9 @@ class Placing:
     reads (``planner.vector.check_placed``: ≈ 2 ms for 10,000 shards), not before them (``stages.plan.check_placed``);
     where nothing before the reads needs the version's digests (no delta decision, no relay joined), the digests
     themselves are taken there too (``vec``: gathered from a whole publication's manifests, or a round trip to a
-    registry for the plan's part).
-    Nothing is compared (verify) or prepared (commit) before it passed; when it fails, the attempt fails with
-    its ``ManifestError``. A delta decision taken from unchecked digests may skip or pull the wrong pieces, which
-    is harmless: the attempt fails before anything is compared."""
+    registry for the plan's part). Nothing is compared (verify) or prepared (commit) before it passed; when it
+    fails, the attempt fails with its ``ManifestError``. A delta decision taken from unchecked digests may skip or
+    pull the wrong pieces, which is harmless: the attempt fails before anything is compared."""
 
     def __init__(self, *, check: bool) -> None:
         self.check = check  # the shards' places are checked here (a whole publication's, not a registry's)
