@@ -14,7 +14,7 @@
 2. **The model of this machine**: one host, its cores a resource (``host_cores``); a read is a CPU copy by the
    reader at the measured raw rate (CMA), no source-side limit; verify is xxh3 on a core at the measured rate;
    the receivers' window of buckets in flight (``WINDOW``: the code's default), relay progress polled while a
-   reader waits (``refit/fanout/reading.py``: 0.2 ms doubling to 5 ms); a bucket's serial cost the measured
+   reader waits (``refit.fanout.reading.poll_sleeps``: paced by its waits); a bucket's serial cost the measured
    refit slope (``bucket_us``: refitflow's own cost and the raw read's, both CPU here). ``bucket_cost.py``'s own
    cost is the refit slope less the slope of the same raw READs submitted with the refit's window in flight
    (against READs posted one at a time it came out negative).

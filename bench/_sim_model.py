@@ -22,9 +22,10 @@ works through its segments in order:
   A segment's trainer bytes are one flow over every trainer GPU it reads (each GPU's NIC taken in proportion
   to its share), after the receiver's earlier segments' (peers serve reads in order); relayed bytes one flow
   from the upstream, likewise in order, once it has verified
-  the segment they need; a reader that waited notices at its next status poll (0.2 ms doubling to 5 ms, each
-  sleep at least ``poll_floor_ms``, then a status read of ``bucket_us`` + ``latency_us``: what
-  ``refit/fanout/reading.py`` does), or after ``latency_us`` were progress pushed (``relay_push``, not built).
+  the segment they need; a reader that waited notices at its next status poll (the code's sleeps,
+  ``refit.fanout.reading.poll_sleeps``: paced by its waits so far, each sleep at least ``poll_floor_ms``, then
+  a status read of ``bucket_us`` + ``latency_us``), or after ``latency_us`` were progress pushed (``relay_push``,
+  not built).
 - **verify** segment j once pulled and j - 1 verified, on the device (``device_verify_gbps``: no host copy,
   no CPU) or on the host (``verify_gbps``); pull runs at most two segments ahead of verify. A version announced
   before its digests is hashed as it lands and each segment's hashes held (as ``refit/stages/verify.py`` does):
@@ -40,8 +41,10 @@ Flows take the source GPU's egress, the reader GPU's ingress, each host's NIC (`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +52,7 @@ from _sim_net import Activity, Net
 from _sim_traffic import Classes, Segments, segments, upstreams
 
 from refitflow.refit.config import ReceiverConfig
+from refitflow.refit.fanout.reading import poll_sleeps
 
 __all__ = ["DEVICE_GBPS", "TODAY", "WINDOW", "Params", "Result", "simulate"]
 
@@ -134,6 +138,7 @@ class Rx:
     committed: float = math.nan
     waiting: list[tuple[Rx, int]] = field(default_factory=list)  # readers waiting for this relay
     waited_since: dict[int, float] = field(default_factory=dict)
+    pace: float = 0.0  # its waits for its relay, averaged as the code does
     polling: Activity | None = None
     serial: dict[str, float] = field(default_factory=dict)
     bytes_in: float = 0.0
@@ -155,23 +160,32 @@ class Result:
     complete_at: float
 
 
-def _poll_wait(waited: float, p: Params) -> float:
-    """Extra delay before a reader that waited ``waited`` s notices the relay is ready (its next poll)."""
+def _sleeps(pace: float, p: Params) -> Iterator[float]:
+    """The code's sleeps between status reads (``poll_sleeps``), each at least ``poll_floor_ms``."""
+    floor = p.poll_floor_ms * 1e-3
+    for sleep in poll_sleeps(pace):
+        yield math.ceil(sleep / floor - 1e-9) * floor if floor > 0 else sleep
+
+
+def _poll_wait(waited: float, pace: float, p: Params) -> float:
+    """Extra delay before a reader that waited ``waited`` s notices the relay is ready (its next poll); ``pace``:
+    its waits so far, averaged as the code does (0: none)."""
     if waited <= 0:
         return 0.0
-    t, sleep, lat, floor = 0.0, 2e-4, (p.latency_us + p.bucket_us) * 1e-6, p.poll_floor_ms * 1e-3
+    t, lat, sleeps = 0.0, (p.latency_us + p.bucket_us) * 1e-6, _sleeps(pace, p)
+    if pace:
+        t = next(sleeps)
     while t < waited:
-        t += (math.ceil(sleep / floor - 1e-9) * floor if floor > 0 else sleep) + lat
-        sleep = min(sleep * 2, 5e-3)
+        t += lat
+        if t >= waited:
+            break
+        t += next(sleeps)
     return t - waited
 
 
-def _poll_duty(p: Params) -> float:
-    """The share of a core a waiting reader's poll loop takes: a status read per sleep (first 8 sleeps)."""
-    floor, sleeps, sleep = p.poll_floor_ms * 1e-3, [], 2e-4
-    for _ in range(8):
-        sleeps.append(math.ceil(sleep / floor - 1e-9) * floor if floor > 0 else sleep)
-        sleep = min(sleep * 2, 5e-3)
+def _poll_duty(pace: float, p: Params) -> float:
+    """The share of a core a waiting reader's poll loop takes: a status read per sleep (its first 8)."""
+    sleeps = list(itertools.islice(_sleeps(pace, p), 8))
     status = p.bucket_us * 1e-6
     return status / (status + sum(sleeps) / len(sleeps)) if status > 0 else 0.0
 
@@ -343,7 +357,7 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         up.waiting.append((x, j))
         x.waited_since[j] = net.now
         if p.host_cores and not p.relay_push and x.polling is None:  # the poll loop's status reads take CPU
-            x.polling = Activity(1e18, ((cpu[r_host[x.i]], 1.0),), lambda now: None, cap=_poll_duty(p))
+            x.polling = Activity(1e18, ((cpu[r_host[x.i]], 1.0),), lambda now: None, cap=_poll_duty(x.pace, p))
             net.start(x.polling)
         mark(x)
 
@@ -387,7 +401,9 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         woken = [w for w in x.waiting if j >= w[0].seg.need[w[1]]]
         x.waiting = [w for w in x.waiting if w not in woken]
         for y, k in woken:
-            delay = lat if p.relay_push else _poll_wait(net.now - y.waited_since[k], p)
+            waited = net.now - y.waited_since[k]
+            delay = lat if p.relay_push else _poll_wait(waited, y.pace, p)
+            y.pace = waited + delay if not y.pace else (y.pace + waited + delay) / 2
             net.at(net.now + delay, lambda now, y=y, k=k: relay_flow(y, k))
         if j < len(x.seg.nbytes) - 1:
             try_verify(x)

@@ -456,3 +456,23 @@ async def test_a_reader_replays_the_transfers_it_prepared_for_its_relay_version_
                 assert ahead == [True] * 8  # the first too: the submitter read the relay's status first
                 prepared.append(transports[2].prepared)
     assert prepared[1] == prepared[2] > 0  # version 3 prepared nothing new: relay reads and status read replayed
+
+
+def test_a_reader_paces_its_status_reads_by_its_waits_for_the_relay() -> None:
+    """Unknown pace: 0.2 ms doubling to 5 ms. Known (the reader waited about ``pace`` for each bucket so far):
+    three quarters of it before the first read, then an eighth doubling — about two reads a bucket for a reader
+    close behind its relay, where the doubling from 0.2 ms took five at 4 ms a bucket."""
+    from itertools import accumulate, islice
+
+    from refitflow.refit.fanout.reading import poll_sleeps
+
+    assert list(islice(poll_sleeps(0.0), 7)) == pytest.approx([2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3, 5e-3, 5e-3])
+    assert list(islice(poll_sleeps(4e-3), 4)) == pytest.approx([3e-3, 5e-4, 1e-3, 2e-3])
+    assert list(islice(poll_sleeps(1e-3), 3)) == pytest.approx([7.5e-4, 2e-4, 4e-4])  # never below 0.2 ms
+    assert list(islice(poll_sleeps(0.1), 3)) == pytest.approx([5e-3, 5e-3, 5e-3])  # nor above 5 ms (a stall)
+
+    def reads(pace: float, ready: float) -> int:  # status reads until one at or after ``ready`` (reads take no time)
+        ends = accumulate(poll_sleeps(pace), initial=0.0) if not pace else accumulate(poll_sleeps(pace))
+        return next(i for i, t in enumerate(ends, 1) if t >= ready)
+
+    assert reads(0.0, 4e-3) == 6 and reads(4e-3, 4e-3) == 3

@@ -23,7 +23,7 @@ if the relay left the version meanwhile.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import anyio
@@ -38,7 +38,9 @@ from refitflow.refit.plans import slot
 from refitflow.refit.work import Work
 from refitflow.transports.base import Read, Submitted, as_bytes, settle_or_abandon
 
-__all__ = ["Ahead", "land_ahead", "owed_by_upstream", "submit_ahead", "take_relayed"]
+__all__ = ["Ahead", "land_ahead", "owed_by_upstream", "poll_sleeps", "submit_ahead", "take_relayed"]
+
+MIN_SLEEP_S, MAX_SLEEP_S = 2e-4, 5e-3  # a waiting reader's sleeps between its relay's status reads
 
 
 def owed_by_upstream(attempt: Attempt, work: Work, pull: list[int]) -> dict[int, RelayPiece]:
@@ -92,11 +94,16 @@ async def submit_ahead(res: Resources, attempt: Attempt, work: Work, owed: dict[
 async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream, owed: dict[int, RelayPiece],
                     *, every: bool) -> list[RelayPiece] | None:  # fmt: skip
     """The ``owed`` pieces the relay's status shows verified — all of them (``every``), else at least one — from
-    the last status read, else reading it again with sleeps of 0.2 ms doubling to 5 ms; None, the relay failed, if
-    it left the version, a status read failed or no more pieces became verified for ``relay_wait_s``."""
+    the last status read, else reading it again (paced: ``poll_sleeps``); None, the relay failed, if it left the
+    version, a status read failed or no more pieces became verified for ``relay_wait_s``."""
     need = len(owed) if every else 1
     ready = _ready(attempt, up, owed)
-    deadline, delay, seen = anyio.current_time() + res.limits.relay_wait_s, 2e-4, len(ready)
+    if len(ready) >= need:
+        return ready
+    since = anyio.current_time()
+    deadline, seen, sleeps = since + res.limits.relay_wait_s, len(ready), poll_sleeps(up.pace)
+    if up.pace:  # the relay verifies about one bucket per pace: a read now would show what the last one did
+        await anyio.sleep(next(sleeps))
     while len(ready) < need:
         try:
             if not await _status(res, attempt, work, up):
@@ -113,9 +120,23 @@ async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream, 
         elif anyio.current_time() >= deadline:
             up.fail(f"no progress within relay_wait_s={res.limits.relay_wait_s} s")
             return None
-        await anyio.sleep(delay)
-        delay = min(delay * 2, 5e-3)
+        await anyio.sleep(next(sleeps))
+    waited = anyio.current_time() - since
+    up.pace = waited if not up.pace else (up.pace + waited) / 2
     return ready
+
+
+def poll_sleeps(pace: float) -> Iterator[float]:
+    """The sleeps between status reads of a reader that waits for its relay: 0.2 ms doubling to 5 ms while the
+    relay's pace is unknown; else three quarters of it first (before any read: the relay verifies a bucket about
+    once a ``pace`` while the reader keeps up with it), then an eighth of it doubling (at least 0.2 ms, at most
+    5 ms) — a reader close behind its relay reads its status about twice a bucket, not five times."""
+    if pace:
+        yield min(max(0.75 * pace, MIN_SLEEP_S), MAX_SLEEP_S)
+    delay = min(max(pace / 8, MIN_SLEEP_S), MAX_SLEEP_S)
+    while True:
+        yield delay
+        delay = min(delay * 2, MAX_SLEEP_S)
 
 
 async def land_ahead(res: Resources, attempt: Attempt, work: Work, ahead: Ahead, owed: dict[int, RelayPiece]) -> None:

@@ -184,6 +184,7 @@ class Upstream:
         self.probe = probe
         self.failed: str | None = None  # why it is not read from any more in this attempt
         self.status_reads: list[Read] = []  # the one read of its status
+        self.pace = 0.0  # how long a wait for its next verified pieces took, averaged (0: none yet)
         probe.fill_(-1)  # nothing of this relay read yet (the buffer held another relay's status before)
 
     def fail(self, why: str) -> None:
