@@ -3,14 +3,14 @@
 1. **Measured**: ``bench/bucket_cost.py`` (a publisher process, NIXL, the same bytes refit in 4 … 1,024 buckets,
    interleaved with raw READs of the same ranges): the seconds a bucket costs a refit and a raw read (slopes),
    and the raw copy rate (the fit's intercept); ``bench/relay_cost.py --rounds 3``: a relayed bucket's own cost
-   (the slope over bucket count read from a verified relay less the slope from the trainer); xxh3's rate on one
-   core (in this process); then
+   (the slope over bucket count read from a verified relay less the slope from the trainer) and a status read's
+   CPU (``status_us``); xxh3's rate on one core (in this process); then
    ``bench/fanout_bench.py --together 1,1,4,4,8,8 --frozen 0``, relaying and ``--no-relay`` alternating
-   (``runs`` times each): the slowest receiver's seconds (``RefitResult.seconds``: found → prepared) and the
-   trainer's egress in model copies, per row; the best of the runs is compared (the least disturbed by the other
-   work of a shared machine, as bucket_cost.py's best rounds are), and the cores that other work used meanwhile
-   are printed (the machine's busy time less this run's). The first row of each pair has receivers at their first refit
-   after the warm-up (four of them at k = 8); the second has every receiver warm.
+   (``runs`` times each): the slowest receiver's seconds (``RefitResult.seconds``: found → prepared), the
+   trainer's egress in model copies and the receivers' CPU, per row; the best of the runs is compared (the least
+   disturbed by the other work of a shared machine, as bucket_cost.py's best rounds are), and the cores that
+   other work used meanwhile are printed (the machine's busy time less this run's). Every receiver is warm in
+   every row (``fanout_bench.py`` warms both storages of each up first): the two rows of a pair are replicates.
 2. **The model of this machine**: one host, its cores a resource (``host_cores``); a read is a CPU copy by the
    reader at the measured raw rate (CMA), no source-side limit; verify is xxh3 on a core at the measured rate;
    the receivers' window of buckets in flight (``WINDOW``: the code's default), relay progress polled while a
@@ -18,15 +18,19 @@
    refit slope (``bucket_us``: refitflow's own cost and the raw read's, both CPU here). ``bucket_cost.py``'s own
    cost is the refit slope less the slope of the same raw READs submitted with the refit's window in flight
    (against READs posted one at a time it came out negative).
-3. **Fitted**, on the first rows of each pair: ``host_cores`` (the cores the refits had, as they used them: the
+3. **Fitted**, on the first row of each pair: ``host_cores`` (the cores the refits had, as they used them: the
    machine is shared, and 8 receivers' copies, hashing and polling threads contend for 2 cores and one memory
-   bus), ``fixed_ms`` (any other cost per refit) and ``first_use_ms`` (a receiver's first refit after the
-   warm-up: it writes its other shadow storage for the first time) from the no-relay rows, then
-   a relaying receiver's ``first_use_ms`` from the relay rows; grid searches for the smallest worst relative error.
-   ``relay_bucket_us`` (a relayed bucket's extra cost: the relay's status reads, its bookkeeping) is not fitted:
-   ``bench/relay_cost.py`` measures it directly in the same run (16 relayed buckets of the fanout rows, 10 ms of a
-   0.13 s refit, left it weakly determined: fitted, it came out at 650 us against the 23 us measured).
-   **Checked**: every row, the warm ones held out — within 20 %.
+   bus) and ``cpu_ms`` (a receiver's CPU a version beyond its buckets and bytes: its threads' hand-offs, the
+   registry's round trips — on a box this oversubscribed the refits are bound by CPU, so such a cost grows with
+   the receivers where a fixed latency would not) from the no-relay rows, then ``relay_cpu_ms`` (a relaying
+   receiver's CPU a version beyond a plain receiver's: its status words, its progress thread while read) and
+   ``reader_cpu_ms`` (more for one that reads a relay: its relayed reads prepared anew for an upstream it did not
+   read last version, its waits' wake-ups) from the relay rows (the lone relay reads no relay); grid searches
+   for the smallest worst relative error. Beside the fit it prints what ``fanout_bench.py`` measured of the
+   receivers' CPU (every thread of each, ``/proc``), relaying and not: what the two stand for.
+   ``relay_bucket_us`` (a relayed bucket's own cost in a steady relay) and ``status_us`` are not fitted:
+   ``bench/relay_cost.py`` measures them directly in the same run.
+   **Checked**: every row, the second of each pair held out — within 20 %.
 
 What the scenarios then use: ``bucket_us`` = refitflow's own cost (the refit slope less the windowed raw read's: on a
 cluster the transport's round trip is ``latency_us``, overlapped by the window) and ``relay_bucket_us``.
@@ -55,9 +59,9 @@ __all__ = ["calibration", "fit_and_check", "machine", "measure_here"]
 
 BENCH = pathlib.Path(__file__).resolve().parent
 TOGETHER = (1, 1, 4, 4, 8, 8)
-Rows = dict[bool, list[tuple[int, list[float], float]]]  # relay → per row (k, slowest s per run, egress copies)
+Rows = dict[bool, list[list]]  # relay → per row [k, slowest s per run, egress copies, CPU ms a receiver per run]
 _PLANNED: dict[tuple[int, bool], Classes] = {}
-_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
+_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
 
 
 def _run(args: list[str], timeout: float = 600) -> str:
@@ -82,12 +86,12 @@ def others(before: tuple[float, float, float]) -> float:
     return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / max(after[2] - before[2], 1e-9)
 
 
-def fanout(relay: bool) -> list[tuple[int, float, float]]:
-    """One ``fanout_bench.py`` run: per row (k, the slowest receiver's seconds, egress copies)."""
+def fanout(relay: bool) -> list[tuple[int, float, float, float]]:
+    """One ``fanout_bench.py`` run: per row (k, the slowest receiver's seconds, egress copies, CPU ms a receiver)."""
     args = [str(BENCH / "fanout_bench.py"), "--together", ",".join(map(str, TOGETHER)), "--frozen", "0"]
     out = _run(args + ([] if relay else ["--no-relay"]))
-    rows = [(int(m[1]), float(m[5]), float(m[2])) for line in out.splitlines() if (m := _ROW.match(line))]
-    if [k for k, _, _ in rows] != list(TOGETHER):
+    rows = [(int(m[1]), float(m[5]), float(m[2]), float(m[7])) for line in out.splitlines() if (m := _ROW.match(line))]
+    if [r[0] for r in rows] != list(TOGETHER):
         raise RuntimeError(f"unexpected fanout_bench output:\n{out}")
     return rows
 
@@ -107,13 +111,13 @@ def bucket_cost() -> dict[str, float]:
             "copy_gbps": size / max(intercept, raw.min() / 2) / 1e9}  # fmt: skip
 
 
-def relay_cost() -> float:
-    """``relay_cost.py``: a relayed bucket's own cost (us): the slope of refit time over bucket count, read from a
-    verified relay, less the slope of the same reader reading the trainer."""
+def relay_cost() -> tuple[float, float]:
+    """``relay_cost.py``: a relayed bucket's own cost (us: the slope of refit time over bucket count, read from a
+    verified relay, less the slope of the same reader reading the trainer) and a status read's CPU (us)."""
     out = _run([str(BENCH / "relay_cost.py"), "--rounds", "3"])
-    m = re.search(r"a relayed bucket's own (-?\d+) us", out)
+    m = re.search(r"a relayed bucket's own (-?\d+) us.*a status read's CPU (\d+) us", out, re.S)
     assert m is not None, out
-    return float(m[1])
+    return float(m[1]), float(m[2])
 
 
 def xxh3_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float:
@@ -139,17 +143,14 @@ def machine(copy_gbps: float, verify_gbps: float, bucket_us: float) -> Params:
 
 
 def predict(make: Callable[[int], Setup], p: Params, cache: pathlib.Path | None, relay: bool,
-            rows: list[int], first_use_ms: float = 0.0) -> list[tuple[float, float]]:  # fmt: skip
+            rows: list[int]) -> list[tuple[float, float]]:  # fmt: skip
     """Per row of ``TOGETHER`` asked for: (the slowest receiver's found → prepared, egress copies)."""
     out = []
     for i in rows:
         k = TOGETHER[i]
-        fresh = range(max(TOGETHER[:i], default=0), k) if i % 2 == 0 else range(0)
-        q = dataclasses.replace(p, first_use_ms=dict.fromkeys(fresh, first_use_ms))
         if (k, relay) not in _PLANNED:
             _PLANNED[(k, relay)] = plan_classes(make(k), relay, cache=cache, log=lambda s: None)
-        cls = _PLANNED[(k, relay)]
-        res = simulate(cls, q, registry_s=0.0, fetch_s=0.0, wire_bytes=0, engines=k, relay=relay)
+        res = simulate(_PLANNED[(k, relay)], p, registry_s=0.0, fetch_s=0.0, wire_bytes=0, engines=k, relay=relay)
         out.append((res.slowest_found_to_prepared, res.trainer_egress / res.engine_bytes))
     return out
 
@@ -158,24 +159,24 @@ def _worst(pred: list[tuple[float, float]], measured: list[float]) -> float:
     return max(abs(s / m - 1) for (s, _), m in zip(pred, measured, strict=True))
 
 
-def measure_here(runs: int = 2) -> dict:
+def measure_here(runs: int = 3) -> dict:
     """Every measurement the calibration uses, made now (JSON-able)."""
     t0, load = time.perf_counter(), os.getloadavg()[0]
     cost = bucket_cost()
-    cost["relay_us"] = relay_cost()
+    cost["relay_us"], cost["status_us"] = relay_cost()
     xxh = xxh3_gbps()
-    raw: dict[bool, list[list[tuple[int, float, float]]]] = {True: [], False: []}
+    raw: dict[bool, list[list[tuple[int, float, float, float]]]] = {True: [], False: []}
     busy = _busy()
     for _ in range(runs):  # relaying and not, alternating
         for relay in (True, False):
             raw[relay].append(fanout(relay))
-    rows = {str(r): [(k, [g[i][1] for g in got], got[0][i][2]) for i, k in enumerate(TOGETHER)]
+    rows = {str(r): [(k, [g[i][1] for g in got], got[0][i][2], [g[i][3] for g in got]) for i, k in enumerate(TOGETHER)]
             for r, got in raw.items()}  # fmt: skip
     return {"cost": cost, "xxh3_gbps": xxh, "others": others(busy), "rows": rows, "runs": runs, "load": load,
             "load_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0, "when": time.ctime()}  # fmt: skip
 
 
-def calibration(make: Callable[[int], Setup], cache: pathlib.Path | None, runs: int = 2) -> dict[str, float]:
+def calibration(make: Callable[[int], Setup], cache: pathlib.Path | None, runs: int = 3) -> dict[str, float]:
     """Measure (kept as JSON in ``cache``), fit, compare (printed); returns the figures the scenarios use
     (``bucket_us``, ``relay_bucket_us``)."""
     print(f"\n## calib: measured here, now (load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, shared)")
@@ -197,43 +198,47 @@ def fit_and_check(make: Callable[[int], Setup], cache: pathlib.Path | None, m: d
           f"xxh3 {xxh:.1f} GB/s a core; bench/fanout_bench.py x {m['runs']} each, alternating: other work used "
           f"{used:.2f} of the {os.cpu_count()} cores meanwhile; measured in {m['seconds']:.0f} s ({m['when']}, load "
           f"average {m['load']:.2f} before, {m['load_after']:.2f} after)")  # fmt: skip
-    p = machine(cost["copy_gbps"], xxh, cost["refit_us"])
-    first, warm = [i for i in range(len(TOGETHER)) if i % 2 == 0], [i for i in range(len(TOGETHER)) if i % 2]
+    p = dataclasses.replace(machine(cost["copy_gbps"], xxh, cost["refit_us"]), status_us=cost.get("status_us", 0.0))
+    first, second = [i for i in range(len(TOGETHER)) if i % 2 == 0], [i for i in range(len(TOGETHER)) if i % 2]
     pick = lambda r, idx: [best[r][i] for i in idx]  # noqa: E731
 
-    def err_pull(f: float, cores: float, ms: float) -> float:
-        q = dataclasses.replace(p, fixed_ms=f, host_cores=cores)
-        return _worst(predict(make, q, cache, False, first, ms), pick(False, first))
+    def err_pull(upkeep: float, cores: float) -> float:
+        q = dataclasses.replace(p, cpu_ms=upkeep, host_cores=cores)
+        return _worst(predict(make, q, cache, False, first), pick(False, first))
 
-    grid = itertools.product(range(0, 21, 2), [c / 10 for c in range(2, 21)], range(0, 41, 5))
-    fixed, cores, pull_ms = min(grid, key=lambda g: err_pull(*g))
-    p = dataclasses.replace(p, fixed_ms=float(fixed), host_cores=cores)
+    upkeep_ms, cores = min(itertools.product(range(0, 31, 2), [c / 10 for c in range(2, 21)]),
+                           key=lambda g: err_pull(*g))  # fmt: skip
+    p = dataclasses.replace(p, cpu_ms=float(upkeep_ms), host_cores=cores)
+    relay_us = max(cost["relay_us"], 0.0)  # measured (relay_cost.py), as is a status read's CPU
 
-    def err(us: float, ms: float) -> float:
-        pred = predict(make, dataclasses.replace(p, relay_bucket_us=us), cache, True, first, ms)
-        return _worst(pred, pick(True, first))
+    def err(own: float, reader: float) -> float:
+        q = dataclasses.replace(p, relay_bucket_us=relay_us, relay_cpu_ms=own, reader_cpu_ms=reader)
+        return _worst(predict(make, q, cache, True, first), pick(True, first))
 
-    if "relay_us" in cost:  # measured (relay_cost.py): only a relaying receiver's first use is fitted
-        relay_us, how = max(cost["relay_us"], 0.0), "measured by bench/relay_cost.py"
-        first_ms = min(range(0, 61, 5), key=lambda ms: err(relay_us, ms))
-    else:  # figures measured before relay_cost.py was part of the calibration: fitted with the rest
-        coarse = min(itertools.product(range(0, 8001, 250), range(0, 61, 5)), key=lambda g: err(*g))
-        fine = itertools.product(range(max(0, coarse[0] - 250), coarse[0] + 251, 50), [coarse[1]])
-        (relay_us, first_ms), how = min(fine, key=lambda g: err(*g)), "fitted"
-    p = dataclasses.replace(p, relay_bucket_us=float(relay_us))
+    own, reader = min(itertools.product(range(0, 41, 2), range(0, 61, 3)), key=lambda g: err(*g))
+    p = dataclasses.replace(p, relay_bucket_us=float(relay_us), relay_cpu_ms=float(own), reader_cpu_ms=float(reader))
     print(
-        f"fitted on the first rows: host_cores {cores:.1f} (the cores the refits had: other work used {used:.2f}), "
-        f"fixed_ms {fixed:.0f}, first_use_ms {pull_ms} (not relaying) / {first_ms} (relaying); relay_bucket_us "
-        f"{relay_us:.0f} ({how})"
+        f"fitted on the first row of each pair: host_cores {cores:.1f} (the cores the refits had: other work used "
+        f"{used:.2f}), cpu_ms {upkeep_ms:.0f}, relay_cpu_ms {own:.0f}, reader_cpu_ms {reader:.0f}; measured by "
+        f"bench/relay_cost.py: relay_bucket_us {relay_us:.0f}, status_us {p.status_us:.0f}"
     )
+    if all(len(row) > 3 for rows in measured.values() for row in rows):  # CPU measured (fanout_bench.py's column)
+        n = os.cpu_count() or 2
+        cpu = {r: [min(row[3]) for row in rows] for r, rows in measured.items()}
+        each = ", ".join(f"{TOGETHER[i]}: {cpu[True][i]:.0f} / {cpu[False][i]:.0f}" for i in first)
+        print(f"what a relay's upkeep is on this machine's CPU: the model's CPU, whose cores were fitted at "
+              f"{cores:.1f} of {n}, stands for {n / cores:.1f}x as much of it — relay_cpu_ms {own:.0f} is "
+              f"{own * n / cores:.0f} ms, reader_cpu_ms {reader:.0f} is {reader * n / cores:.0f} ms; measured "
+              f"(fanout_bench.py, CPU ms a receiver, relaying / not, first rows by receivers together): "
+              f"{each}")  # fmt: skip
     worst = 0.0
-    for name, idx in (("first rows (fitted)", first), ("second rows (warm, held out)", warm)):
+    for name, idx in (("first rows (fitted)", first), ("second rows (held out)", second)):
         print(f"\n{name}\n\n| relays | together | measured slowest s (best of the runs) | runs | predicted s | error "
               "| egress copies measured / predicted |\n|---|---:|---:|---|---:|---:|---|")  # fmt: skip
         for relay in (True, False):
-            pred = predict(make, p, cache, relay, idx, first_ms if relay else pull_ms)
+            pred = predict(make, p, cache, relay, idx)
             for i, (s, e) in zip(idx, pred, strict=True):
-                k, runs_s, egress = measured[relay][i]
+                k, runs_s, egress = measured[relay][i][:3]
                 got = best[relay][i]
                 worst = max(worst, abs(s / got - 1))
                 each = ", ".join(f"{x:.3f}" for x in runs_s)

@@ -24,8 +24,8 @@ works through its segments in order:
   from the upstream, likewise in order, once it has verified
   the segment they need; a reader that waited notices at its next status poll (the code's sleeps,
   ``refit.fanout.reading.poll_sleeps``: paced by its waits so far, each sleep at least ``poll_floor_ms``, then
-  a status read of ``bucket_us`` + ``latency_us``), or after ``latency_us`` were progress pushed (``relay_push``,
-  not built).
+  a status read of ``status_us`` (else ``bucket_us``) + ``latency_us``), or after ``latency_us`` were progress
+  pushed (``relay_push``, not built).
 - **verify** segment j once pulled and j - 1 verified, on the device (``device_verify_gbps``: no host copy,
   no CPU) or on the host (``verify_gbps``); pull runs at most two segments ahead of verify. A version announced
   before its digests is hashed as it lands and each segment's hashes held (as ``refit/stages/verify.py`` does):
@@ -35,7 +35,10 @@ works through its segments in order:
 Flows take the source GPU's egress, the reader GPU's ingress, each host's NIC (``host_gbps``) and the switch
 (``switch_gbps``) between hosts, max-min fair in each activity's dominant share (``_sim_net``). ``host_cores``
 > 0 models a host's CPU as a resource too (the calibration box: CMA reads are CPU copies by the reader,
-``cpu_copies``; host hashing is CPU, ``cpu_verify``; the serial lane is CPU).
+``cpu_copies``; host hashing is CPU, ``cpu_verify``; the serial lane is CPU, and on it a receiver's upkeep:
+``cpu_ms`` a version — its threads' hand-offs, the registry's round trips — ``relay_cpu_ms`` more for a relaying
+one (its status words, its progress thread while it is read) and ``reader_cpu_ms`` more for one that reads a relay
+(its relayed reads prepared anew for an upstream it did not read last version, the wake-ups of its waits)).
 """
 
 from __future__ import annotations
@@ -99,12 +102,15 @@ class Params:
     commit_ms: float = 1.0  # prepare + the engine's vote + finish
     fixed_ms: float = 0.0  # any other per-refit cost of a receiver, found → prepared (calibration)
     host_cores: float = 0.0  # >0: hosts' CPUs are a resource (calibration box)
+    cpu_ms: float = 0.0  # a receiver's CPU a version beyond its buckets' and bytes' (calibration box)
+    relay_cpu_ms: float = 0.0  # a relaying receiver's more (calibration box)
+    reader_cpu_ms: float = 0.0  # and more again for one that reads a relay (calibration box)
+    status_us: float = 0.0  # a relay status read's CPU (0: ``bucket_us``)
     cpu_copies: bool = False  # reads are CPU copies by the reader (CMA)
     cpu_verify: bool = False  # host verify takes CPU
     announce_early: bool = True  # no relays: read before the digests (the publisher's auto mode when all bytes change)
     segments: int = 128  # segments a receiver's buckets are cut into
     rotate: bool = True  # receivers that read only the trainer start at e / engines of their slice (VllmFleet.init)
-    first_use_ms: dict[int, float] = field(default_factory=dict)  # receiver → extra cost before it reads
 
     @property
     def digest_gbps(self) -> tuple[float, float]:
@@ -172,7 +178,7 @@ def _poll_wait(waited: float, pace: float, p: Params) -> float:
     its waits so far, averaged as the code does (0: none)."""
     if waited <= 0:
         return 0.0
-    t, lat, sleeps = 0.0, (p.latency_us + p.bucket_us) * 1e-6, _sleeps(pace, p)
+    t, lat, sleeps = 0.0, (p.latency_us + (p.status_us or p.bucket_us)) * 1e-6, _sleeps(pace, p)
     if pace:
         t = next(sleeps)
     while t < waited:
@@ -186,7 +192,7 @@ def _poll_wait(waited: float, pace: float, p: Params) -> float:
 def _poll_duty(pace: float, p: Params) -> float:
     """The share of a core a waiting reader's poll loop takes: a status read per sleep (its first 8)."""
     sleeps = list(itertools.islice(_sleeps(pace, p), 8))
-    status = p.bucket_us * 1e-6
+    status = (p.status_us or p.bucket_us) * 1e-6
     return status / (status + sum(sleeps) / len(sleeps)) if status > 0 else 0.0
 
 
@@ -269,6 +275,9 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         x.posting, x.post_next = True, j + 1
         parts = {"per-bucket costs": s.buckets[j] * p.bucket_us, "relayed buckets": s.relay_buckets[j] *
                  p.relay_bucket_us, "descriptors": s.reads[j] * p.read_us}  # fmt: skip
+        upkeep = p.cpu_ms + (p.relay_cpu_ms if relay else 0.0) + (p.reader_cpu_ms if x.up is not None else 0.0)
+        if upkeep:  # spread over its segments, on its serial lane
+            parts["upkeep"] = upkeep * 1e3 / len(s.nbytes)
         for k, v in parts.items():
             x.serial[k] = x.serial.get(k, 0.0) + v * 1e-6
         cost = sum(parts.values()) * 1e-6
@@ -420,8 +429,7 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
     def found(x: Rx) -> None:
         x.found = net.now
         mark(x, "plan, join")
-        first = p.first_use_ms.get(x.i, 0.0) * 1e-3
-        net.at(net.now + p.plan_s + (rtt if relay else 0.0) + first, lambda now: start(x))
+        net.at(net.now + p.plan_s + (rtt if relay else 0.0), lambda now: start(x))
 
     def start(x: Rx) -> None:
         try_post(x)

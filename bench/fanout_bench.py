@@ -2,11 +2,16 @@
 
     python bench/fanout_bench.py [--together 1,4,8] [--tensors 64] [--numel 250000] [--frozen 0.5] [--mode shadow]
 
-Every version is new bytes. Version 1 warms every receiver up (plans, connections); then, for each k of
+Every version is new bytes. Versions 1 and 2 warm every receiver up (plans, connections, and the first write of
+each of a shadow receiver's two storages — page faults, a relay's offer of each: a cost once in a receiver's life
+that no later version pays), versions 3 and 4 the first receiver alone (the lone rows' receiver: its reads of the
+whole trainer into each storage prepared once, as a receiver that reads the trainer every version has them);
+then, for each k of
 ``--together``, a new version is refitted by k receivers started at the same moment: the row shows the
 trainer's egress in model copies (counted by the trainer's agent: each READ of it notifies it of its
 size), the bytes relayed (counted by their readers), each receiver's refit time (``RefitResult.seconds``:
-found → prepared) and the slowest against the lone receiver's of the same run (k = 1). ``--frozen f``:
+found → prepared), the slowest against the lone receiver's of the same run (k = 1), and the seconds on a CPU of a
+receiver's threads from the command to its answer (the mean over the row's receivers). ``--frozen f``:
 one more version in which the first f of the tensors keep their bytes, refitted by one receiver (a delta
 refit), against the lone full refit. ``--no-relay``: receivers that serve nobody (all read the trainer).
 Prints the load average: on a machine shared with other work the seconds are noisy; the copies are not.
@@ -15,6 +20,7 @@ Prints the load average: on a machine shared with other work the seconds are noi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import socket
@@ -39,11 +45,23 @@ def _address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _cpu(pid: int) -> float:
+    """Seconds on a CPU of every thread of process ``pid`` so far (``/proc``'s schedstat: nanoseconds)."""
+    total = 0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 async def _together(receivers: list[ReceiverProc], version: int, seed: int, **content: int) -> list[dict]:
-    """Every receiver refits ``version`` at once; each checks its bytes only once all have refitted (making the
-    expected model takes ≈ 0.1 s of both cores here: a receiver that checked as it finished would slow the refits
-    still running — a chain of relays' later readers most)."""
+    """Every receiver refits ``version`` at once; each result gets ``cpu_s``, the seconds on a CPU of all its
+    threads meanwhile. Each checks its bytes only once all have refitted (making the expected model takes ≈ 0.1 s
+    of both cores here: a receiver that checked as it finished would slow the refits still running — a chain of
+    relays' later readers most)."""
     results: dict[int, dict] = {}
+    pids = [r.proc.pid for r in receivers if r.proc is not None]
+    before = [_cpu(pid) for pid in pids]
 
     async def one(i: int, r: ReceiverProc) -> None:
         results[i] = await r.refit(version, seed, later=True, **content)
@@ -51,6 +69,8 @@ async def _together(receivers: list[ReceiverProc], version: int, seed: int, **co
     async with anyio.create_task_group() as tg:
         for i, r in enumerate(receivers):
             tg.start_soon(one, i, r)
+    for i, (pid, cpu) in enumerate(zip(pids, before, strict=True)):
+        results[i]["cpu_s"] = _cpu(pid) - cpu
     assert all(res["version"] == version for res in results.values()), results
     assert all([await r.check() for r in receivers]), f"a receiver's bytes are not version {version}'s"
     return [results[i] for i in range(len(receivers))]
@@ -82,11 +102,12 @@ async def main(args: argparse.Namespace) -> None:
             for r in receivers:
                 await r.__aenter__()
             try:
-                await server.registry.publish(await trainer.publish(1, 1))
-                await _together(receivers, 1, 1)  # warm-up: plans, connections
-                version, lone = 1, None
+                for version in (1, 2, 3, 4):  # warm-up (see the module's docstring)
+                    await server.registry.publish(await trainer.publish(version, version))
+                    await _together(receivers if version <= 2 else receivers[:1], version, version)
+                lone = None
                 print(f"{'together':>8} {'egress (copies)':>15} {'relayed MB':>10} {'mean s':>7} {'max s':>7} "
-                      f"{'max / lone':>10}")  # fmt: skip
+                      f"{'max / lone':>10} {'CPU ms a receiver':>17}")  # fmt: skip
                 for k in together:
                     version += 1
                     await server.registry.publish(await trainer.publish(version, version))
@@ -99,8 +120,9 @@ async def main(args: argparse.Namespace) -> None:
                         for res in results:
                             print("   ", res["seconds"], res["stages"])
                     lone = lone or max(seconds)
+                    cpu = sum(r["cpu_s"] for r in results) / k
                     print(f"{k:>8} {egress / model_bytes:>15.2f} {relayed / 1e6:>10.1f} {sum(seconds) / k:>7.3f} "
-                          f"{max(seconds):>7.3f} {max(seconds) / lone:>10.2f}")  # fmt: skip
+                          f"{max(seconds):>7.3f} {max(seconds) / lone:>10.2f} {cpu * 1e3:>17.1f}")  # fmt: skip
                 if args.frozen:
                     frozen = int(args.frozen * args.tensors)
                     version += 1

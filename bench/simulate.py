@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pushed-relays", action="store_true", help="what if relay progress were pushed (not built)")
     ap.add_argument("--no-announce-early", action="store_true", help="readers wait for the digests")
     ap.add_argument("--drivers", action="store_true", help="what each cost adds to the as-built time")
-    ap.add_argument("--calib-runs", type=int, default=2, help="calib: runs of each fanout_bench command")
+    ap.add_argument("--calib-runs", type=int, default=3, help="calib: runs of each fanout_bench command")
     ap.add_argument("--relay-bucket-mb", type=float, default=4.0, help="relays' relay_bucket_bytes (re-plans)")
     ap.add_argument("--engines", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0)

@@ -106,6 +106,24 @@ def test_relay_progress_pushed_is_noticed_sooner_than_polled() -> None:
     assert pushed.committed < polled.committed
 
 
+def test_on_a_cpu_bound_host_upkeep_grows_with_the_receivers_and_a_readers_only_where_it_reads_a_relay() -> None:
+    """The calibration box's terms: ``cpu_ms`` is CPU on the host's cores (shared by every receiver there), not a
+    latency; ``reader_cpu_ms`` is paid by receivers that read a relay — none when the lone relay reads the trainer."""
+    box = dataclasses.replace(IDEAL, host_cores=1.0, cpu_copies=True, gpus_per_host=64, egress_limit=False)
+    one, _ = _run(1, False, box)
+    eight, _ = _run(8, False, box)
+    one_up, _ = _run(1, False, dataclasses.replace(box, cpu_ms=10.0))
+    eight_up, _ = _run(8, False, dataclasses.replace(box, cpu_ms=10.0))
+    assert one_up.slowest_found_to_prepared == pytest.approx(one.slowest_found_to_prepared + 0.010, rel=0.05)
+    assert eight_up.slowest_found_to_prepared == pytest.approx(eight.slowest_found_to_prepared + 0.080, rel=0.05)
+    lone, _ = _run(1, True, box)
+    lone_reader, _ = _run(1, True, dataclasses.replace(box, reader_cpu_ms=10.0))
+    chain, _ = _run(4, True, box)
+    chain_reader, _ = _run(4, True, dataclasses.replace(box, reader_cpu_ms=10.0))
+    assert lone_reader.slowest_found_to_prepared == pytest.approx(lone.slowest_found_to_prepared)
+    assert chain_reader.slowest_found_to_prepared > chain.slowest_found_to_prepared + 0.010
+
+
 def _tiny_moe(fp8: bool) -> Setup:
     """A Kimi-K2-shaped MoE small enough for CI: MLA, a dense layer, 4 experts; trainer TP 2 × EP 2, receivers
     vLLM TP 2 with EP; every linear slice on the 128 × 128 block grid."""
@@ -139,19 +157,22 @@ def test_a_slice_that_cuts_blocks_is_held_in_bf16_and_converted() -> None:
 
 def test_the_calibration_reads_the_bench_scripts_output(monkeypatch: pytest.MonkeyPatch) -> None:
     fanout = "\n".join(["model 64.0 MB in 64 tensors; 8 receiver processes", "together egress (copies) relayed MB",
-                         *(f"{k:>8} {1.0:>15.2f} {0.0:>10.1f} {0.01:>7.3f} {0.02 * k:>7.3f} {1.0:>10.2f}"
-                           for k in _sim_calib.TOGETHER), "load average after: 1.00"])  # fmt: skip
+                         *(f"{k:>8} {1.0:>15.2f} {0.0:>10.1f} {0.01:>7.3f} {0.02 * k:>7.3f} {1.0:>10.2f} "
+                           f"{20.0 + k:>17.1f}" for k in _sim_calib.TOGETHER), "load average after: 1.00"])  # fmt: skip
     cost = ("64 fp32 tensors, 67.1 MB, mode in_place\n\n| buckets (refit) | reads (raw) |\n|---:|---:|\n"
             "| 5 | 4 | 0.0310 | 0.0129 | 0.0120 | 2.17 |\n| 91 | 64 | 0.0933 | 0.0549 | 0.0300 | 0.72 |\n"
             "\nper bucket: refit 700 us; raw reads one at a time 500 us, windowed 300 us; refitflow's own 400 us "
             "(refit - raw windowed)\n")  # fmt: skip
     relay = ("2048 fp32 tensors, 64 MiB, strict verify\n\n| buckets | from the trainer, best s | from the relay, "
              "best s |\n|---:|---:|---:|\n| 4 | 0.0300 | 0.0310 |\n\nper bucket: from the trainer 124 us, from the "
-             "relay 147 us; a relayed bucket's own 23 us (slopes of the best times over bucket count)\n")  # fmt: skip
+             "relay 147 us; a relayed bucket's own 23 us (slopes of the best times over bucket count); a status read's "
+             "CPU 127 us (every thread of this process)\n")  # fmt: skip
     outputs = {"fanout_bench.py": fanout, "bucket_cost.py": cost, "relay_cost.py": relay}
     monkeypatch.setattr(_sim_calib, "_run", lambda args, timeout=600: outputs[pathlib.Path(args[0]).name])
-    assert [r[1] for r in _sim_calib.fanout(True)] == pytest.approx([0.02 * k for k in _sim_calib.TOGETHER])
-    assert _sim_calib.relay_cost() == 23.0
+    rows = _sim_calib.fanout(True)
+    assert [r[1] for r in rows] == pytest.approx([0.02 * k for k in _sim_calib.TOGETHER])
+    assert [r[3] for r in rows] == pytest.approx([20.0 + k for k in _sim_calib.TOGETHER])  # CPU ms a receiver
+    assert _sim_calib.relay_cost() == (23.0, 127.0)
     got = _sim_calib.bucket_cost()
     assert (got["refit_us"], got["raw_us"], got["win_us"], got["own_us"]) == (700.0, 500.0, 300.0, 400.0)
     assert got["copy_gbps"] == pytest.approx(67.1e6 / (0.0129 - 4 * 0.0007) / 1e9, rel=1e-6)
