@@ -5,9 +5,10 @@ version. The status is read into the probe only when the last one read does not 
 flag, once it names this version, stays so until the relay begins another version — so a reader behind its
 relay reads bucket after bucket with no status read between them, not one (or two) per bucket; a reader that
 waits for its relay paces its reads by how long its waits took so far (``poll_sleeps``: a chain of 8 on 2 shared
-cores made 35 % fewer). Under ``verify="strict"`` pull's submitter waits, bucket by bucket, until the status shows a bucket's relayed pieces
-verified and submits their reads with the bucket's trainer reads (``submit_ahead``): many buckets in flight, a
-reader close behind its relay included — instead of reading them one bucket at a time as each lands
+cores made 35 % fewer). Under ``verify="strict"`` pull's submitter waits, bucket by bucket, until the status
+shows a bucket's relayed pieces verified and submits their reads with the bucket's trainer reads
+(``submit_ahead``): many buckets in flight, a reader close behind its relay included — instead of reading them
+one bucket at a time as each lands
 (``take_relayed``: two thread round trips a bucket, which a chain of readers on shared cores paid hop after
 hop; it remains for other verify modes). If the relay failed, made no progress for ``relay_wait_s``, or moved on
 (its status no longer names this version), the pieces still owed are read from the trainer (*rerouted*) and
