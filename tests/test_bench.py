@@ -117,3 +117,22 @@ def test_the_manifest_and_registry_scale_benches_run_at_a_small_size() -> None:
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("registry CPU") == 2 and "GB moved" in done.stdout, done.stdout
+
+
+def test_the_calibrations_fanout_and_relay_benches_run_small_bit_exact_with_their_cpu() -> None:
+    """``bench/fanout_bench.py`` (every receiver's bytes checked once the row is over: ``ReceiverProc.check``) and
+    ``bench/relay_cost.py``, tiny, print what the calibration reads: each row's receivers' CPU, a status read's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "bench/fanout_bench.py", "--together", "1,2", "--tensors", "8", "--numel", "20000",
+           "--frozen", "0"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # the bench asserts every check
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 7 for r in rows), done.stdout
+    assert [r[1] for r in rows] == ["1.00", "1.00"]  # relaying: one copy of the trainer's bytes however many read
+    assert all(float(r[6]) > 0 for r in rows), done.stdout  # CPU ms a receiver
+    cmd = [sys.executable, "bench/relay_cost.py", "--size-mb", "2", "--tensors", "64", "--buckets", "4", "8",
+           "--rounds", "1"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a relayed bucket's own" in done.stdout and "a status read's CPU" in done.stdout, done.stdout
