@@ -20,7 +20,6 @@ Prints the load average: on a machine shared with other work the seconds are noi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import pathlib
 import socket
@@ -33,6 +32,7 @@ import anyio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "transports"))
 
+from _meter import thread_cpu_seconds
 from _nixl_peer import Peer
 from _nixl_receiver import ReceiverProc
 
@@ -45,15 +45,6 @@ def _address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def _cpu(pid: int) -> float:
-    """Seconds on a CPU of every thread of process ``pid`` so far (``/proc``'s schedstat: nanoseconds)."""
-    total = 0
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
-
-
 async def _together(receivers: list[ReceiverProc], version: int, seed: int, **content: int) -> list[dict]:
     """Every receiver refits ``version`` at once; each result gets ``cpu_s``, the seconds on a CPU of all its
     threads meanwhile. Each checks its bytes only once all have refitted (making the expected model takes ≈ 0.1 s
@@ -61,7 +52,7 @@ async def _together(receivers: list[ReceiverProc], version: int, seed: int, **co
     relays' later readers most)."""
     results: dict[int, dict] = {}
     pids = [r.proc.pid for r in receivers if r.proc is not None]
-    before = [_cpu(pid) for pid in pids]
+    before = [thread_cpu_seconds(pid) for pid in pids]
 
     async def one(i: int, r: ReceiverProc) -> None:
         results[i] = await r.refit(version, seed, later=True, **content)
@@ -70,7 +61,7 @@ async def _together(receivers: list[ReceiverProc], version: int, seed: int, **co
         for i, r in enumerate(receivers):
             tg.start_soon(one, i, r)
     for i, (pid, cpu) in enumerate(zip(pids, before, strict=True)):
-        results[i]["cpu_s"] = _cpu(pid) - cpu
+        results[i]["cpu_s"] = thread_cpu_seconds(pid) - cpu
     assert all(res["version"] == version for res in results.values()), results
     assert all([await r.check() for r in receivers]), f"a receiver's bytes are not version {version}'s"
     return [results[i] for i in range(len(receivers))]
