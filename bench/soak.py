@@ -307,7 +307,14 @@ async def _one(tg: anyio.abc.TaskGroup, version: int, fault: str, rng: random.Ra
         await trainer.start(tg)
     if fault == "receiver_kill":
         await victim.start(tg)
-    return any(r["engine"].committed and r["engine"].version == version for r in results)
+    ok = any(r["engine"].committed and r["engine"].version == version for r in results)
+    if not ok:  # why, as the ranks said it: for whoever reads a failed run
+        counts.setdefault("why", {})[str(version)] = [_why(r["engine"]) for r in results] or ["no answer"]
+    return ok
+
+
+def _why(result: rf.EngineResult) -> str:
+    return "; ".join(f"rank {i}: {r.decision} {r.fence} {(r.error or '')[:160]}" for i, r in enumerate(result.ranks))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ lease or so; a flipped byte never commits, and the versions after a fault commit
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import pytest
 
@@ -24,10 +26,11 @@ async def test_a_short_soak_with_every_fault_loses_nothing_and_splits_nothing(ke
         plan[3] = plan[6] = "replica_kill"
     with anyio.fail_after(300):
         counts = await soak(15, len(plan), plan, store=kept_in)
+    said = json.dumps(counts)  # whole, with each failed version's why (pytest shortens a dict)
     bad = ("hangs", "mixed", "corrupt", "leaked_processes", "release_stalls")
-    assert all(counts[k] == 0 for k in bad), counts
+    assert all(counts[k] == 0 for k in bad), said
     outcomes = dict(o.split(":", 1) for o in counts["outcomes"])
-    assert outcomes["2"] == "byte_flip:not", counts  # the changed byte never commits
-    assert all(outcomes[v].endswith("committed") for v in ("1", "4", "7", "10")), counts  # after each fault
+    assert outcomes["2"] == "byte_flip:not", said  # the changed byte never commits
+    assert all(outcomes[v].endswith("committed") for v in ("1", "4", "7", "10")), said  # after each fault
     if "registry_fd_growth" in counts:  # the first registry lived through the run (in memory)
-        assert counts["registry_fd_growth"] <= 2 and counts["registry_rss_growth_mb"] < 50, counts
+        assert counts["registry_fd_growth"] <= 2 and counts["registry_rss_growth_mb"] < 50, said
