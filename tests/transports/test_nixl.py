@@ -230,6 +230,40 @@ async def test_a_refreshed_peer_address_invalidates_prepared_descriptors() -> No
 
 
 @pytest.mark.asyncio
+async def test_a_key_read_from_peer_after_peer_keeps_the_last_two_peers_preparations() -> None:
+    """A relay reader's relay changes from version to version: the same key read from one peer after another
+    keeps only its two most recently read peers' preparations (not one a peer it ever read), and a peer read
+    again after it was let go is prepared afresh and lands right."""
+    owners, reader = [NixlTransport() for _ in range(3)], NixlTransport()
+    n = 1 << 20
+    dst = torch.zeros(n, dtype=torch.uint8)
+    try:
+        with anyio.fail_after(30):
+            srcs = [torch.full((n,), i + 1, dtype=torch.uint8) for i in range(3)]
+            regions = [o.register(s) for o, s in zip(owners, srcs, strict=True)]
+            reader.register(dst)
+            for o in owners:
+                reader.connect(o.address())
+
+            async def read_from(i: int) -> None:
+                await reader.read([Read(owners[i].agent, regions[i], 0, n, dst)], key=("plan", "bucket"))
+                assert bool((dst == i + 1).all())
+
+            seen = []
+            for i in (0, 1, 1, 2, 1, 0):
+                await read_from(i)
+                seen.append((reader.prepared, reader.kept))
+            # 0 and 1 prepared; 1 replayed; 2 prepared, 0 let go; 1 replayed (still kept); 0 prepared afresh
+            assert seen == [(1, 1), (2, 2), (2, 2), (3, 2), (3, 2), (4, 2)], seen
+            reader.forget("plan")
+            assert reader.kept == 0
+    finally:
+        await reader.aclose()
+        for o in owners:
+            await o.aclose()
+
+
+@pytest.mark.asyncio
 async def test_a_read_in_flight_when_its_peers_connection_is_dropped_lands_over_a_new_one() -> None:
     """With buckets in flight, one read that finds a peer dead drops its connection under the others (after a
     partition healed): NIXL then refuses their stale handles (``NIXL_ERR_NOT_FOUND``, not a disconnection), and

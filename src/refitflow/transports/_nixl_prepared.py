@@ -10,6 +10,10 @@ recently used dropped) for callers that never forget.
 What invalidates a preparation is exactly what it touched: a local region deregistered (``forget_local``:
 storage moved, a receiver rebound) drops the READs that land in it and no other; a peer whose address changed
 or that was replaced drops that peer's READs (``forget``).
+
+A key read from many peers in turn (a relay reader whose relay changes from version to version) keeps the
+preparations of its ``PEERS`` most recently read peers only: NIXL holds ≈ 74 bytes a prepared descriptor, and a
+reader that kept every relay it ever read would hold a plan's descriptors once per relay.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from refitflow.transports.base import Read
 __all__ = ["PreparedReads", "ended", "group_of", "release", "submitted"]
 
 VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
+PEERS = 2  # peers whose preparations a key keeps (per memories and stripe): a reader's relay now and its last one
 
 
 def group_of(key: Hashable) -> Hashable:
@@ -36,9 +41,16 @@ def group_of(key: Hashable) -> Hashable:
     return key[0] if isinstance(key, tuple) and key else key
 
 
+def _slot(ckey: CacheKey) -> Hashable:
+    """A cache key without its peer: what the same reads from another peer share."""
+    return ckey[0], *ckey[2:]
+
+
 class PreparedReads:
     def __init__(self, groups: int = 16) -> None:
         self._groups: OrderedDict[Hashable, dict[CacheKey, list[_Prepared]]] = OrderedDict()
+        # by group: each slot's cache keys (one a peer), the least recently used first
+        self._peers: dict[Hashable, dict[Hashable, OrderedDict[CacheKey, None]]] = {}
         # key -> (the very reads list described, peers' epochs, its description), by group
         self._described: OrderedDict[Hashable, dict[Hashable, tuple[Sequence[Read], Any, Described]]] = OrderedDict()
         # key -> (the very reads list, peers' state, generation, its batch and cache keys): a replay's whole answer
@@ -92,6 +104,8 @@ class PreparedReads:
         ``ckey``; ``regions``: the local regions it lands in)."""
         hit = self.lookup(ckey, epoch, larr, rarr)
         if hit is not None:
+            if ckey is not None and len(peers := self._peers_of(ckey)) > 1:
+                peers.move_to_end(ckey)
             return hit
         handles: list[Any] = []
         try:
@@ -111,7 +125,21 @@ class PreparedReads:
             for old in variants[:-VARIANTS]:
                 self._release(old)
             kept[ckey] = variants[-VARIANTS:]
+            peers = self._peers_of(ckey)
+            peers[ckey] = None
+            peers.move_to_end(ckey)
+            while len(peers) > PEERS:  # the least recently read peer's, for this key
+                for old in kept.pop(peers.popitem(last=False)[0], ()):
+                    self._release(old)
         return prepared
+
+    def _peers_of(self, ckey: CacheKey) -> OrderedDict[CacheKey, None]:
+        return self._peers.setdefault(group_of(ckey[0]), {}).setdefault(_slot(ckey), OrderedDict())
+
+    @property
+    def kept(self) -> int:
+        """Preparations kept for replay now (each holds NIXL descriptor lists)."""
+        return sum(len(v) for kept in self._groups.values() for v in kept.values())
 
     # -- forgetting -----------------------------------------------------------------------------------
 
@@ -120,6 +148,7 @@ class PreparedReads:
         for variants in self._groups.pop(group, {}).values():
             for p in variants:
                 self._release(p)
+        self._peers.pop(group, None)
         self._described.pop(group, None)
         for key in [k for k in self._batches if group_of(k) == group]:
             del self._batches[key]
@@ -130,6 +159,7 @@ class PreparedReads:
             for ckey in [k for k in kept if match(k)]:
                 for p in kept.pop(ckey):
                     self._release(p)
+                self._peers_of(ckey).pop(ckey, None)
 
     def forget_local(self, region: int) -> None:
         """What lands in local ``region`` (deregistered): its preparations and descriptions, and nothing else."""
@@ -144,6 +174,7 @@ class PreparedReads:
                         kept[ckey] = left
                     else:
                         del kept[ckey]
+                        self._peers_of(ckey).pop(ckey, None)
         for described in self._described.values():
             for key in [k for k, (_, _, d) in described.items() if any(region in g.regions for g in d.values())]:
                 del described[key]

@@ -310,6 +310,11 @@ class NixlTransport(Transport):
         return self._reads.prepared
 
     @property
+    def kept(self) -> int:
+        """Prepared transfers kept for replay now (a key read from many peers keeps its last two peers')."""
+        return self._reads.kept
+
+    @property
     def served_bytes(self) -> int:
         """Bytes peers have read from this agent (reported by their READs' notifications on arrival)."""
         return self._nx.served if self._closed else self._nx.drain()
