@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,17 @@ class Child:
         self.pids: list[int] = []  # every process started for this role
         self.lines: list[dict[str, Any]] = []
         self._new = anyio.Event()  # set at each line
+        self._log = tempfile.NamedTemporaryFile(prefix=f"soak-{args[0]}-", suffix=".log")  # every start's stderr
+        self._killed = False  # the driver ended the process it runs now (a fault, or the end)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, ROOT]))
         env.setdefault("UCX_NET_DEVICES", "lo")
-        self.proc = await anyio.open_process([sys.executable, "-m", "bench.soak", "--role", *self.args],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        argv = [sys.executable, "-X", "faulthandler", "-m", "bench.soak", "--role", *self.args]  # a crash's stack
+        self.proc = await anyio.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                              env=env)  # fmt: skip
         self.pids.append(self.proc.pid)
+        self._killed = False
         ready = anyio.Event()
         tg.start_soon(self._read, self.proc, ready)
         with anyio.fail_after(60):
@@ -72,7 +76,17 @@ class Child:
         if self.proc is not None and self.proc.returncode is None:
             os.kill(self.proc.pid, sig)
 
+    def crashed(self) -> str | None:
+        """How the process ended, with its stderr's last lines, if it ended without the driver ending it."""
+        if self.proc is None or self.proc.returncode is None or self._killed:
+            return None
+        self._log.flush()
+        said = Path(self._log.name).read_bytes().decode(errors="replace").split("\nExtension modules:")[0]
+        tail = said[-1500:]
+        return f"{' '.join(self.args[:2])} exited {self.proc.returncode}: {tail}"
+
     async def kill(self) -> None:
+        self._killed = True
         if self.proc is not None:
             if self.proc.returncode is None:
                 self.proc.kill()

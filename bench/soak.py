@@ -22,9 +22,10 @@ ranks serving — fence ready — different versions), ``corrupt`` (a rank commi
 from the version it names), ``release_stalls`` (a version every rank committed that the trainer's
 ``released(v)`` did not see released within ``RELEASE_S``; not asked after a ``receiver_kill``: the rank started
 again is a new receiver, which holds the version until it read one), ``leaked_processes`` (children alive after the
-end), and the growth of the fds and RSS of the processes that lived through the whole run. ``committed``
-counts versions every rank committed, ``outcomes`` each version's fault and whether it committed. Prints one
-JSON object.
+end), ``crashes`` (a trainer or rank that exited by itself: its exit status and the end of its stderr; it is
+started again), and the growth of the fds and RSS of the processes that lived through the whole run. ``committed``
+counts versions every rank committed, ``outcomes`` each version's fault and whether it committed, ``why``
+what the ranks said of each version that did not. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ async def _run(rng: random.Random, plan: list[str], regs: Registries) -> dict[st
     agents = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
     counts = {"versions": len(plan), "committed": 0, "hangs": 0, "mixed": 0, "corrupt": 0, "release_stalls": 0,
               "leaked_processes": 0}  # fmt: skip
-    counts |= {f: 0 for f in (*FAULTS, "replica_kill")} | {"outcomes": [], "release_s": []}
+    counts |= {f: 0 for f in (*FAULTS, "replica_kill")} | {"outcomes": [], "release_s": [], "crashes": []}
     expected = {v: digest({n: t.float() for n, t in weights(v).items()}) for v in range(1, len(plan) + 1)}
     trainer = Child("trainer", regs.address)
     ranks = [Child("rank", str(r), regs.address, votes, agents[r]) for r in range(2)]
@@ -217,6 +218,10 @@ async def _run(rng: random.Random, plan: list[str], regs: Registries) -> dict[st
                 ok = await _one(tg, version, fault, rng, regs, trainer, ranks, controller, counts)
                 counts["committed"] += ok
                 counts["outcomes"].append(f"{version}:{fault}:{'committed' if ok else 'not'}")
+                for child in (trainer, *ranks):  # a process that died by itself: counted, started again
+                    if (how := child.crashed()) is not None:
+                        counts["crashes"].append(f"{version}: {how}")
+                        await child.start(tg)
                 status = (await controller.status(timeout=5.0))["engine"]
                 ready = {s["committed_version"] for s in status if s is not None and s["fence"] == "ready"}
                 counts["mixed"] += len(ready) > 1
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     counts["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(counts))
     bad = counts["hangs"] + counts["mixed"] + counts["corrupt"] + counts["leaked_processes"] + counts["release_stalls"]
+    bad += len(counts["crashes"])
     return 1 if bad else 0
 
 
