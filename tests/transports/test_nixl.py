@@ -233,7 +233,8 @@ async def test_a_refreshed_peer_address_invalidates_prepared_descriptors() -> No
 async def test_a_key_read_from_peer_after_peer_keeps_the_last_two_peers_preparations() -> None:
     """A relay reader's relay changes from version to version: the same key read from one peer after another
     keeps only its two most recently read peers' preparations (not one a peer it ever read), and a peer read
-    again after it was let go is prepared afresh and lands right."""
+    again after it was let go is prepared afresh and lands right; a key read from several peers at once (a
+    bucket of a sharded trainer) keeps every one of them."""
     owners, reader = [NixlTransport() for _ in range(3)], NixlTransport()
     n = 1 << 20
     dst = torch.zeros(n, dtype=torch.uint8)
@@ -255,6 +256,14 @@ async def test_a_key_read_from_peer_after_peer_keeps_the_last_two_peers_preparat
                 seen.append((reader.prepared, reader.kept))
             # 0 and 1 prepared; 1 replayed; 2 prepared, 0 let go; 1 replayed (still kept); 0 prepared afresh
             assert seen == [(1, 1), (2, 2), (2, 2), (3, 2), (3, 2), (4, 2)], seen
+            # a key read from three peers at once (a bucket of a sharded trainer) keeps all three, read after read
+            third = n // 3
+            for _ in range(3):
+                dst.zero_()
+                each = [Read(owners[i].agent, regions[i], 0, third, dst[i * third : (i + 1) * third]) for i in range(3)]
+                await reader.read(each, key=("plan", "sharded"))  # a new list each time: no replay of the batch
+                assert all(bool((dst[i * third : (i + 1) * third] == i + 1).all()) for i in range(3))
+            assert reader.prepared == 7 and reader.kept == 5, (reader.prepared, reader.kept)
             reader.forget("plan")
             assert reader.kept == 0
     finally:

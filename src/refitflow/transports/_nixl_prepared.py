@@ -33,7 +33,7 @@ from refitflow.transports.base import Read
 __all__ = ["PreparedReads", "ended", "group_of", "release", "submitted"]
 
 VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
-PEERS = 2  # peers whose preparations a key keeps (per memories and stripe): a reader's relay now and its last one
+PEERS = 2  # peer sets whose preparations a key keeps: a relay reader's relay now and its last one
 
 
 def group_of(key: Hashable) -> Hashable:
@@ -41,16 +41,13 @@ def group_of(key: Hashable) -> Hashable:
     return key[0] if isinstance(key, tuple) and key else key
 
 
-def _slot(ckey: CacheKey) -> Hashable:
-    """A cache key without its peer: what the same reads from another peer share."""
-    return ckey[0], *ckey[2:]
-
-
 class PreparedReads:
     def __init__(self, groups: int = 16) -> None:
         self._groups: OrderedDict[Hashable, dict[CacheKey, list[_Prepared]]] = OrderedDict()
-        # by group: each slot's cache keys (one a peer), the least recently used first
-        self._peers: dict[Hashable, dict[Hashable, OrderedDict[CacheKey, None]]] = {}
+        # by group: each read key's sets of peers read together (a batch's), the least recently read first, and
+        # the cache keys prepared for each (key, peer)
+        self._peer_sets: dict[Hashable, dict[Hashable, OrderedDict[frozenset[str], None]]] = {}
+        self._of_peer: dict[Hashable, dict[tuple[Hashable, str], set[CacheKey]]] = {}
         # key -> (the very reads list described, peers' epochs, its description), by group
         self._described: OrderedDict[Hashable, dict[Hashable, tuple[Sequence[Read], Any, Described]]] = OrderedDict()
         # key -> (the very reads list, peers' state, generation, its batch and cache keys): a replay's whole answer
@@ -104,8 +101,6 @@ class PreparedReads:
         ``ckey``; ``regions``: the local regions it lands in)."""
         hit = self.lookup(ckey, epoch, larr, rarr)
         if hit is not None:
-            if ckey is not None and len(peers := self._peers_of(ckey)) > 1:
-                peers.move_to_end(ckey)
             return hit
         handles: list[Any] = []
         try:
@@ -125,16 +120,24 @@ class PreparedReads:
             for old in variants[:-VARIANTS]:
                 self._release(old)
             kept[ckey] = variants[-VARIANTS:]
-            peers = self._peers_of(ckey)
-            peers[ckey] = None
-            peers.move_to_end(ckey)
-            while len(peers) > PEERS:  # the least recently read peer's, for this key
-                for old in kept.pop(peers.popitem(last=False)[0], ()):
-                    self._release(old)
+            self._of_peer.setdefault(group_of(ckey[0]), {}).setdefault((ckey[0], peer), set()).add(ckey)
         return prepared
 
-    def _peers_of(self, ckey: CacheKey) -> OrderedDict[CacheKey, None]:
-        return self._peers.setdefault(group_of(ckey[0]), {}).setdefault(_slot(ckey), OrderedDict())
+    def read_from(self, key: Hashable, peers: frozenset[str]) -> None:
+        """``key``'s reads were just described for ``peers`` (a batch's: a bucket may read several trainer ranks
+        at once); the peers of its ``PEERS`` most recent peer sets keep their preparations, any other's go."""
+        group = group_of(key)
+        sets = self._peer_sets.setdefault(group, {}).setdefault(key, OrderedDict())
+        sets[peers] = None
+        sets.move_to_end(peers)
+        if len(sets) <= PEERS:
+            return
+        gone = sets.popitem(last=False)[0].difference(*sets)
+        kept, of_peer = self._groups.get(group, {}), self._of_peer.get(group, {})
+        for peer in gone:
+            for ckey in of_peer.pop((key, peer), ()):
+                for old in kept.pop(ckey, ()):
+                    self._release(old)
 
     @property
     def kept(self) -> int:
@@ -148,7 +151,8 @@ class PreparedReads:
         for variants in self._groups.pop(group, {}).values():
             for p in variants:
                 self._release(p)
-        self._peers.pop(group, None)
+        self._peer_sets.pop(group, None)
+        self._of_peer.pop(group, None)
         self._described.pop(group, None)
         for key in [k for k in self._batches if group_of(k) == group]:
             del self._batches[key]
@@ -159,7 +163,6 @@ class PreparedReads:
             for ckey in [k for k in kept if match(k)]:
                 for p in kept.pop(ckey):
                     self._release(p)
-                self._peers_of(ckey).pop(ckey, None)
 
     def forget_local(self, region: int) -> None:
         """What lands in local ``region`` (deregistered): its preparations and descriptions, and nothing else."""
@@ -174,7 +177,6 @@ class PreparedReads:
                         kept[ckey] = left
                     else:
                         del kept[ckey]
-                        self._peers_of(ckey).pop(ckey, None)
         for described in self._described.values():
             for key in [k for k, (_, _, d) in described.items() if any(region in g.regions for g in d.values())]:
                 del described[key]

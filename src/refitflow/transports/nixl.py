@@ -261,6 +261,8 @@ class NixlTransport(Transport):
                         hit = await off_loop(self._reads.prepare, *args)
                     batch.append((hit or self._reads.prepare(*args), peer))
             self.prep_seconds += time.perf_counter() - t0
+            if key is not None:  # other peers this key was read from: the least recent let go
+                self._reads.read_from(key, frozenset(peer for _, peer in batch))
             self._announce(batch)
         except BaseException:
             self._ended(batch, ckeys, failed=True)
@@ -311,7 +313,7 @@ class NixlTransport(Transport):
 
     @property
     def kept(self) -> int:
-        """Prepared transfers kept for replay now (a key read from many peers keeps its last two peers')."""
+        """Prepared transfers kept for replay now (a key read from peer after peer keeps its last two peers')."""
         return self._reads.kept
 
     @property
