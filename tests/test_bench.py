@@ -136,3 +136,19 @@ def test_the_calibrations_fanout_and_relay_benches_run_small_bit_exact_with_thei
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "a relayed bucket's own" in done.stdout and "a status read's CPU" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_the_prepared_memory_bench_keeps_two_relays_preparations_unless_unbounded(bound: bool) -> None:
+    """``bench/prepared_memory.py``, tiny: a key read from a new relay each version keeps its last two relays'
+    transfers (every byte checked by the bench), and every relay's with ``--unbounded`` (the code before)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "bench/prepared_memory.py", "--relays", "4", "--buckets", "3", "--descs", "20",
+           "--versions", "6", *([] if bound else ["--unbounded"])]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    kept = [int(r[3]) for r in rows]
+    assert kept == ([3, 6, 6, 6, 6, 6] if bound else [3, 6, 9, 12, 12, 12]), done.stdout
+    prepared = [int(r[2]) for r in rows]
+    assert prepared == ([3, 6, 9, 12, 15, 18] if bound else [3, 6, 9, 12, 12, 12]), done.stdout  # bound: again
