@@ -244,6 +244,47 @@ def test_the_registry_chains_relays_of_one_layout_in_join_order() -> None:
     assert relays.join("any", "", None) is not None  # one that names no layout: any relay
 
 
+def test_a_reader_is_given_its_last_relay_again_when_it_joined_before_and_is_at_most_one_reader_busier() -> None:
+    """Chains that stay: receivers seldom join in one order twice, and a reader whose relay changed describes and
+    prepares its relayed reads again; its last relay is taken again when it joined before it and has at most one
+    reader more than the least read relay of its layout."""
+    relays = Relays()
+    assert relays.join("a", "L", _offer(1, "a", "L"), prefer="c") is None  # c has not joined: the trainer
+    assert relays.join("b", "L", _offer(1, "b", "L"), prefer="a").receiver == "a"  # type: ignore[union-attr]
+    assert relays.join("c", "L", _offer(1, "c", "L"), prefer="a").receiver == "a"  # type: ignore[union-attr]  # 1 vs 0
+    assert relays.join("d", "L", _offer(1, "d", "L"), prefer="a").receiver == "c"  # type: ignore[union-attr]  # 2 vs 0
+    assert relays.join("x", "M", _offer(1, "x", "M"), prefer="a") is None  # another layout's relay is never one
+    assert relays.join("e", "L", None, prefer="nobody").receiver == "d"  # type: ignore[union-attr]  # as without
+
+
+@pytest.mark.asyncio
+async def test_the_registry_keeps_a_readers_relay_from_version_to_version_when_the_join_order_changes(ident) -> None:
+    """Version 1 joins a, b, c (a chain: b reads a, c reads b); version 2 joins a, c, b: c cannot read b (not
+    joined yet) and reads a, and b reads a again — its relayed reads replay — where join order alone gives c."""
+    registry = rf.Registry()
+    async with rf.Publisher(registry, identity=ident) as pub:
+        ups: dict[int, dict[str, str | None]] = {}
+        for version, order in ((1, "abc"), (2, "acb")):
+            await pub.publish(version, {"w": torch.zeros(4, 4)})
+            ups[version] = {}
+            for rid in order:
+                offer = RelayOffer(identity=ident, version=version, receiver=rid, source=pub.transport.address(),
+                                   status=0, params=(RelayParam("w", "float32", (4, 4), 0),),
+                                   held=(HeldBox(0, "w", ((0, 4), (0, 4)), 0, ((0, 4), (0, 4))),))  # fmt: skip
+                up = await registry.relay_join(ident, version, rid, offer=offer)
+                ups[version][rid] = None if up is None else up.receiver
+        assert ups == {1: {"a": None, "b": "a", "c": "b"}, 2: {"a": None, "c": "a", "b": "a"}}, ups
+        await registry.unregister_receiver(ident, "b")  # gone: its memory too (a new b joins as anyone does)
+        await pub.publish(3, {"w": torch.zeros(4, 4)})
+        for rid in "acb":
+            offer = RelayOffer(identity=ident, version=3, receiver=rid, source=pub.transport.address(), status=0,
+                               params=(RelayParam("w", "float32", (4, 4), 0),),
+                               held=(HeldBox(0, "w", ((0, 4), (0, 4)), 0, ((0, 4), (0, 4))),))  # fmt: skip
+            up = await registry.relay_join(ident, 3, rid, offer=offer)
+            ups.setdefault(3, {})[rid] = None if up is None else up.receiver
+        assert ups[3] == {"a": None, "c": "a", "b": "c"}, ups[3]
+
+
 @pytest.mark.asyncio
 async def test_a_relay_offer_must_hold_published_shards_in_their_dtype(ident) -> None:
     registry = rf.Registry()

@@ -13,6 +13,12 @@ another place (``planner.build``: a rank's read order starts at its place), so a
 reads last. Upstreams only ever join earlier, so no two receivers wait on each other. A relay leaves when it
 joins a later version, unregisters, or its lease expires.
 
+Chains that stay: receivers seldom join in the same order twice, and a reader whose relay changed describes and
+prepares its relayed reads again (a plan's descriptors: ≈ 3 µs each). So a reader is given the relay it read its
+last version from again (``prefer``, the registry's memory of each receiver's last upstream) when that relay joined
+before it and has at most one reader more than the least read relay — a relay may serve two readers, and a chain
+keeps more of its links from version to version (random join orders of 8: 44 % of links kept, against 13 %).
+
 The registry holds each relay *by geometry* (``Relay``): its layout's digest (the geometry itself — tensors
 and held boxes — held once per layout: ``core.fanout.RelayLayouts``), its address, status region and the runs of
 its tensors' regions: O(1) per receiver, whatever the model's size. An offer's boxes are checked against the
@@ -78,8 +84,10 @@ class Relays(Generic[T]):
         self.readers: dict[str, int] = {}
         self.checked: set[str] = set()  # the layouts whose offers fit this version (``check_geometry``, once each)
 
-    def join(self, receiver_id: str, layout: str, offer: T | None) -> T | None:
-        """Record ``offer`` (if any) and return the upstream of ``receiver_id`` (None: the trainer)."""
+    def join(self, receiver_id: str, layout: str, offer: T | None, prefer: str | None = None) -> T | None:
+        """Record ``offer`` (if any) and return the upstream of ``receiver_id`` (None: the trainer); ``prefer``: the
+        relay it read its last version from, taken again when it joined before and has at most one reader more
+        than the least read one."""
         if offer is not None and receiver_id not in self.offers:
             self.offers[receiver_id] = offer
         ids = list(self.offers)
@@ -90,6 +98,8 @@ class Relays(Generic[T]):
         if not same:  # a relay of another layout holds other slices, in another order: the trainer
             return None
         pick = min(reversed(same), key=lambda r: self.readers.get(r, 0))
+        if prefer is not None and prefer in same and self.readers.get(prefer, 0) <= self.readers.get(pick, 0) + 1:
+            pick = prefer  # its relayed reads replay (described and prepared for that relay)
         self.readers[pick] = self.readers.get(pick, 0) + 1
         return self.offers[pick]
 

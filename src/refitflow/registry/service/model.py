@@ -43,6 +43,7 @@ class Model:
     receivers: dict[str, int] = field(default_factory=dict)  # receiver id -> highest version done with
     completed_at: dict[int, float] = field(default_factory=dict)  # version -> clock when first complete
     relays: dict[int, Relays] = field(default_factory=dict)  # version -> its relays (pipelined fan-out)
+    upstream: dict[str, str] = field(default_factory=dict)  # receiver id -> the relay it read its last version from
 
     @property
     def newest(self) -> int | None:

@@ -94,7 +94,10 @@ class RelayJoins:
         relays = model.relays.setdefault(version, Relays())
         if relay is not None:
             relays.checked.add(relay.layout)
-        return relays.join(receiver_id, layout, relay)
+        up = relays.join(receiver_id, layout, relay, prefer=model.upstream.get(receiver_id))
+        if up is not None:
+            model.upstream[receiver_id] = up.receiver
+        return up
 
     def check_relay(self, identity: Identity, version: int, relay: Relay | None) -> None:
         """Raise unless ``version`` is complete and still held, and ``relay`` (if any) fits its shards."""

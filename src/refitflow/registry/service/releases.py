@@ -45,6 +45,7 @@ class Releasing:
     async def unregister_receiver(self, identity: Identity, receiver_id: str) -> None:
         model = self._peek(identity)
         model.receivers.pop(receiver_id, None)
+        model.upstream.pop(receiver_id, None)
         self._drop_relays(model, receiver_id)
         self._collect(model)
         self._notify()

@@ -362,6 +362,7 @@ class RegistryStore(Releasing, RelayJoins, Store):
                 model = self._peek(identity)
                 if isinstance(key, str):
                     model.receivers.pop(key, None)
+                    model.upstream.pop(key, None)
                     self._drop_relays(model, key)
                 elif model.owner.get((key, rank)) == owner:
                     model.drop_rank(key, rank)
