@@ -11,9 +11,11 @@ What invalidates a preparation is exactly what it touched: a local region deregi
 storage moved, a receiver rebound) drops the READs that land in it and no other; a peer whose address changed
 or that was replaced drops that peer's READs (``forget``).
 
-A key read from many peers in turn (a relay reader whose relay changes from version to version) keeps the
-preparations of its ``PEERS`` most recently read peers only: NIXL holds ≈ 74 bytes a prepared descriptor, and a
-reader that kept every relay it ever read would hold a plan's descriptors once per relay.
+A key read from peer after peer (a relay reader whose relay changes from version to version) keeps the
+preparations of the peers of its ``PEERS`` most recent reads only (``read_from``; a read of several peers at once
+keeps them all): a prepared descriptor holds ≈ 145 bytes here (``bench/prepared_memory.py``), and a reader that
+kept every relay it ever read would hold its relayed descriptors once a relay. Letting one go makes every kept
+batch stale (``_generation``): the next replay of each key looks its transfers up again, once.
 """
 
 from __future__ import annotations
