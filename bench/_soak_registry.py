@@ -67,6 +67,17 @@ class Registries:
         self.live[slot] = None
         self._measured = self._measured and slot != 0
 
+    def crashed(self) -> list[str]:
+        """The replicas that exited by themselves since the last call (``Child.crashed``); their slots are emptied
+        for ``refill``."""
+        out = []
+        for slot, child in enumerate(self.live):
+            if child is not None and (how := child.crashed()) is not None:
+                out.append(how)
+                self.live[slot] = None
+                self._measured = self._measured and slot != 0
+        return out
+
     async def refill(self, tg: TaskGroup) -> None:
         """Two live replicas again (a new one in an empty slot)."""
         while sum(c is not None for c in self.live) < min(2, len(self.slots)):

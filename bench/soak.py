@@ -22,10 +22,10 @@ ranks serving — fence ready — different versions), ``corrupt`` (a rank commi
 from the version it names), ``release_stalls`` (a version every rank committed that the trainer's
 ``released(v)`` did not see released within ``RELEASE_S``; not asked after a ``receiver_kill``: the rank started
 again is a new receiver, which holds the version until it read one), ``leaked_processes`` (children alive after the
-end), ``crashes`` (a trainer or rank that exited by itself: its exit status and the end of its stderr; it is
-started again), and the growth of the fds and RSS of the processes that lived through the whole run. ``committed``
-counts versions every rank committed, ``outcomes`` each version's fault and whether it committed, ``why``
-what the ranks said of each version that did not. Prints one JSON object.
+end), ``crashes`` (a trainer, rank or registry replica that exited by itself: its exit status and the end of its
+stderr; it is started again), and the growth of the fds and RSS of the processes that lived through the whole
+run. ``committed`` counts versions every rank committed, ``outcomes`` each version's fault and whether it
+committed, ``why`` what the ranks said of each version that did not. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -222,6 +222,7 @@ async def _run(rng: random.Random, plan: list[str], regs: Registries) -> dict[st
                     if (how := child.crashed()) is not None:
                         counts["crashes"].append(f"{version}: {how}")
                         await child.start(tg)
+                counts["crashes"] += [f"{version}: {how}" for how in regs.crashed()]  # refilled below
                 status = (await controller.status(timeout=5.0))["engine"]
                 ready = {s["committed_version"] for s in status if s is not None and s["fence"] == "ready"}
                 counts["mixed"] += len(ready) > 1
