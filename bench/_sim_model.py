@@ -55,7 +55,7 @@ from _sim_net import Activity, Net
 from _sim_traffic import Classes, Segments, segments, upstreams
 
 from refitflow.refit.config import ReceiverConfig
-from refitflow.refit.fanout.reading import poll_sleeps
+from refitflow.refit.fanout.reading import averaged, poll_sleeps
 
 __all__ = ["DEVICE_GBPS", "TODAY", "WINDOW", "Params", "Result", "simulate"]
 
@@ -412,7 +412,7 @@ def simulate(cls: Classes, p: Params, *, registry_s: float, fetch_s: float, wire
         for y, k in woken:
             waited = net.now - y.waited_since[k]
             delay = lat if p.relay_push else _poll_wait(waited, y.pace, p)
-            y.pace = waited + delay if not y.pace else (y.pace + waited + delay) / 2
+            y.pace = averaged(y.pace, waited + delay)
             net.at(net.now + delay, lambda now, y=y, k=k: relay_flow(y, k))
         if j < len(x.seg.nbytes) - 1:
             try_verify(x)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from _nixl_peer import Peer
 
 import refitflow as rf
-from refitflow.transports.base import Read, as_bytes
+from refitflow.refit.fanout.reading import status_read
 from refitflow.transports.nixl import NixlTransport
 
 
@@ -86,7 +86,7 @@ async def one_count(k: int, a: argparse.Namespace) -> tuple[int, float, float, f
 
 async def _status_reads(relay: rf.Receiver, reader: rf.Receiver, n: int = 2000) -> float:
     """The CPU (this process's, every thread) of one read of the relay's status words, as a waiting reader makes
-    it (``refit.fanout.reading._status``: a keyed read through the transport; the status is tiny): n back to back,
+    it (``refit.fanout.reading.status_read``, a keyed read through the transport; the status is tiny): n back to back,
     microseconds each."""
     src, dst = relay._transport, reader._transport  # a benchmark's look inside: the status read's own path
     assert relay._relaying is not None and src is not None and dst is not None
@@ -94,7 +94,7 @@ async def _status_reads(relay: rf.Receiver, reader: rf.Receiver, n: int = 2000) 
     probe = torch.zeros_like(status)
     dst.register(probe)
     dst.connect(src.address())
-    reads = [Read(src.agent, src.register(status), 0, status.numel() * 8, as_bytes(probe))]
+    reads = status_read(src.agent, src.register(status), probe)
     await dst.read(reads, key=("status-bench",), count=False)  # prepared once, as a reader's is
     t0 = time.process_time()
     for _ in range(n):

@@ -29,6 +29,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import anyio
+import torch
 
 from refitflow.core.errors import RefitTimeoutError, TransportError
 from refitflow.planner.fanout import RelayPiece
@@ -40,7 +41,8 @@ from refitflow.refit.plans import slot
 from refitflow.refit.work import Work
 from refitflow.transports.base import Read, Submitted, as_bytes, settle_or_abandon
 
-__all__ = ["Ahead", "land_ahead", "owed_by_upstream", "poll_sleeps", "submit_ahead", "take_relayed"]
+__all__ = ["Ahead", "averaged", "land_ahead", "owed_by_upstream", "poll_sleeps", "status_read", "submit_ahead",
+           "take_relayed"]  # fmt: skip
 
 MIN_SLEEP_S, MAX_SLEEP_S = 2e-4, 5e-3  # a waiting reader's sleeps between its relay's status reads
 
@@ -123,9 +125,14 @@ async def _verified(res: Resources, attempt: Attempt, work: Work, up: Upstream, 
             up.fail(f"no progress within relay_wait_s={res.limits.relay_wait_s} s")
             return None
         await anyio.sleep(next(sleeps))
-    waited = anyio.current_time() - since
-    up.pace = waited if not up.pace else (up.pace + waited) / 2
+    up.pace = averaged(up.pace, anyio.current_time() - since)
     return ready
+
+
+def averaged(pace: float, waited: float) -> float:
+    """A reader's pace for its relay after a wait of ``waited`` s: the mean of the last pace and the wait (the
+    wait itself while none is known)."""
+    return waited if not pace else (pace + waited) / 2
 
 
 def poll_sleeps(pace: float) -> Iterator[float]:
@@ -187,10 +194,15 @@ def _reads(res: Resources, attempt: Attempt, work: Work, ready: list[RelayPiece]
     return reads, (attempt.plan.serial, "relayed", *where, pieces)
 
 
+def status_read(agent: str, region: int, probe: torch.Tensor) -> list[Read]:
+    """The one read of a relay's status words (region ``region`` of ``agent``) into ``probe``."""
+    return [Read(agent, region, 0, probe.numel() * 8, as_bytes(probe))]
+
+
 async def _status(res: Resources, attempt: Attempt, work: Work, up: Upstream) -> bool:
     """Read the relay's status into its probe: whether its storage still holds or receives this version."""
     if not up.status_reads:  # one list object, read again and again: a transport replays what it prepared
-        up.status_reads = [Read(up.offer.source.agent, up.offer.status, 0, up.probe.numel() * 8, as_bytes(up.probe))]
+        up.status_reads = status_read(up.offer.source.agent, up.offer.status, up.probe)
     key = ("relay-status", up.offer.source.agent, up.offer.status)
     await read(res, attempt, work, up.status_reads, key, count=False)
     return int(up.probe[0]) == attempt.version
