@@ -64,6 +64,11 @@ class Registries:
         child = self.live[slot]
         assert child is not None
         await child.kill()
+        self._vacate(slot)
+
+    def _vacate(self, slot: int) -> None:
+        """``slot``'s replica is gone for good (``refill`` starts another there); slot 0's ends the fds and RSS
+        followed."""
         self.live[slot] = None
         self._measured = self._measured and slot != 0
 
@@ -74,8 +79,7 @@ class Registries:
         for slot, child in enumerate(self.live):
             if child is not None and (how := child.crashed()) is not None:
                 out.append(how)
-                self.live[slot] = None
-                self._measured = self._measured and slot != 0
+                self._vacate(slot)
         return out
 
     async def refill(self, tg: TaskGroup) -> None:
