@@ -32,7 +32,7 @@ from refitflow.transports._nixl_descs import Described
 from refitflow.transports._nixl_state import CacheKey, _Prepared
 from refitflow.transports.base import Read
 
-__all__ = ["PreparedReads", "ended", "group_of", "release", "submitted"]
+__all__ = ["PreparedReads", "announce", "ended", "group_of", "release", "submitted"]
 
 VARIANTS = 2  # prepared variants kept per key: shadow mode alternates between two landing storages
 PEERS = 2  # peer sets whose preparations a key keeps: a relay reader's relay now and its last one
@@ -222,6 +222,15 @@ def release(prepared: _Prepared) -> None:
                 h.release()
         except TransportError:
             pass  # e.g. a transfer to a dead peer that cannot be cancelled: nothing more to do
+
+
+def announce(batch: list[tuple[_Prepared, str]]) -> None:
+    """Tell each agent's peers in ``batch`` (transfers and the peer each reads) that a read is coming."""
+    peers: dict[int, tuple[LockedAgent, set[str]]] = {}
+    for p, peer in batch:
+        peers.setdefault(id(p.nx), (p.nx, set()))[1].add(peer)
+    for nx, each in peers.values():
+        nx.announce(each)
 
 
 def submitted(prepared: _Prepared) -> None:

@@ -50,7 +50,7 @@ from refitflow.transports._nixl_descs import (
 )
 from refitflow.transports._nixl_peers import Peers
 from refitflow.transports._nixl_poster import Poster
-from refitflow.transports._nixl_prepared import PreparedReads, release
+from refitflow.transports._nixl_prepared import PreparedReads, announce, release
 from refitflow.transports._nixl_state import CacheKey, _Local, _Prepared
 from refitflow.transports._nixl_transfer import Posted
 from refitflow.transports.base import Read, Transport
@@ -234,7 +234,7 @@ class NixlTransport(Transport):
         self._check_open()
         state = self._peers.state()
         if key is not None and not self._peers.flights.dropping() and (found := self._reads.batch(key, reads, state)):
-            self._announce(found[0])  # a replay: the very transfers prepared last time, none released since
+            announce(found[0])  # a replay: the very transfers prepared last time, none released since
             return found
         t0 = time.perf_counter()
         while self._index is None:  # thousands of registrations take milliseconds to sort: off the loop
@@ -263,22 +263,13 @@ class NixlTransport(Transport):
             self.prep_seconds += time.perf_counter() - t0
             if key is not None:  # other peers this key was read from: the least recent let go
                 self._reads.read_from(key, frozenset(peer for _, peer in batch))
-            self._announce(batch)
+            announce(batch)
         except BaseException:
             self._ended(batch, ckeys, failed=True)
             raise
         if key is not None and state == self._peers.state():  # no peer reconnected meanwhile
             self._reads.remember_batch(key, reads, state, (batch, ckeys))
         return batch, ckeys
-
-    def _announce(self, batch: list[tuple[_Prepared, str]]) -> None:
-        """Tell each agent's peers in ``batch`` that a read is coming."""
-        announced: dict[int, set[str]] = {}
-        for p, peer in batch:
-            announced.setdefault(id(p.nx), set()).add(peer)
-        for nx in self._agents:
-            if announced.get(id(nx)):
-                nx.announce(announced[id(nx)])
 
     async def _describe(
         self, reads: Sequence[Read], key: Hashable | None, state: tuple[tuple[str, int], ...]
